@@ -1,0 +1,1 @@
+"""Hydra config groups of lightning_accel, shipped as package data (see config/locate.py)."""

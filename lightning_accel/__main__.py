@@ -1,0 +1,7 @@
+"""``python -m lightning_accel`` is the ``lightning-accel`` command."""
+
+import sys
+
+from lightning_accel.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""Registration of our strategy names with Lightning's StrategyRegistry.
+
+Lightning resolves ``Trainer(strategy="name")`` through a process-wide registry. We add
+our names when ``lightning_accel`` is imported; importing twice (or reloading the module,
+as pytest and notebooks do) must not raise, so a name already bound to the same class is
+left alone, and only a *different* class under one of our names is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+# (name, class, description) for each strategy this package provides; the technique
+# issues add their strategies here.
+STRATEGIES: list[tuple[str, type, str]] = []
+
+
+def register(registry: Any, name: str, strategy_cls: type, description: str, **init_params: Any) -> None:
+    """Bind ``name`` to ``strategy_cls`` in ``registry``, idempotently."""
+    if name in registry:
+        existing = registry[name]["strategy"]
+        if existing is strategy_cls or getattr(existing, "__qualname__", None) == strategy_cls.__qualname__:
+            return
+        raise ValueError(
+            f"strategy name {name!r} is already registered to {existing.__module__}.{existing.__qualname__}; "
+            f"lightning_accel wants it for {strategy_cls.__module__}.{strategy_cls.__qualname__}. "
+            "HINT: remove the other registration or import lightning_accel first."
+        )
+    registry.register(name, strategy_cls, description=description, **init_params)
+
+
+def register_all(registry: Any = StrategyRegistry) -> list[str]:
+    """Register every strategy in :data:`STRATEGIES`; returns the names."""
+    for name, strategy_cls, description in STRATEGIES:
+        register(registry, name, strategy_cls, description)
+    return [name for name, _, _ in STRATEGIES]

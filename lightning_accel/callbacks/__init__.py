@@ -1,0 +1,7 @@
+"""Lightning callbacks: thin adapters over the mechanisms in ``lightning_accel.prefetch``."""
+
+from lightning_accel.callbacks.data_wait_monitor import DataWaitMonitor
+from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher
+from lightning_accel.callbacks.prefetch_tuner import PrefetchTuner
+
+__all__ = ["DataWaitMonitor", "DevicePrefetcher", "PrefetchTuner"]

@@ -1,0 +1,32 @@
+"""Swapping the train loader of a running ``Trainer`` at ``on_train_start``.
+
+By ``on_train_start`` Lightning 2.6 has processed the train loader (distributed sampler
+injected, limits computed) and already called ``iter()`` on it in
+``FitLoop.setup_data``. Replacing the entry in ``fit_loop._combined_loader.flattened``
+and calling ``iter()`` on the data fetcher again makes the first epoch, and every later
+one, draw from the replacement; no batch has been consumed yet, so nothing is lost. The
+length is unchanged, so the limits Lightning computed stay valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+
+
+def swap_train_loader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> str | None:
+    """Replace the single train loader ``L`` with ``wrap(L)``; returns why not, or ``None`` on success."""
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    if combined is None or fit_loop._data_fetcher is None:
+        return "no train loader is set up"
+    if fit_loop.epoch_loop.batch_progress.current.ready:
+        return "fit resumed part-way through an epoch"
+    loaders = list(combined.flattened)
+    if len(loaders) != 1:
+        return f"{len(loaders)} train loaders; only a single train loader is supported"
+    combined.flattened = [wrap(loaders[0])]
+    iter(fit_loop._data_fetcher)  # re-create the epoch iterator over the replacement
+    return None

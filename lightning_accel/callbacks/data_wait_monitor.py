@@ -1,0 +1,82 @@
+"""DataWaitMonitor: how long the training loop waits for each batch, and the verdict.
+
+A step that waits for data leaves the accelerator idle; the share of wall time spent
+waiting says whether a run is data-bound (worth tuning the loader) or compute-bound
+(loader tuning cannot help). The numbers go to whatever logger the Trainer has and to
+the progress bar; at the end one line gives the verdict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
+
+
+class DataWaitMonitor(Callback):
+    """Logs ``data_wait_ms``, ``data_wait_fraction`` and ``batches_per_s`` each step.
+
+    Args:
+        data_bound_fraction: share of time spent waiting above which the verdict is data-bound.
+        prog_bar: also show the numbers in the progress bar.
+    """
+
+    def __init__(self, data_bound_fraction: float = 0.1, prog_bar: bool = True) -> None:
+        if not 0 < data_bound_fraction < 1:
+            raise ValueError(
+                f"data_bound_fraction={data_bound_fraction!r} must lie strictly between 0 and 1; pass e.g. 0.1 "
+                "(data-bound when over 10% of the time is spent waiting)"
+            )
+        self.data_bound_fraction = data_bound_fraction
+        self.prog_bar = prog_bar
+        self.meter = WaitMeter()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.meter.start()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.meter.batch_arrived()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.meter.step_ended()
+        if not self.meter.steps:
+            return
+        wait, step = self.meter.waits[len(self.meter.steps) - 1], self.meter.steps[-1]
+        total = wait + step
+        pl_module.log("data_wait_ms", 1000.0 * wait, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        pl_module.log("data_wait_fraction", wait / total if total else 0.0, prog_bar=self.prog_bar, on_step=True, on_epoch=False)
+        pl_module.log("batches_per_s", 1.0 / total if total else 0.0, on_step=True, on_epoch=False)
+
+    def stats(self) -> WaitStats:
+        """Means over every step measured so far (the first step, with the loader's start-up, included)."""
+        return self.meter.stats()
+
+    def verdict(self) -> str:
+        s = self.stats()
+        if not s.steps:
+            return "DataWaitMonitor: no training steps measured"
+        numbers = (
+            f"mean wait {1000 * s.wait_s:.1f} ms vs step {1000 * s.step_s:.1f} ms over {s.steps} steps, "
+            f"{s.throughput:.2f} batches/s"
+        )
+        if s.wait_fraction > self.data_bound_fraction:
+            gain = (s.wait_s + s.step_s) / s.step_s if s.step_s else float("inf")
+            return (
+                f"DataWaitMonitor: data-bound, {100 * s.wait_fraction:.0f}% of the time waiting for batches ({numbers}); "
+                f"a loader that keeps up would be up to {gain:.1f}x faster: try PrefetchTuner"
+            )
+        return f"DataWaitMonitor: compute-bound, {100 * s.wait_fraction:.0f}% of the time waiting for batches ({numbers})"
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(self.verdict())

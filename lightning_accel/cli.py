@@ -1,0 +1,178 @@
+"""The ``lightning-accel`` command: run, ls, cp, validate and bench recipes.
+
+With no arguments it runs the embedded default recipe. ``run`` hands the recipe and the
+overrides to Hydra unchanged, so everything a Hydra user knows works (``-m`` multirun,
+sweepers, launchers, ``--cfg job``); before that it composes the recipe once and checks
+it (targets, values, hardware, data files), so bad input ends in one line and a non-zero
+exit before Hydra makes a run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+DEFAULT_RECIPE = "gpt-tiny_cpu"
+EXIT_USAGE = 2
+
+
+def _fail(message: str) -> int:
+    print(f"lightning-accel: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _is_sweep(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(override).is_sweep_override()
+    except Exception:
+        return False
+
+
+def cmd_run(recipe: str, args: Sequence[str]) -> int:
+    import hydra
+
+    from lightning_accel.config.compose import compose_recipe, resolve_recipe, searchpath_override
+    from lightning_accel.config.validate import check_launchable, validate
+    from lightning_accel.runner import task
+
+    hydra_flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    if any(f in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve") for f in hydra_flags):
+        check = False  # Hydra's inspection flags: let Hydra answer, nothing runs
+    else:
+        check = True
+    path = resolve_recipe(recipe)
+    if check:
+        # Sweep overrides (a=1,2) cannot be composed as one config: check the rest.
+        cfg = compose_recipe(path, [o for o in overrides if not _is_sweep(o)])
+        validate(cfg)
+        check_launchable(cfg, recipe)
+    sys.argv = ["lightning-accel", *args, searchpath_override()]
+    app = hydra.main(version_base="1.3", config_path=str(path.parent), config_name=path.stem)(task)
+    app()
+    return 0
+
+
+def cmd_ls() -> int:
+    from lightning_accel.config.compose import compose_recipe, recipe_names
+
+    rows = [("recipe", "model", "accelerator", "techniques", "purpose")]
+    for name in recipe_names():
+        cfg = compose_recipe(name, with_hydra=True)
+        choices = cfg.hydra.runtime.choices
+        net = cfg.model.get("net") or {}
+        model = f"{choices.get('model')}:{net.get('preset', '')}".rstrip(":")
+        accel = f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
+        techniques = ",".join(cfg.recipe.techniques) or "-"
+        rows.append((name, model, accel, techniques, str(cfg.recipe.purpose)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+    return 0
+
+
+def cmd_cp(recipe: str, dest: str) -> int:
+    from lightning_accel.config.compose import resolve_recipe
+    from lightning_accel.config.errors import UserError
+
+    source = resolve_recipe(recipe)
+    target = os.path.join(dest, source.name) if os.path.isdir(dest) else dest
+    if not target.endswith((".yaml", ".yml")):
+        raise UserError(f"destination '{dest}' must be a directory or a .yaml file; e.g. lightning-accel cp {recipe} my_{recipe}.yaml")
+    if os.path.exists(target):
+        raise UserError(f"'{target}' already exists; choose another destination or remove it first")
+    shutil.copyfile(source, target)
+    print(f"copied {recipe} to {target}; run it with: lightning-accel run {target}")
+    return 0
+
+
+def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
+    from lightning_accel.config.compose import compose_recipe
+    from lightning_accel.config.validate import validate
+
+    for name in recipes:
+        cfg = compose_recipe(name, overrides)
+        targets = validate(cfg)
+        print(f"ok  {name}  ({len(targets)} targets bound)")
+    return 0
+
+
+def cmd_bench(name: str | None, args: Sequence[str]) -> int:
+    from lightning_accel.bench import load_benchmarks, run_benchmark
+
+    if name is None:
+        benchmarks = load_benchmarks()
+        for bench_name, (purpose, _) in sorted(benchmarks.items()):
+            print(f"{bench_name:<12} {purpose}")
+        if not benchmarks:
+            print("no benchmarks are installed yet")
+        return 0
+    return run_benchmark(name, list(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-accel",
+        description="Run, list, copy, validate and benchmark lightning_accel recipes. "
+        f"With no arguments, runs the default recipe ({DEFAULT_RECIPE}).",
+    )
+    sub = parser.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run a recipe with Hydra overrides (-m for multirun)")
+    run.add_argument("recipe", help="recipe name (see `ls`) or path to a recipe YAML")
+    run.add_argument("overrides", nargs=argparse.REMAINDER, help="Hydra overrides, e.g. trainer.max_steps=50")
+    sub.add_parser("ls", help="list the recipes")
+    cp = sub.add_parser("cp", help="copy a recipe to edit it")
+    cp.add_argument("recipe")
+    cp.add_argument("dest")
+    val = sub.add_parser("validate", help="compose recipes and check every _target_ without training")
+    val.add_argument("recipe", nargs="?", help="recipe name or path")
+    val.add_argument("--all", action="store_true", help="validate every shipped recipe")
+    val.add_argument("overrides", nargs="*", help="Hydra overrides to validate with")
+    bench = sub.add_parser("bench", help="run a benchmark and print its table")
+    bench.add_argument("name", nargs="?")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
+        argv = ["run", DEFAULT_RECIPE]
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+
+    from lightning_accel.config.errors import explain
+
+    try:
+        if ns.command == "run":
+            return cmd_run(ns.recipe, ns.overrides)
+        if ns.command == "ls":
+            return cmd_ls()
+        if ns.command == "cp":
+            return cmd_cp(ns.recipe, ns.dest)
+        if ns.command == "validate":
+            from lightning_accel.config.compose import recipe_names
+
+            if ns.all == (ns.recipe is not None):
+                return _fail("validate takes one recipe or --all; e.g. lightning-accel validate --all")
+            return cmd_validate(recipe_names() if ns.all else [ns.recipe], ns.overrides)
+        return cmd_bench(ns.name, ns.args)
+    except Exception as err:  # bad input becomes one line; anything else keeps its traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        line = explain(err)
+        if line is None:
+            raise
+        return _fail(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

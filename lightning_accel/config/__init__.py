@@ -1,0 +1,1 @@
+"""Hydra plumbing: where the configs live, their schemas, recipe catalog and validation."""

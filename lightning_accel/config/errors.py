@@ -1,0 +1,80 @@
+"""One-line messages for bad input: the value, what is allowed, and the fix.
+
+Hydra and OmegaConf report composition problems as multi-line exceptions with a
+traceback. A user who typed ``model=gtp`` needs one line that names the value, the close
+matches and what to type instead; :func:`explain` turns the known exception types into
+that line, and :class:`UserError` carries our own checks' messages.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+
+_KEY_ERRORS = (ConfigKeyError, ConfigAttributeError)
+_KINDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+class UserError(Exception):
+    """Bad input a user can fix: printed as one line, exit status 2, no traceback."""
+
+
+def close_matches(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the nearest choices, or an empty string."""
+    matches = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(repr(m) for m in matches)}?)" if matches else ""
+
+
+def _explain_missing_config(err: MissingConfigException) -> str | None:
+    missing = err.missing_cfg_file or ""
+    if "/" not in missing or not err.options:
+        return None
+    group, option = missing.rsplit("/", 1)
+    options = sorted(o for o in err.options if o not in ("base", "by_name"))
+    return (
+        f"unknown {group} option {option!r}{close_matches(option, options)}; "
+        f"choose one of: {', '.join(options)} (e.g. {group}={options[0]})"
+    )
+
+
+def _explain_omegaconf(err: Exception) -> str | None:
+    full_key = getattr(err, "full_key", None) or ""
+    if isinstance(err, _KEY_ERRORS):
+        key = str(getattr(err, "key", "") or full_key.rsplit(".", 1)[-1])
+        parent = getattr(err, "parent_node", None)
+        known = [str(k) for k in parent.keys()] if parent is not None and hasattr(parent, "keys") else []
+        where = full_key.rsplit(".", 1)[0] if "." in full_key else "the config"
+        return (
+            f"unknown key {full_key or key!r} in {where}{close_matches(key, known)}; "
+            f"check the spelling, or add a new key with +{full_key or key}=VALUE"
+        )
+    if isinstance(err, ValidationError):
+        value = getattr(err, "msg", str(err)).split("\n")[0]
+        wanted = next((v for k, v in _KINDS.items() if value.rstrip().endswith(k)), "a value of the right type")
+        return f"{full_key}: {value}; pass {wanted}, e.g. {full_key}=<value>"
+    if isinstance(err, MissingMandatoryValue):
+        return f"{full_key} is required and has no value; set it on the command line: {full_key}=VALUE"
+    return None
+
+
+def explain(err: BaseException) -> str | None:
+    """The one-line explanation of a composition error, or None for unknown errors."""
+    if isinstance(err, UserError):
+        return str(err)
+    if isinstance(err, MissingConfigException):
+        return _explain_missing_config(err)
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse override: {str(err).splitlines()[0]}; overrides look like key=value or group=option"
+    if isinstance(err, (*_KEY_ERRORS, ValidationError, MissingMandatoryValue)):
+        return _explain_omegaconf(err)
+    if isinstance(err, ConfigCompositionException):
+        cause = err.__cause__ or err.__context__
+        if cause is not None and (line := explain(cause)) is not None:
+            return line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{first} (rerun with HYDRA_FULL_ERROR=1 for the traceback)"
+    cause = err.__cause__ or err.__context__
+    return explain(cause) if cause is not None else None

@@ -1,0 +1,1 @@
+"""Lightning plugins: precision plugins and checkpoint IO."""

@@ -1,0 +1,46 @@
+"""Checkpoints written whole or not at all.
+
+Lightning's ``TorchCheckpointIO`` opens the destination and writes into it, so a crash,
+a kill or a full disk in the middle leaves a truncated file where a good checkpoint (say
+``last.ckpt``) used to be. We write to a temporary file in the same directory, flush it
+to disk, and ``os.replace`` it over the destination: readers see the old file or the new
+one, never half of one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` that saves through a temporary file and an atomic rename."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"AtomicCheckpointIO does not take storage_options (got {storage_options!r}); "
+                "HINT: use a CheckpointIO plugin that supports them."
+            )
+        if "://" in str(path):  # remote filesystems: no atomic rename to rely on
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

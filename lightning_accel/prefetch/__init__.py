@@ -1,0 +1,32 @@
+"""Keeping the accelerator fed: wait measurement, loader-settings search, loader rebuild, device copy.
+
+Pure mechanism (no Lightning import); the callbacks in ``lightning_accel.callbacks``
+wire it into a ``Trainer``.
+"""
+
+from lightning_accel.prefetch.device_copy import CudaPrefetchIterable
+from lightning_accel.prefetch.loader_rebuild import RebuildError, check_rebuildable, rebuild_loader, settings_of
+from lightning_accel.prefetch.probe import Probe, batch_nbytes, measure_loader
+from lightning_accel.prefetch.search import Budget, PrefetchSearch, Trial, default_budget
+from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.tunable_loader import TunableLoader
+from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
+
+__all__ = [
+    "Budget",
+    "CudaPrefetchIterable",
+    "LoaderSettings",
+    "PrefetchSearch",
+    "Probe",
+    "RebuildError",
+    "Trial",
+    "TunableLoader",
+    "WaitMeter",
+    "WaitStats",
+    "batch_nbytes",
+    "check_rebuildable",
+    "default_budget",
+    "measure_loader",
+    "rebuild_loader",
+    "settings_of",
+]

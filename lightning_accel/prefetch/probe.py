@@ -1,0 +1,81 @@
+"""Measuring how fast a loader delivers batches on its own (no training step in between).
+
+Pulling batches back to back, the time between the first and the last of ``n``
+batches over ``n - 1`` is the loader's sustained interval. The first batch is excluded
+because it carries the worker start-up; ``n`` spans at least two rounds of every worker,
+so a burst of batches that were buffered during start-up does not pass for throughput.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_accel.prefetch.loader_rebuild import is_iterable, more_workers_than_cores, rebuild_loader
+from lightning_accel.prefetch.settings import LoaderSettings
+
+
+@dataclass
+class Probe:
+    interval_s: float  # sustained seconds per batch
+    batches: int  # batches pulled
+    elapsed_s: float  # wall time the probe cost, start-up included
+    batch_bytes: int  # bytes of tensors in the first batch
+
+
+def batch_nbytes(batch: Any) -> int:
+    """Bytes held by the tensors in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.nelement() * batch.element_size()
+    if isinstance(batch, dict):
+        return sum(batch_nbytes(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(batch_nbytes(v) for v in batch)
+    return 0
+
+
+def probe_batches(settings: LoaderSettings, min_batches: int = 4) -> int:
+    return max(min_batches, 2 * settings.num_workers + 2)
+
+
+def _probe_plan(loader: DataLoader, n: int) -> list:
+    """The first ``n`` batches (or indices) of the dataset in order: the user's sampler is not advanced."""
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    if loader.batch_sampler is None:
+        return [i % size for i in range(n)]
+    bs = loader.batch_sampler.batch_size  # type: ignore[attr-defined]
+    return [[(k * bs + j) % size for j in range(bs)] for k in range(n)]
+
+
+def measure_loader(
+    loader: DataLoader, settings: LoaderSettings, min_batches: int = 4, clock: Callable[[], float] = time.perf_counter
+) -> Probe:
+    """Build ``loader`` with ``settings``, pull enough batches back to back, shut it down."""
+    n = probe_batches(settings, min_batches)
+    plan = None if is_iterable(loader) else _probe_plan(loader, n)
+    candidate = rebuild_loader(loader, settings, plan)
+    start = clock()
+    with more_workers_than_cores():
+        iterator = iter(candidate)
+    arrivals: list[float] = []
+    nbytes = 0
+    try:
+        for batch in itertools.islice(iterator, n):
+            arrivals.append(clock())
+            if not nbytes:
+                nbytes = batch_nbytes(batch)
+    finally:
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+    if len(arrivals) < 2:
+        interval = arrivals[0] - start if arrivals else float("inf")
+    else:
+        interval = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
+    return Probe(interval, len(arrivals), clock() - start, nbytes)

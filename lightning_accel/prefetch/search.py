@@ -1,0 +1,207 @@
+"""The search for loader settings: doubling ``num_workers``, then hill-climbing, within budgets.
+
+In the spirit of tf.data AUTOTUNE: a candidate is judged by the measured time between
+batches its loader delivers (``interval_s``), against the time a training step takes
+(``step_s``). Since the loader runs ahead of the step, the wait it leaves is about
+``max(0, interval_s - step_s)``. The search doubles ``num_workers`` while that wait
+shrinks, then tries the midpoint between the best and the first worse count, then a
+deeper ``prefetch_factor``; it stops as soon as the predicted wait is negligible or the
+gains flatten. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
+measurement: pinning only helps a CUDA copy, and persistence only saves the worker
+start-up at each epoch boundary. The object is pure: it never touches a loader or a
+clock, so the policy is tested against a simulated loader with a known optimum.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from lightning_accel.prefetch.settings import LoaderSettings
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-rank limits: worker processes, and bytes of batches buffered at once."""
+
+    max_workers: int
+    memory_bytes: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_workers, bool) or not isinstance(self.max_workers, int) or self.max_workers <= 0:
+            raise ValueError(
+                f"max_workers={self.max_workers!r} must be a positive integer; pass max_workers=None to use "
+                "4 x the cores per rank, or a count >= 1"
+            )
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise ValueError(
+                f"memory_budget_bytes={self.memory_bytes!r} must be a positive integer; pass memory_budget_bytes=None "
+                "to use half the free RAM/shared memory per rank, or a byte count such as 2_000_000_000"
+            )
+
+    def allows(self, settings: LoaderSettings, batch_bytes: int) -> bool:
+        return settings.num_workers <= self.max_workers and settings.buffered_batches * batch_bytes <= self.memory_bytes
+
+
+@dataclass
+class Trial:
+    settings: LoaderSettings
+    interval_s: float  # measured seconds between batches, loader alone
+    wait_s: float  # predicted wait per step: max(0, interval_s - step_s)
+
+
+@dataclass
+class PrefetchSearch:
+    """Proposes the next settings to measure from the measurements so far; ``None`` means done.
+
+    ``negligible`` is the predicted wait, as a fraction of the step time, below which
+    the search stops; ``min_gain`` the relative reduction of the interval that counts
+    as progress (less means the gains have flattened).
+    """
+
+    start: LoaderSettings
+    step_s: float
+    batch_bytes: int
+    budget: Budget
+    cuda: bool = False
+    negligible: float = 0.05
+    min_gain: float = 0.1
+    max_trials: int = 12
+    trials: list[Trial] = field(default_factory=list)
+    _queue: list[LoaderSettings] = field(default_factory=list)
+    _phase: str = "start"
+
+    def _settings(self, workers: int, prefetch: int | None = None) -> LoaderSettings:
+        return LoaderSettings(
+            num_workers=workers,
+            prefetch_factor=(prefetch or self.start.prefetch_factor or 2) if workers else None,
+            pin_memory=self.cuda,
+            persistent_workers=workers > 0,
+        )
+
+    def record(self, settings: LoaderSettings, interval_s: float) -> Trial:
+        trial = Trial(settings, interval_s, max(0.0, interval_s - self.step_s))
+        self.trials.append(trial)
+        return trial
+
+    @property
+    def best(self) -> Trial | None:
+        """Least predicted wait; among near-ties (within ``negligible`` of a step) the fewest workers."""
+        if not self.trials:
+            return None
+        least = min(t.wait_s for t in self.trials)
+        close = [t for t in self.trials if t.wait_s <= least + self.negligible * self.step_s]
+        return min(close, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s))
+
+    def _done(self) -> bool:
+        best = self.best
+        return best is not None and best.wait_s <= self.negligible * self.step_s
+
+    def _tried(self, settings: LoaderSettings) -> bool:
+        return any(t.settings == settings for t in self.trials)
+
+    def _fits(self, settings: LoaderSettings) -> bool:
+        return self.budget.allows(settings, self.batch_bytes)
+
+    def propose(self) -> LoaderSettings | None:
+        if len(self.trials) >= self.max_trials:
+            return None
+        if not self.trials:
+            return self.start  # the baseline is always measured the same way as the candidates
+        if self._done():
+            return None
+        if self._phase == "start":
+            self._phase = "double"
+            first = self._settings(max(1, self.start.num_workers))
+            if first != self.start and self._fits(first):
+                return first
+        if self._phase == "double":
+            proposal = self._next_double()
+            if proposal is not None:
+                return proposal
+            self._phase = "climb"
+            self._queue = self._climb_candidates()
+        while self._queue:
+            candidate = self._queue.pop(0)
+            if not self._tried(candidate) and self._fits(candidate):
+                return candidate
+        if self._phase == "climb":
+            self._phase = "prefetch"
+            best = self.best
+            assert best is not None
+            if best.settings.num_workers:
+                deeper = self._settings(best.settings.num_workers, 2 * (best.settings.prefetch_factor or 2))
+                if not self._tried(deeper) and self._fits(deeper):
+                    return deeper
+        return None
+
+    def _worker_trials(self) -> list[Trial]:
+        return [t for t in self.trials if t.settings.num_workers > 0]
+
+    def _next_double(self) -> LoaderSettings | None:
+        workers = self._worker_trials()
+        if not workers:
+            return None
+        last = workers[-1]
+        if len(workers) >= 2:
+            previous = workers[-2]
+            if last.interval_s > (1 - self.min_gain) * previous.interval_s:
+                return None  # the last doubling did not pay: gains flattened
+        candidate = self._settings(2 * last.settings.num_workers)
+        return candidate if self._fits(candidate) and not self._tried(candidate) else None
+
+    def _climb_candidates(self) -> list[LoaderSettings]:
+        best = self.best
+        if best is None or best.settings.num_workers < 2:
+            return []
+        w = best.settings.num_workers
+        # Neighbours halfway to the counts already measured on either side of the best.
+        measured = sorted({t.settings.num_workers for t in self._worker_trials()})
+        above = [m for m in measured if m > w]
+        below = [m for m in measured if m < w]
+        out = []
+        if above:
+            out.append(self._settings((w + above[0]) // 2))
+        else:
+            nxt = w + max(1, w // 2)
+            out.append(self._settings(nxt))  # doubling stopped on the budget: try what still fits
+        if below:
+            out.append(self._settings(math.ceil((w + below[-1]) / 2)))
+        return [s for s in out if s.num_workers != w]
+
+
+
+def _available_memory_bytes() -> int:
+    """Free RAM (``MemAvailable``), and free ``/dev/shm`` where it exists: workers hand batches over through it."""
+    free = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        st = os.statvfs("/dev/shm")
+        free.append(st.f_bavail * st.f_frsize)
+    except OSError:
+        pass
+    return min(free) if free else 4 << 30
+
+
+def default_budget(
+    max_workers: int | None = None, memory_bytes: int | None = None, local_world_size: int = 1
+) -> Budget:
+    """The per-rank budget: given values are checked, missing ones computed.
+
+    Workers that mostly wait on I/O cost little CPU, so the worker cap is 4 x the
+    cores, not the core count; the memory cap is half of what is free. Both are
+    split between the ranks on this machine.
+    """
+    ranks = max(1, local_world_size)
+    if max_workers is None:
+        max_workers = max(1, 4 * (os.cpu_count() or 1) // ranks)
+    if memory_bytes is None:
+        memory_bytes = max(1, _available_memory_bytes() // (2 * ranks))
+    return Budget(max_workers, memory_bytes)

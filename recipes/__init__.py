@@ -1,0 +1,1 @@
+"""Ready recipes of lightning_accel, one YAML per model x accelerator x technique."""

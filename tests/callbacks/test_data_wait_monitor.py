@@ -1,0 +1,41 @@
+"""DataWaitMonitor's numbers against an independent timer inside the dataset."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from torch.utils.data import DataLoader
+
+from lightning_accel.callbacks import DataWaitMonitor
+
+
+def test_wait_matches_the_time_spent_fetching(caplog, sleepy, recorder, make_trainer):
+    data = sleepy(12, latency_s=0.03)
+    monitor = DataWaitMonitor()
+    with caplog.at_level(logging.INFO):
+        make_trainer([monitor]).fit(recorder(), DataLoader(data, batch_size=1))
+    stats = monitor.stats()
+    assert stats.steps == 12
+    # num_workers=0: the loop waits exactly while the dataset works, plus a little collation.
+    fetched = sum(data.spent) / len(data.spent)
+    assert fetched * 0.8 < stats.wait_s < fetched * 1.5 + 0.01
+    assert stats.wait_fraction > 0.5
+    verdict = [r.getMessage() for r in caplog.records if "DataWaitMonitor" in r.getMessage()]
+    assert len(verdict) == 1 and "data-bound" in verdict[0]
+
+
+def test_compute_bound_verdict_and_logged_metrics(sleepy, recorder, make_trainer):
+    monitor = DataWaitMonitor()
+    t = make_trainer([monitor])
+    t.fit(recorder(step_s=0.03), DataLoader(sleepy(8), batch_size=2))
+    stats = monitor.stats()
+    assert stats.step_s >= 0.03 and stats.wait_fraction < 0.1
+    assert "compute-bound" in monitor.verdict()
+    assert {"data_wait_ms", "data_wait_fraction", "batches_per_s"} <= set(t.callback_metrics)
+    assert t.callback_metrics["data_wait_ms"].item() == pytest.approx(1000 * monitor.meter.waits[-1], rel=1e-4)
+
+
+def test_bad_threshold_is_rejected(sleepy, recorder, make_trainer):
+    with pytest.raises(ValueError, match=r"data_bound_fraction=1.5 must lie strictly between 0 and 1"):
+        DataWaitMonitor(data_bound_fraction=1.5)

@@ -1,0 +1,45 @@
+"""Shared fixtures: a seed, and a cache/output location that never touches $HOME."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One corpus cache for the whole session: the stdlib corpus is built once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Path) -> None:
+    monkeypatch.setenv("LIGHTNING_ACCEL_CACHE", str(cache_dir))
+    monkeypatch.setenv("LIGHTNING_ACCEL_OUTPUTS", str(tmp_path / "outputs"))
+
+
+@pytest.fixture
+def seed() -> int:
+    import lightning
+
+    lightning.seed_everything(1234, verbose=False)
+    return 1234
+
+
+@pytest.fixture
+def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """Environment for running the CLI in a subprocess."""
+    env = dict(os.environ)
+    env.update(
+        LIGHTNING_ACCEL_CACHE=str(cache_dir),
+        LIGHTNING_ACCEL_OUTPUTS=str(tmp_path / "outputs"),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+    )
+    env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+

@@ -1,0 +1,131 @@
+"""Rebuilding loaders with new worker settings: same samples, same order, clear refusals."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Subset
+
+from lightning_accel.data.synthetic import SyntheticStream
+from lightning_accel.prefetch import LoaderSettings, RebuildError, TunableLoader, check_rebuildable, rebuild_loader
+from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
+
+
+class Indices(Dataset):
+    """Item ``i`` is ``i``: what a loader served says exactly which samples it served."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+class Unpicklable(Indices):
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.hook = lambda x: x  # lambdas cannot be pickled
+
+
+class EvenBatches(BatchSampler):
+    """A custom batch sampler: nothing tells us how to re-create it."""
+
+
+def served(loader) -> list[int]:
+    return [int(i) for batch in loader for i in batch.reshape(-1)]
+
+
+def shuffled_loader(n: int = 40, **kwargs) -> DataLoader:
+    return DataLoader(Indices(n), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7), **kwargs)
+
+
+def test_rebuild_keeps_everything_but_the_settings():
+    loader = shuffled_loader(drop_last=True)
+    new = rebuild_loader(loader, LoaderSettings(2, 3, persistent_workers=True))
+    assert (new.num_workers, new.prefetch_factor, new.persistent_workers) == (2, 3, True)
+    assert new.batch_sampler is loader.batch_sampler and new.dataset is loader.dataset
+    assert new.collate_fn is loader.collate_fn and new.generator is loader.generator
+    # Same generator state, same shuffle: the rebuilt loader serves what the original would have.
+    reference = served(shuffled_loader(drop_last=True))
+    assert served(new) == reference
+
+
+def test_switch_mid_epoch_loses_and_repeats_nothing():
+    loader = TunableLoader(shuffled_loader())
+    reference = served(TunableLoader(shuffled_loader()))  # the same epoch without a switch
+    assert sorted(reference) == list(range(40))
+    seen = []
+    for k, batch in enumerate(loader):
+        seen += [int(i) for i in batch]
+        if k == 2:
+            loader.switch(LoaderSettings(2, 2, persistent_workers=True))  # old loader had batches in flight
+    assert loader.switches == 1 and loader.settings.num_workers == 2
+    assert seen == reference  # same order: nothing lost, nothing repeated, nothing reordered
+    # The next epoch draws a fresh order from the user's sampler, served by the new workers.
+    second = served(loader)
+    assert sorted(second) == list(range(40)) and second != seen
+    loader.close()
+
+
+def test_switch_with_batch_size_none_resumes_in_order():
+    base = DataLoader(Indices(12), batch_size=None, sampler=RandomSampler(range(12), generator=torch.Generator().manual_seed(3)))
+    reference = list(RandomSampler(range(12), generator=torch.Generator().manual_seed(3)))
+    loader = TunableLoader(base)
+    seen = []
+    for k, x in enumerate(loader):
+        seen.append(int(x))
+        if k == 4:
+            loader.switch(LoaderSettings(1))
+    assert seen == reference
+    loader.close()
+
+
+def test_iterable_dataset_shards_across_workers_and_switches_at_epoch_end():
+    stream = SyntheticStream(Subset(Indices(30), range(30)), chunk=3)
+    loader = TunableLoader(DataLoader(stream, batch_size=3))
+    first = []
+    for k, batch in enumerate(loader):
+        first += [int(i) for i in batch]
+        if k == 1:
+            loader.switch(LoaderSettings(3, 2))
+    assert sorted(first) == list(range(30)) and loader.settings.num_workers == 0  # still the old loader this epoch
+    second = served(loader)
+    assert loader.settings.num_workers == 3
+    assert sorted(second) == list(range(30))  # three workers, each sample exactly once
+    loader.close()
+
+
+def test_custom_batch_sampler_is_refused_in_one_line():
+    loader = DataLoader(Indices(8), batch_sampler=EvenBatches(range(8), batch_size=2, drop_last=False))
+    with pytest.raises(RebuildError, match=r"custom batch_sampler EvenBatches cannot be re-created; tune num_workers by hand"):
+        TunableLoader(loader)
+
+
+def test_dataset_that_cannot_be_pickled_for_spawned_workers_is_refused():
+    loader = DataLoader(Unpicklable(8), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(RebuildError, match=r"dataset Unpicklable cannot be pickled for 'spawn' workers .*keep num_workers=0"):
+        check_rebuildable(loader)
+    check_rebuildable(DataLoader(Unpicklable(8), batch_size=2), workers=False)  # fine without workers
+
+
+def test_dataset_that_cannot_be_pickled_is_fine_with_fork(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda *a, **k: "fork")
+    check_rebuildable(DataLoader(Unpicklable(8), batch_size=2))
+
+
+def test_probe_measures_a_known_latency():
+    class Slow(Indices):
+        def __getitem__(self, i):
+            import time
+
+            time.sleep(0.02)
+            return torch.zeros(10)
+
+    probe = measure_loader(DataLoader(Slow(100), batch_size=1), LoaderSettings(0), min_batches=6)
+    assert probe.batches == 6 and probe.batch_bytes == 40 == batch_nbytes(torch.zeros(1, 10))
+    assert 0.015 < probe.interval_s < 0.2  # 20 ms of sleep per batch; generous for a shared machine

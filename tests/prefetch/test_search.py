@@ -1,0 +1,102 @@
+"""The loader-settings search against simulated loaders whose best settings are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel.prefetch import Budget, LoaderSettings, PrefetchSearch, default_budget
+
+MB = 1 << 20
+
+
+def run(search: PrefetchSearch, interval) -> list[LoaderSettings]:
+    """Drive the search with a simulated loader; returns the settings it asked to measure."""
+    asked = []
+    while (s := search.propose()) is not None:
+        asked.append(s)
+        search.record(s, interval(s))
+    return asked
+
+
+def io_bound(latency: float, produce: float = 0.0):
+    # Workers overlap I/O perfectly: one batch per latency/workers; no workers pays it in line.
+    return lambda s: latency + produce if s.num_workers == 0 else max(latency / s.num_workers, produce)
+
+
+def brute_force_wait(interval, step: float, budget: Budget, batch_bytes: int) -> float:
+    candidates = [LoaderSettings(w, 2 if w else None) for w in range(0, budget.max_workers + 1)]
+    return min(max(0.0, interval(s) - step) for s in candidates if budget.allows(s, batch_bytes))
+
+
+def test_seed004_workload_reaches_zero_wait_by_doubling():
+    # 0.5 s of latency per batch, 0.1 s step: the wait vanishes from 5 workers on.
+    interval = io_bound(0.5)
+    search = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=48 * MB, budget=Budget(8, 10_000 * MB))
+    asked = run(search, interval)
+    assert [s.num_workers for s in asked] == [0, 1, 2, 4, 8]
+    assert search.best.wait_s == 0.0 == brute_force_wait(interval, 0.1, search.budget, 48 * MB)
+    assert search.best.settings == LoaderSettings(8, 2, pin_memory=False, persistent_workers=True)
+
+
+def test_worker_budget_is_respected_and_climbed_to():
+    interval = io_bound(0.5)
+    budget = Budget(max_workers=3, memory_bytes=10_000 * MB)
+    search = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=48 * MB, budget=budget)
+    asked = run(search, interval)
+    assert max(s.num_workers for s in asked) == 3  # doubling stops at 2, climbing finds 3
+    assert search.best.settings.num_workers == 3
+    assert search.best.wait_s == pytest.approx(brute_force_wait(interval, 0.1, budget, 48 * MB))
+
+
+def test_memory_budget_caps_workers_times_prefetch_times_batch():
+    interval = io_bound(0.5)
+    budget = Budget(max_workers=64, memory_bytes=5 * 48 * MB)  # room for 5 buffered batches: 2 workers x 2
+    search = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=48 * MB, budget=budget)
+    asked = run(search, interval)
+    assert all(s.buffered_batches * 48 * MB <= budget.memory_bytes for s in asked[1:])
+    assert search.best.settings.num_workers == 2
+
+
+def test_cpu_bound_loader_stops_when_gains_flatten():
+    # Decoding holds a core: 2 cores give at most 2x, more workers add nothing.
+    interval = lambda s: 0.4 / min(max(s.num_workers, 1), 2)  # noqa: E731
+    search = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=MB, budget=Budget(64, 10_000 * MB))
+    asked = run(search, interval)
+    assert max(s.num_workers for s in asked) <= 4  # 4 did not pay, so 8 is never tried
+    assert search.best.settings.num_workers == 2  # the fewest workers among equals
+
+
+def test_already_fast_loader_is_measured_once_and_kept():
+    search = PrefetchSearch(LoaderSettings(4, 2), step_s=0.1, batch_bytes=MB, budget=Budget(8, 10_000 * MB))
+    asked = run(search, lambda s: 0.01)
+    assert asked == [LoaderSettings(4, 2)]
+    assert search.best.settings == LoaderSettings(4, 2)
+
+
+def test_pin_memory_only_with_cuda():
+    for cuda in (False, True):
+        search = PrefetchSearch(LoaderSettings(), 0.1, MB, Budget(8, 10_000 * MB), cuda=cuda)
+        asked = run(search, io_bound(0.5))
+        assert all(s.pin_memory is cuda for s in asked[1:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_workers=0, memory_bytes=1), r"max_workers=0 must be a positive integer; pass max_workers=None"),
+        (dict(max_workers=-2, memory_bytes=1), r"max_workers=-2"),
+        (dict(max_workers=1, memory_bytes=0), r"memory_budget_bytes=0 must be a positive integer; pass memory_budget"),
+        (dict(max_workers=1, memory_bytes=-5), r"memory_budget_bytes=-5"),
+    ],
+)
+def test_bad_budgets_are_rejected_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        Budget(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_default_budget_splits_between_ranks():
+    one, four = default_budget(local_world_size=1), default_budget(local_world_size=4)
+    assert one.max_workers >= four.max_workers >= 1
+    assert four.memory_bytes <= one.memory_bytes // 3  # free memory may move a little in between
+    assert default_budget(max_workers=3, memory_bytes=7) == Budget(3, 7)

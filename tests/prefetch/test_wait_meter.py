@@ -1,0 +1,37 @@
+"""The wait meter's arithmetic on a simulated clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel.prefetch import WaitMeter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_waits_and_steps_from_a_simulated_loop():
+    clock = Clock()
+    meter = WaitMeter(clock=clock)
+    meter.start()
+    for wait, step in [(0.5, 0.1), (0.2, 0.1), (0.0, 0.3)]:
+        clock.t += wait
+        meter.batch_arrived()
+        clock.t += step
+        meter.step_ended()
+    assert meter.waits == pytest.approx([0.5, 0.2, 0.0])
+    assert meter.steps == pytest.approx([0.1, 0.1, 0.3])
+    stats = meter.stats(skip=1)
+    assert (stats.steps, stats.wait_s, stats.step_s) == (2, pytest.approx(0.1), pytest.approx(0.2))
+    assert stats.wait_fraction == pytest.approx(1 / 3)
+    assert meter.stats(last=1).wait_s == 0.0
+
+
+def test_empty_meter_reports_zero_steps():
+    stats = WaitMeter().stats()
+    assert stats.steps == 0 and stats.throughput == 0.0 and stats.wait_fraction == 0.0

@@ -1,0 +1,44 @@
+"""A built wheel carries conf/ and recipes/, and an installed copy finds and runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_installed_wheel_finds_configs_and_recipes(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = wheels.glob("lightning_accel-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "lightning_accel/conf/train.yaml" in names
+    assert "lightning_accel/conf/trainer/default.yaml" in names
+    assert "lightning_accel/recipes/gpt-tiny_cpu.yaml" in names
+
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    # Run from a directory with no checkout in it, importing only the installed copy.
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import lightning_accel.config.locate as l; print(l.conf_dir()); print(l.recipes_dir())"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+    )
+    conf, recipes = probe.stdout.split()
+    assert Path(conf) == site / "lightning_accel" / "conf"
+    assert Path(recipes) == site / "lightning_accel" / "recipes"
+    validated = subprocess.run([sys.executable, "-m", "lightning_accel", "validate", "--all"],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert validated.returncode == 0, validated.stderr
+    assert validated.stdout.count("ok  ") == len(list((site / "lightning_accel" / "recipes").glob("*.yaml")))

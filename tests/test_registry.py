@@ -1,0 +1,35 @@
+"""Importing lightning_accel registers strategy names, idempotently."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
+
+import lightning_accel
+from lightning_accel import _registry
+
+
+def test_import_twice_does_not_raise() -> None:
+    importlib.reload(_registry)
+    importlib.reload(lightning_accel)
+    for name, cls, _ in _registry.STRATEGIES:
+        assert StrategyRegistry[name]["strategy"] is cls
+
+
+def test_register_is_idempotent_and_refuses_a_clash() -> None:
+    registry = _StrategyRegistry()
+
+    class Mine(SingleDeviceStrategy):
+        pass
+
+    class Other(SingleDeviceStrategy):
+        pass
+
+    _registry.register(registry, "mine", Mine, "test")
+    _registry.register(registry, "mine", Mine, "test")  # second import: no error
+    assert registry["mine"]["strategy"] is Mine
+    with pytest.raises(ValueError, match=r"strategy name 'mine' is already registered to .*Mine.*HINT"):
+        _registry.register(registry, "mine", Other, "test")
