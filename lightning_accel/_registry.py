@@ -12,9 +12,12 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-# (name, class, description) for each strategy this package provides; the technique
-# issues add their strategies here.
-STRATEGIES: list[tuple[str, type, str]] = []
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+
+# (name, class, description) for each strategy this package provides.
+STRATEGIES: list[tuple[str, type, str]] = [
+    ("l2l_offload", L2LOffloadStrategy, "L2L CPU offload: blocks stream layer to layer from host memory"),
+]
 
 
 def register(registry: Any, name: str, strategy_cls: type, description: str, **init_params: Any) -> None:

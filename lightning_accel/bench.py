@@ -21,7 +21,9 @@ from lightning_accel.config.errors import UserError, close_matches
 BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 
 # Modules whose import registers benchmarks; imported on first use, not at CLI start-up.
-BENCHMARK_MODULES: tuple[str, ...] = ()
+BENCHMARK_MODULES: tuple[str, ...] = (
+    "lightning_accel.benchmarks.offload",
+)
 
 
 def load_benchmarks() -> dict[str, tuple[str, Callable[[list[str]], int]]]:

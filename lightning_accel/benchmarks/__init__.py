@@ -1,0 +1,1 @@
+"""Benchmarks registered with ``lightning-accel bench``; importing a module registers it."""

@@ -1,0 +1,155 @@
+"""``lightning-accel bench offload``: L2L offload against plain training, side by side.
+
+Every contender trains the same GPT on the same random tokens for the same steps in this
+process, one after another, and the table reports ratios against plain Lightning
+measured in the same run (absolute times on shared machines are noise).
+
+- On a CPU-only machine (device = host): step time of ``l2l_offload`` over plain
+  training, with and without block checkpointing. The target is at most 1.3x.
+- On a CUDA machine: for each GPT depth, tokens/s and peak device memory of plain
+  Lightning (bf16-mixed), Lightning's ``fsdp_cpu_offload`` and ``l2l_offload`` with
+  ``OffloadPrecision("bf16-mixed")``; plus the host-to-device bandwidth the offload
+  achieved against a plain pinned copy on the same machine. Sizes that do not fit
+  without offload are reported as "OOM".
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.bench import format_table, machine_line, register_benchmark
+from lightning_accel.models import GPT, LanguageModelTask
+from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+
+
+class _StepTimer(pl.Callback):
+    """Wall time of each training step after ``warmup`` steps (synchronising CUDA)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._sync()
+        if trainer.global_step > self.warmup:
+            self.times.append(time.perf_counter() - self._start)
+
+
+def _data(batch: int, seq: int, steps: int) -> DataLoader:
+    tokens = torch.randint(0, 256, (batch * steps, seq + 1), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
+
+
+def _measure(net_kwargs: dict[str, Any], strategy: Any, plugins: list[Any], precision: Any, accelerator: str,
+             batch: int, seq: int, steps: int, warmup: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = LanguageModelTask(GPT(**net_kwargs, block_size=seq))
+    timer = _StepTimer(warmup)
+    trainer = pl.Trainer(
+        accelerator=accelerator, devices=1, strategy=strategy, plugins=plugins, precision=precision,
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[timer],
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.fit(model, _data(batch, seq, steps))
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"step_s": float("nan"), "oom": True}
+    step_s = sorted(timer.times)[len(timer.times) // 2]  # median: robust to a noisy neighbour
+    result = {"step_s": step_s, "tokens_per_s": batch * seq / step_s, "oom": False,
+              "params": sum(p.numel() for p in model.parameters())}
+    if torch.cuda.is_available():
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    stats = getattr(trainer.strategy, "offload_stats", None)
+    if stats is not None:
+        result["stats"] = stats
+    return result
+
+
+def _pinned_bandwidth_gbs() -> float:
+    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return 10 * host.numel() / (time.perf_counter() - start) / 1e9
+
+
+def _cpu_table(args: argparse.Namespace) -> str:
+    net = {"preset": "small", "n_layer": args.layers}
+    run = dict(accelerator="cpu", batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup)
+    plain = _measure(net, "auto", [], "32-true", **run)
+    rows = [["plain Lightning", f"{plain['step_s']:.3f}", "1.00", "-"]]
+    for label, strategy in (
+        ("l2l_offload", L2LOffloadStrategy()),
+        ("l2l_offload, no checkpointing", L2LOffloadStrategy(checkpoint_blocks=False)),
+    ):
+        got = _measure(net, strategy, [], "32-true", **run)
+        rows.append([label, f"{got['step_s']:.3f}", f"{got['step_s'] / plain['step_s']:.2f}", str(got["stats"].peak_resident_blocks)])
+    header = ["contender", "step s (median)", "x plain", "peak blocks"]
+    title = f"GPT small x{args.layers} layers ({plain['params'] / 1e6:.1f}M params), batch {args.batch}x{args.seq}, CPU device; target <= 1.30x"
+    return title + "\n" + format_table(header, rows)
+
+
+def _cuda_table(args: argparse.Namespace) -> str:
+    bandwidth = _pinned_bandwidth_gbs()
+    rows = []
+    run = dict(accelerator="gpu", batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup)
+    for layers in args.gpu_layers:
+        net = {"preset": "gpt2-xl", "n_layer": layers}
+        plain = _measure(net, "auto", [], "bf16-mixed", **run)
+        fsdp = _measure(net, "fsdp_cpu_offload", [], "bf16-mixed", **run)
+        l2l = _measure(net, L2LOffloadStrategy(), [OffloadPrecision("bf16-mixed")], None, **run)
+        stats = l2l.get("stats")
+        achieved = stats.h2d_bytes_per_step / max(stats.copy_seconds / max(stats.steps, 1), 1e-9) / 1e9 if stats else float("nan")
+
+        def cell(r: dict[str, Any]) -> str:
+            return "OOM" if r["oom"] else f"{r['tokens_per_s']:.0f}"
+
+        def mem(r: dict[str, Any]) -> str:
+            return "-" if r["oom"] else f"{r['peak_gib']:.1f}"
+
+        ratio_plain = "-" if plain["oom"] or l2l["oom"] else f"{l2l['tokens_per_s'] / plain['tokens_per_s']:.2f}"
+        ratio_fsdp = "-" if fsdp["oom"] or l2l["oom"] else f"{l2l['tokens_per_s'] / fsdp['tokens_per_s']:.2f}"
+        rows.append([str(layers), f"{l2l.get('params', 0) / 1e9:.2f}B", cell(plain), cell(fsdp), cell(l2l), ratio_plain,
+                     ratio_fsdp, mem(plain), mem(fsdp), mem(l2l), f"{achieved:.1f}"])
+    header = ["layers", "params", "plain tok/s", "fsdp_off tok/s", "l2l tok/s", "l2l/plain", "l2l/fsdp",
+              "plain GiB", "fsdp GiB", "l2l GiB", "l2l H2D GB/s"]
+    return (f"GPT-2 XL width, bf16, batch {args.batch}x{args.seq}; pinned copy bandwidth {bandwidth:.1f} GB/s; "
+            "targets: l2l/plain >= 0.8, l2l/fsdp >= 2, l2l GiB flat within 10%\n" + format_table(header, rows))
+
+
+@register_benchmark("offload", "L2L offload vs plain Lightning (CPU) and vs fsdp_cpu_offload (GPU)")
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-accel bench offload")
+    parser.add_argument("--layers", type=int, default=8, help="GPT depth for the CPU table")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--gpu-layers", type=int, nargs="+", default=[12, 24, 48], help="GPT depths for the CUDA table")
+    args = parser.parse_args(argv)
+    print(_cuda_table(args) if torch.cuda.is_available() else _cpu_table(args))
+    print(machine_line())
+    return 0

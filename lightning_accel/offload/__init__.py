@@ -1,0 +1,11 @@
+"""L2L (layer-to-layer) CPU offload mechanism: plan, host store, streamer, executor.
+
+Nothing here imports Lightning; :class:`lightning_accel.strategies.L2LOffloadStrategy`
+wires it into a Trainer.
+"""
+
+from lightning_accel.offload.executor import L2LExecutor
+from lightning_accel.offload.plan import OffloadPlan, Unit, make_plan
+from lightning_accel.offload.stats import OffloadStats
+
+__all__ = ["L2LExecutor", "OffloadPlan", "OffloadStats", "Unit", "make_plan"]

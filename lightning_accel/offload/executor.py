@@ -1,0 +1,182 @@
+"""Running a model layer to layer: fetch a block, compute it, release it.
+
+Each block's ``forward`` is wrapped. In the forward pass the wrapper acquires the
+block's weights on the device (prefetching the next ``prefetch_blocks`` blocks), runs the
+block under ``torch.utils.checkpoint`` and releases the weights at once: only the block
+boundary activations survive, so device memory does not grow with depth. In the
+backward pass the checkpoint recomputes the block, which acquires the weights again
+(prefetching the blocks *before* it); a post-accumulate-grad hook on each parameter sends
+its gradient to the host as soon as autograd has produced it, and when a block's last
+gradient has left, the block is released.
+
+The caller brackets the backward pass with :meth:`begin_backward` /
+:meth:`end_backward` (the Lightning strategy does it in ``pre_backward`` /
+``post_backward``) so the wrapper knows which direction to prefetch in.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_accel.offload.host_store import HostStore
+from lightning_accel.offload.plan import OffloadPlan, Unit
+from lightning_accel.offload.stats import OffloadStats
+from lightning_accel.offload.streamer import Streamer
+
+RESIDENT = -1  # the resident unit's index in the streamer
+
+
+class L2LExecutor:
+    """Installs layer-to-layer execution on a model and keeps its host state."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: OffloadPlan,
+        device: torch.device,
+        compute_dtype: torch.dtype = torch.float32,
+        checkpoint_blocks: bool = True,
+        alias: bool = True,
+    ) -> None:
+        self.model = model
+        self.plan = plan
+        self.device = device
+        self.checkpoint_blocks = checkpoint_blocks
+        self.stats = OffloadStats()
+        units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
+        self.store = HostStore(units, compute_dtype, pin=device.type == "cuda")
+        self.streamer = Streamer(self.store, device, self.stats, alias=alias)
+        self._backward = False
+        self._originals: dict[int, Callable[..., Any]] = {}
+        self._hooks: list[Any] = []
+        self._unit_of: dict[nn.Parameter, int] = {}
+        self._pending_grads: dict[int, int] = {}
+        self._step_h2d = self._step_d2h = 0
+
+    # -- installation -----------------------------------------------------------------
+    def attach(self) -> None:
+        """Place the resident unit, wrap the blocks, and hook the gradients."""
+        if not self.plan.offload_resident:
+            for _, param in self.plan.resident.params:
+                param.data = param.data.to(self.device)
+            for owner, name, _ in self.plan.resident.buffers:
+                owner._buffers[name] = owner._buffers[name].to(self.device)
+        for index, unit in enumerate(self.plan.blocks):
+            assert unit.module is not None
+            self._originals[index] = unit.module.forward
+            unit.module.forward = functools.partial(self._block_forward, index)  # type: ignore[method-assign]
+            for _, param in unit.params:
+                self._unit_of[param] = index
+        hooked = [p for u in self.plan.blocks for _, p in u.params]
+        if self.plan.offload_resident:
+            hooked += [p for _, p in self.plan.resident.params]
+            for _, p in self.plan.resident.params:
+                self._unit_of[p] = RESIDENT
+        for param in hooked:
+            if param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`: the model computes normally again (weights stay on the host)."""
+        for index, unit in enumerate(self.plan.blocks):
+            if index in self._originals and unit.module is not None:
+                del unit.module.forward  # the instance attribute shadowed the class's forward
+        self._originals.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # -- forward ------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before a forward pass: bring the resident unit in if it streams."""
+        if self.plan.offload_resident:
+            self.streamer.acquire(RESIDENT, self.plan.resident)
+
+    def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoint_blocks and torch.is_grad_enabled():
+            return checkpoint(self._run_block, index, *args, use_reentrant=False, **kwargs)
+        return self._run_block(index, *args, **kwargs)
+
+    def _run_block(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        unit = self.plan.blocks[index]
+        if self._backward:
+            # blocks after this one have finished their backward even if some of their
+            # parameters got no gradient (unused): release them now.
+            for other in [i for i in self.streamer.on_device if i > index]:
+                self._release_block(other)
+        self.streamer.acquire(index, unit)
+        step = -1 if self._backward else 1
+        for ahead in range(1, self.plan.prefetch_blocks + 1):
+            nxt = index + step * ahead
+            if 0 <= nxt < len(self.plan.blocks):
+                self.streamer.prefetch(nxt, self.plan.blocks[nxt])
+        out = self._originals[index](*args, **kwargs)
+        grad_follows = self._backward or (torch.is_grad_enabled() and not self.checkpoint_blocks)
+        if grad_follows:
+            # released by _on_grad once the last of its gradients has gone to the host
+            self._pending_grads[index] = sum(1 for _, p in unit.params if p.requires_grad)
+        else:
+            # checkpointed forward (or no grad): only the block's inputs are kept, so the
+            # weights can go now and come back for the recomputation in backward.
+            self._release_block(index)
+        return out
+
+    def _release_block(self, index: int) -> None:
+        self.streamer.release(index, self.plan.blocks[index])
+        self._pending_grads.pop(index, None)
+
+    # -- backward -----------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._backward = True
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None  # the device buffer goes; the host keeps the sum
+        self.streamer.grad_to_host(param, grad)
+        index = self._unit_of[param]
+        if index == RESIDENT or index not in self._pending_grads:
+            return
+        self._pending_grads[index] -= 1
+        if self._pending_grads[index] == 0:
+            self._release_block(index)
+
+    def end_backward(self) -> None:
+        """After backward: release what is still on the device and land the gradients."""
+        self._backward = False
+        for index in list(self.streamer.on_device):
+            if index != RESIDENT:
+                self._release_block(index)
+        self.streamer.finish_grads()
+        if self.plan.offload_resident:
+            self.streamer.release(RESIDENT, self.plan.resident)
+
+    def end_eval(self) -> None:
+        """After a no-grad forward (validation): release everything."""
+        for index in list(self.streamer.on_device):
+            if index == RESIDENT:
+                self.streamer.release(RESIDENT, self.plan.resident)
+            else:
+                self._release_block(index)
+
+    # -- optimizer ---------------------------------------------------------------------
+    def install_grads(self) -> None:
+        """Before clipping and the optimizer step: host gradients become ``param.grad``."""
+        self.store.install_grads()
+
+    def after_step(self) -> None:
+        """After the optimizer step: refresh low-precision shadows, drop host gradients."""
+        self.store.refresh_shadows()
+        self.store.clear_grads()
+        self.stats.steps += 1
+        self.stats.h2d_bytes_per_step = self.stats.h2d_bytes - self._step_h2d
+        self.stats.d2h_bytes_per_step = self.stats.d2h_bytes - self._step_d2h
+        self._step_h2d, self._step_d2h = self.stats.h2d_bytes, self.stats.d2h_bytes
+

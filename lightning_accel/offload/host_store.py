@@ -1,0 +1,87 @@
+"""Host-resident fp32 master parameters, their low-precision shadows, and gradient buffers.
+
+The parameters of every offloaded unit live in host memory as fp32 masters (pinned when
+the device is CUDA, so copies can run asynchronously). When the device computes in
+bf16/fp16, a pinned low-precision *shadow* of each weight matrix is kept too and refreshed
+after every optimizer step: the bus then carries half the bytes, and the conversion
+happens once per step on the host instead of once per copy. Gradients arriving from the
+device are accumulated here in fp32 until the optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_accel.offload.plan import Unit
+
+
+class HostStore:
+    """Masters, shadows and gradient buffers for the parameters of offloaded units."""
+
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool) -> None:
+        self.compute_dtype = compute_dtype
+        self.pin = pin
+        self.master: dict[nn.Parameter, Tensor] = {}
+        self.shadow: dict[nn.Parameter, Tensor] = {}
+        self.grads: dict[nn.Parameter, Tensor] = {}
+        for unit in units:
+            for name, param in unit.params:
+                if not param.is_floating_point():
+                    raise TypeError(f"parameter {name} is {param.dtype}; L2L offload keeps fp32 masters of floating-point parameters only")
+                # fp32 masters; a float64 model (a reference run) keeps float64 and computes in it
+                keep = torch.float64 if param.dtype == torch.float64 else torch.float32
+                master = param.data.detach().to("cpu", keep)
+                if pin:
+                    master = master.pin_memory()
+                param.data = master
+                self.master[param] = master
+                # Matrices (linear, conv, embedding weights: nearly all the bytes) travel in
+                # the compute dtype; vectors (biases, norm scales) stay fp32, as autocast
+                # and the CPU's layer_norm kernels expect.
+                same = compute_dtype == torch.float32 or keep == torch.float64 or master.ndim < 2
+                self.shadow[param] = master if same else self._low(master)
+            for owner, buf_name, _ in unit.buffers:
+                buf = owner._buffers[buf_name]
+                if buf is not None:
+                    owner._buffers[buf_name] = buf.detach().to("cpu").pin_memory() if pin else buf.detach().to("cpu")
+
+    def _low(self, master: Tensor) -> Tensor:
+        low = master.to(self.compute_dtype)
+        return low.pin_memory() if self.pin else low
+
+    def refresh_shadows(self) -> None:
+        """Re-derive the low-precision shadows after the masters changed (step, load)."""
+        for param, master in self.master.items():
+            shadow = self.shadow[param]
+            if shadow is not master:
+                shadow.copy_(master)
+
+    def add_grad(self, param: nn.Parameter, grad: Tensor, owned: bool) -> None:
+        """Accumulate a host-side gradient (any float dtype) into the fp32 buffer.
+
+        ``owned``: nobody else holds ``grad`` (autograd's own tensor), so an fp32 one can be
+        kept as the buffer without a copy; a reused staging buffer is copied.
+        """
+        buf = self.grads.get(param)
+        if buf is None:
+            dtype = self.master[param].dtype
+            self.grads[param] = grad.to(dtype) if owned else grad.to(dtype, copy=True)
+        else:
+            buf.add_(grad)
+
+    def install_grads(self) -> None:
+        """Expose the accumulated gradients as ``param.grad`` for clipping and the optimizer."""
+        for param, grad in self.grads.items():
+            param.grad = grad
+
+    def clear_grads(self) -> None:
+        """Drop the gradients after the optimizer step (and the ``param.grad`` references)."""
+        for param in self.grads:
+            param.grad = None
+        self.grads.clear()
+
+    def host_bytes(self) -> int:
+        total = sum(m.numel() * m.element_size() for m in self.master.values())
+        total += sum(s.numel() * s.element_size() for p, s in self.shadow.items() if s is not self.master[p])
+        return total

@@ -1,0 +1,45 @@
+"""What the offload moved and how long it took, per step and in total."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class OffloadStats:
+    """Counters the executor updates; ``per_step`` values are for the last optimizer step.
+
+    ``overlap_fraction`` is the share of copy time the compute did not wait for
+    (1.0: every copy was hidden behind compute; 0.0: compute waited for all of it). On a
+    CPU "device" copies are synchronous, so it is 0.
+    """
+
+    steps: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    copy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    peak_device_bytes: int = 0
+    peak_resident_blocks: int = 0
+    h2d_bytes_per_step: int = 0
+    d2h_bytes_per_step: int = 0
+
+    @property
+    def overlap_fraction(self) -> float:
+        if self.copy_seconds <= 0:
+            return 0.0
+        return max(0.0, min(1.0, 1.0 - self.wait_seconds / self.copy_seconds))
+
+    def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
+        out = {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in fields(self)}
+        out[f"{prefix}overlap_fraction"] = self.overlap_fraction
+        return out
+
+    def summary(self) -> str:
+        gib = 1024**3
+        return (
+            f"L2L offload: {self.steps} steps, {self.h2d_bytes_per_step / gib:.3f} GiB host->device and "
+            f"{self.d2h_bytes_per_step / gib:.3f} GiB device->host per step, copies {self.copy_seconds:.2f} s "
+            f"({self.overlap_fraction:.0%} hidden behind compute), peak {self.peak_resident_blocks} blocks / "
+            f"{self.peak_device_bytes / 2**20:.1f} MiB of block weights on the device"
+        )

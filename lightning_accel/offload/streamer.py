@@ -1,0 +1,191 @@
+"""Streaming units' weights to the device and their gradients back, on a copy stream.
+
+On CUDA every host-to-device weight copy and device-to-host gradient copy runs on a
+dedicated copy stream from pinned memory; events order it against the compute stream,
+so the copy of block i+1 overlaps the compute of block i. Device tensors made on the copy
+stream are ``record_stream``-ed on the compute stream, so the caching allocator does not
+hand their memory out again while a kernel still reads it.
+
+When the "device" is the host itself and the compute dtype is fp32 (CPU runs, CI), a
+device copy would be a pointless clone: units are then *aliased* (the module computes on
+the masters directly) and only the bookkeeping runs, so the mechanism stays testable
+without a cost that a real device would not have.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lightning_accel.offload.host_store import HostStore
+from lightning_accel.offload.plan import Unit
+from lightning_accel.offload.stats import OffloadStats
+
+
+@dataclass
+class _OnDevice:
+    params: dict[nn.Parameter, Tensor]
+    buffers: dict[tuple[int, str], Tensor]
+    ready: torch.cuda.Event | None = None
+    nbytes: int = 0
+    swapped: bool = False
+
+
+@dataclass
+class _PendingGrad:
+    param: nn.Parameter
+    host: Tensor
+    done: torch.cuda.Event | None = field(default=None)
+
+
+class Streamer:
+    """Moves units between the host store and the device, and counts what it moved."""
+
+    def __init__(self, store: HostStore, device: torch.device, stats: OffloadStats, alias: bool = True) -> None:
+        self.store = store
+        self.device = device
+        self.stats = stats
+        self.cuda = device.type == "cuda"
+        # alias=False forces real copies even host-to-host (tests of the copy path on CPU)
+        self.alias = alias and device.type == "cpu" and store.compute_dtype == torch.float32
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.on_device: dict[int, _OnDevice] = {}
+        self._device_bytes = 0
+        self._pending: list[_PendingGrad] = []
+        self._staging: dict[nn.Parameter, Tensor] = {}
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copy intervals
+
+    # -- weights, host -> device ------------------------------------------------------
+    def prefetch(self, index: int, unit: Unit) -> None:
+        """Start copying ``unit``'s weights to the device (no-op if already there)."""
+        if index in self.on_device:
+            return
+        if self.alias:
+            self.on_device[index] = _OnDevice({}, {})
+            self._track_peak()
+            return
+        started = time.perf_counter()
+        params: dict[nn.Parameter, Tensor] = {}
+        buffers: dict[tuple[int, str], Tensor] = {}
+        nbytes = 0
+        stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
+        with stream_ctx:
+            start = self._timing_event()
+            for _, param in unit.params:
+                src = self.store.shadow[param]
+                dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+                dst.copy_(src, non_blocking=self.cuda)
+                params[param] = dst
+                nbytes += dst.numel() * dst.element_size()
+            for owner, name, _ in unit.buffers:
+                buf = owner._buffers[name]
+                if buf is not None:
+                    buffers[(id(owner), name)] = buf.to(self.device, non_blocking=self.cuda)
+            ready = self._timing_event()
+            if ready is not None and start is not None:
+                self._timed.append((start, ready))
+        self.stats.h2d_bytes += nbytes
+        if not self.cuda:
+            self.stats.copy_seconds += time.perf_counter() - started
+        self.on_device[index] = _OnDevice(params, buffers, ready, nbytes)
+        self._device_bytes += nbytes
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self._device_bytes)
+        self._track_peak()
+
+    def acquire(self, index: int, unit: Unit) -> None:
+        """Make ``unit`` compute on its device copies, waiting for the copy if needed."""
+        self.prefetch(index, unit)
+        entry = self.on_device[index]
+        if entry.swapped or self.alias:
+            entry.swapped = True
+            return
+        if entry.ready is not None:
+            if not entry.ready.query():
+                waited = time.perf_counter()
+                entry.ready.synchronize()
+                self.stats.wait_seconds += time.perf_counter() - waited
+            compute = torch.cuda.current_stream(self.device)
+            for tensor in (*entry.params.values(), *entry.buffers.values()):
+                tensor.record_stream(compute)
+        for param, tensor in entry.params.items():
+            param.data = tensor
+        for owner, name, _ in unit.buffers:
+            if (id(owner), name) in entry.buffers:
+                owner._buffers[name] = entry.buffers[(id(owner), name)]
+        entry.swapped = True
+
+    def release(self, index: int, unit: Unit) -> None:
+        """Point ``unit`` back at its host masters and free the device copies.
+
+        Buffers (e.g. BatchNorm running statistics) are written back first, since the
+        forward may have updated them on the device.
+        """
+        entry = self.on_device.pop(index, None)
+        if entry is None or self.alias:
+            return
+        for param in entry.params:
+            param.data = self.store.master[param]
+        for owner, name, _ in unit.buffers:
+            dev = owner._buffers[name]
+            host = entry.buffers.get((id(owner), name))
+            if host is not None and dev is not None and dev.device == self.device:
+                owner._buffers[name] = dev.to("cpu")
+        self._device_bytes -= entry.nbytes
+
+    def is_on_device(self, index: int) -> bool:
+        return index in self.on_device
+
+    # -- gradients, device -> host --------------------------------------------------
+    def grad_to_host(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Take ``grad`` (just accumulated on the device) to the host store."""
+        nbytes = grad.numel() * grad.element_size()
+        if grad.device.type == "cpu":
+            started = time.perf_counter()
+            self.store.add_grad(param, grad, owned=True)
+            if not self.alias:
+                self.stats.d2h_bytes += nbytes
+                self.stats.copy_seconds += time.perf_counter() - started
+            return
+        staging = self._staging.get(param)
+        if staging is None or staging.dtype != grad.dtype:
+            staging = self._staging[param] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        computed = torch.cuda.Event()
+        computed.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(computed)
+            start = self._timing_event()
+            staging.copy_(grad, non_blocking=True)
+            grad.record_stream(self.copy_stream)
+            done = self._timing_event()
+        assert start is not None and done is not None
+        self._timed.append((start, done))
+        self.stats.d2h_bytes += nbytes
+        self._pending.append(_PendingGrad(param, staging, done))
+
+    def finish_grads(self) -> None:
+        """Wait for the in-flight gradient copies and accumulate them in fp32."""
+        for pending in self._pending:
+            if pending.done is not None:
+                pending.done.synchronize()
+            self.store.add_grad(pending.param, pending.host, owned=False)
+        self._pending.clear()
+        for start, end in self._timed:
+            end.synchronize()
+            self.stats.copy_seconds += start.elapsed_time(end) / 1000.0
+        self._timed.clear()
+
+    def _track_peak(self) -> None:
+        blocks = sum(1 for i in self.on_device if i >= 0)  # the resident unit is index -1
+        self.stats.peak_resident_blocks = max(self.stats.peak_resident_blocks, blocks)
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the copy stream (CUDA), else None."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.copy_stream)
+        return event

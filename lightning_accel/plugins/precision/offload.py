@@ -1,0 +1,65 @@
+"""Precision for L2L offload: low-precision device copies over fp32 host masters.
+
+Under :class:`~lightning_accel.strategies.L2LOffloadStrategy` the weights cross the bus
+every step, so their device copies are made in the compute precision (bf16/fp16: half
+the bytes of fp32) while the host keeps fp32 masters and the optimizer steps those.
+Forward runs under autocast like Lightning's ``MixedPrecision``; ``"16-mixed"`` scales
+the loss and skips the step when a gradient overflows (``torch.amp.GradScaler``, which
+handles the host gradients and the device ones alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from typing_extensions import override
+
+OffloadPrecisionFlag = Literal["bf16-mixed", "16-mixed", "32-true"]
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
+
+
+class OffloadPrecision(MixedPrecision):
+    """``OffloadPrecision("bf16-mixed" | "16-mixed" | "32-true")`` for ``L2LOffloadStrategy``.
+
+    ``device`` is the autocast device type; the strategy sets it from its root device when
+    left as None.
+    """
+
+    def __init__(self, precision: OffloadPrecisionFlag = "bf16-mixed", device: str | None = None) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"OffloadPrecision does not support precision={precision!r}; choose one of "
+                f"{', '.join(_DTYPES)} (fp32 masters on the host, copies in that precision on the device)"
+            )
+        scaler = torch.amp.GradScaler(device or "cuda") if precision == "16-mixed" else None
+        if precision == "32-true":
+            # MixedPrecision only takes the mixed flags; set its fields directly.
+            self.precision = "32-true"  # type: ignore[assignment]
+            self.device = device or "cpu"
+            self.scaler = None
+        else:
+            super().__init__(precision, device or "cuda", scaler)  # type: ignore[arg-type]
+        self.compute_dtype: torch.dtype = _DTYPES[precision]
+
+    def set_device(self, device_type: str) -> None:
+        """Point autocast (and the fp16 scaler) at the strategy's device type."""
+        self.device = device_type
+        if self.scaler is not None:
+            self.scaler = torch.amp.GradScaler(device_type)
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with nullcontext() if self.precision == "32-true" else self.autocast_context_manager():
+            yield
+
+    @override
+    def __repr__(self) -> str:  # pragma: no cover - cosmetic
+        return f"OffloadPrecision({self.precision!r})"
+
+    def describe(self) -> dict[str, Any]:
+        return {"precision": self.precision, "compute_dtype": str(self.compute_dtype), "device": self.device}

@@ -1,0 +1,5 @@
+"""Thin Lightning Strategy classes wiring the mechanisms into a ``Trainer``."""
+
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+
+__all__ = ["L2LOffloadStrategy"]

@@ -1,0 +1,237 @@
+"""The L2L (layer-to-layer) CPU offload strategy.
+
+A thin Lightning adapter over :mod:`lightning_accel.offload`: parameters, gradients and
+optimizer state of the model's blocks live in host memory; only the block being computed
+(plus ``prefetch_blocks`` blocks on their way) lives on the device. The user's
+``configure_optimizers`` is honoured unchanged: the optimizer simply finds the block
+parameters on the host, with their fp32 gradients, when it steps.
+
+What each hook adds to :class:`SingleDeviceStrategy`:
+
+- ``model_to_device``: plan the units, move block parameters to the host store, keep the
+  rest (embeddings, head, norms) on the device, wrap the blocks' forwards;
+- ``training_step`` / ``pre_backward`` / ``post_backward``: bracket the passes so the
+  executor prefetches in the right direction and lands the gradients on the host;
+- ``optimizer_step``: expose the host gradients as ``param.grad`` before clipping and the
+  step, refresh the low-precision shadows after it;
+- ``load_optimizer_state_dict``: keep each state tensor on its parameter's device (host
+  for blocks) instead of moving everything to the root device.
+
+Gradient clipping by global norm works (it sees every gradient, host and device); it
+needs all gradients before any parameter steps, which is why the optimizer step runs
+after the backward pass rather than block by block during it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_accel.models.block_policy import BlockPolicy
+from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
+from lightning_accel.plugins.precision.offload import OffloadPrecision
+
+
+class L2LOffloadStrategy(SingleDeviceStrategy):
+    """Train on one device with the model's blocks offloaded to host memory.
+
+    Args:
+        blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class),
+            class names/classes (``["GPTBlock"]``), or a callable ``model -> modules``.
+        prefetch_blocks: how many blocks ahead to copy while one computes (device memory
+            grows by one block per step of depth; 1 hides the copy behind compute).
+        offload_resident: also keep the non-block parameters on the host, streamed in for
+            each step (saves their device memory, costs their copy every step).
+        checkpoint_blocks: recompute each block in backward instead of keeping its
+            activations and weights (device memory independent of depth; about one extra
+            forward of compute).
+        device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
+    """
+
+    strategy_name = "l2l_offload"
+
+    def __init__(
+        self,
+        blocks: BlockPolicy = "auto",
+        prefetch_blocks: int = 1,
+        offload_resident: bool = False,
+        checkpoint_blocks: bool = True,
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device=device if device is not None else "cpu", **kwargs)
+        if prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; use 1 to overlap copies with compute")
+        self._device_given = device is not None
+        self.blocks = blocks
+        self.prefetch_blocks = prefetch_blocks
+        self.offload_resident = offload_resident
+        self.checkpoint_blocks = checkpoint_blocks
+        self._executor: L2LExecutor | None = None
+        self._last_stats = OffloadStats()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.accelerator is not None and type(self.accelerator).__name__ == "CUDAAccelerator":
+            return torch.device("cuda", torch.cuda.current_device())
+        return super().root_device
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        """Bytes moved, copy time, overlap, peak device bytes and resident blocks."""
+        if self._executor is None:
+            return self._last_stats
+        return self._executor.stats
+
+    @property
+    def executor(self) -> L2LExecutor | None:
+        return self._executor
+
+    def _compute_dtype(self) -> torch.dtype:
+        plugin = self.precision_plugin
+        if isinstance(plugin, OffloadPrecision):
+            plugin.set_device(self.root_device.type)
+            return plugin.compute_dtype
+        if type(plugin) is Precision:
+            return torch.float32
+        raise ValueError(
+            f"L2LOffloadStrategy does not support the precision plugin {type(plugin).__name__}"
+            f"{'(' + repr(getattr(plugin, 'precision', '')) + ')'}; HINT: pass plugins=[OffloadPrecision('bf16-mixed')] "
+            "(or '16-mixed', '32-true') and leave Trainer(precision=...) unset"
+        )
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self._compute_dtype()  # refuse an unsupported precision before anything moves
+        super().setup(trainer)
+        for optimizer in self.optimizers:
+            _check_host_optimizer(optimizer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self._executor is not None:
+            self._executor.detach()
+        try:
+            plan = make_plan(self.model, self.blocks, self.prefetch_blocks, self.offload_resident)
+        except ValueError as err:
+            raise ValueError(f"L2LOffloadStrategy: {err}") from None
+        device = self.root_device
+        compute_dtype = self._compute_dtype()
+        if device.type == "cuda":
+            _check_fits(plan, device, compute_dtype)
+        self._executor = L2LExecutor(self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks)
+        self._executor.attach()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._executor is not None
+        self._executor.begin_step()
+        return super().training_step(*args, **kwargs)
+
+    def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self._executor is not None
+        self._executor.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._executor.end_eval()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().predict_step, *args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self._executor is not None
+        self._executor.begin_backward()
+        super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        assert self._executor is not None
+        self._executor.end_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        executor = self._executor
+        assert executor is not None
+
+        def closure_then_host_grads() -> Any:
+            result = closure()
+            executor.install_grads()  # clipping and the step see the host gradients
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        executor.after_step()
+        return output
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._executor is not None:
+            self._executor.store.refresh_shadows()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Optimizer.load_state_dict already puts each state tensor on its parameter's
+        # device (host for blocks); the base class would then move all of it to the GPU.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    @override
+    def teardown(self) -> None:
+        if self._executor is not None:
+            self._executor.detach()  # the model computes normally again; stats stay readable
+            self._last_stats = self._executor.stats
+            self._executor = None
+        super().teardown()
+
+
+def _check_host_optimizer(optimizer: Optimizer) -> None:
+    """Refuse optimizers that cannot step parameters living in host memory."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, LBFGS):
+        raise ValueError(
+            "L2LOffloadStrategy cannot run LBFGS on the host: it re-evaluates the whole model inside step(); "
+            "HINT: use a per-parameter optimizer such as AdamW or SGD"
+        )
+    for group in optimizer.param_groups:
+        for flag in ("fused", "capturable"):
+            if group.get(flag):
+                raise ValueError(
+                    f"L2LOffloadStrategy steps block parameters on the host, but {name}({flag}=True) needs CUDA "
+                    f"parameters; HINT: set {flag}=False in configure_optimizers"
+                )
+
+
+def _check_fits(plan: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a block that does not fit on the device by itself, before any step."""
+    free, _ = torch.cuda.mem_get_info(device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    biggest = max(plan.blocks, key=lambda u: u.numel)
+    need = biggest.nbytes(element) * (1 + plan.prefetch_blocks)
+    if not plan.offload_resident:
+        need += plan.resident.nbytes(4)
+    if need > free:
+        raise ValueError(
+            f"block {biggest.name} needs {need / 2**30:.2f} GiB on {device} with prefetch_blocks={plan.prefetch_blocks} "
+            f"(plus the resident parameters) but only {free / 2**30:.2f} GiB is free; use smaller blocks "
+            "(a finer block policy), prefetch_blocks=0, or offload_resident=True"
+        )
