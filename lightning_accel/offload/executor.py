@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -58,6 +59,11 @@ class L2LExecutor:
         self._unit_of: dict[nn.Parameter, int] = {}
         self._pending_grads: dict[int, int] = {}
         self._step_h2d = self._step_d2h = 0
+        # Host optimizer steps that overlap the backward pass: set per backward by
+        # ``step_blocks_during_backward``; one worker thread keeps them in block order.
+        self._block_step: Callable[[list[nn.Parameter]], None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
 
     # -- installation -----------------------------------------------------------------
     def attach(self) -> None:
@@ -91,6 +97,9 @@ class L2LExecutor:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # -- forward ------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -106,22 +115,27 @@ class L2LExecutor:
     def _run_block(self, index: int, *args: Any, **kwargs: Any) -> Any:
         unit = self.plan.blocks[index]
         if self._backward:
-            # blocks after this one have finished their backward even if some of their
-            # parameters got no gradient (unused): release them now.
+            # Blocks after this one have finished computing their backward; autograd may
+            # still be about to accumulate some of their gradients (it schedules that
+            # after this recomputation), which needs no weights: free them now, keeping
+            # their gradient count so the host step still starts when the last arrives.
             for other in [i for i in self.streamer.on_device if i > index]:
-                self._release_block(other)
+                self.streamer.release(other, self.plan.blocks[other])
         self.streamer.acquire(index, unit)
         step = -1 if self._backward else 1
         for ahead in range(1, self.plan.prefetch_blocks + 1):
             nxt = index + step * ahead
             if 0 <= nxt < len(self.plan.blocks):
                 self.streamer.prefetch(nxt, self.plan.blocks[nxt])
-        out = self._originals[index](*args, **kwargs)
         grad_follows = self._backward or (torch.is_grad_enabled() and not self.checkpoint_blocks)
         if grad_follows:
-            # released by _on_grad once the last of its gradients has gone to the host
+            # Released by _on_grad once the last of its gradients has gone to the host.
+            # Counted *before* the call: a recomputation stops early (torch.utils.checkpoint
+            # raises out of the forward once it has what backward needs), so nothing after
+            # the call is guaranteed to run in the backward pass.
             self._pending_grads[index] = sum(1 for _, p in unit.params if p.requires_grad)
-        else:
+        out = self._originals[index](*args, **kwargs)
+        if not grad_follows:
             # checkpointed forward (or no grad): only the block's inputs are kept, so the
             # weights can go now and come back for the recomputation in backward.
             self._release_block(index)
@@ -147,6 +161,39 @@ class L2LExecutor:
         self._pending_grads[index] -= 1
         if self._pending_grads[index] == 0:
             self._release_block(index)
+            if self._block_step is not None:
+                assert self._pool is not None
+                self._futures.append(self._pool.submit(self._step_block, index, self._block_step))
+
+    # -- host optimizer overlapping the backward pass -----------------------------------
+    def step_blocks_during_backward(self, step: Callable[[list[nn.Parameter]], None] | None) -> None:
+        """For the next backward pass: run ``step(params)`` on the host for each block as
+        soon as its gradients have all arrived, while the backward of earlier blocks goes
+        on. ``None`` turns it off (accumulation micro-batches, gradient clipping, loss
+        scaling: all need every gradient before any parameter moves)."""
+        self._block_step = step
+        if step is not None and self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step")
+
+    def _step_block(self, index: int, step: Callable[[list[nn.Parameter]], None]) -> None:
+        params = [p for _, p in self.plan.blocks[index].params if p.requires_grad]
+        self.streamer.finish_grads(params)
+        stepped = [p for p in params if p in self.store.grads]
+        for param in stepped:
+            param.grad = self.store.grads.pop(param)
+        step(stepped)
+        for param in stepped:
+            param.grad = None
+            shadow = self.store.shadow[param]
+            if shadow is not self.store.master[param]:
+                shadow.copy_(self.store.master[param])
+        self.stats.blocks_stepped_in_backward += 1
+
+    def wait_for_block_steps(self) -> None:
+        """Join the host steps started during backward (re-raising their errors)."""
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.result()
 
     def end_backward(self) -> None:
         """After backward: release what is still on the device and land the gradients."""
@@ -154,6 +201,9 @@ class L2LExecutor:
         for index in list(self.streamer.on_device):
             if index != RESIDENT:
                 self._release_block(index)
+        self.wait_for_block_steps()
+        self._block_step = None
+        self._pending_grads.clear()
         self.streamer.finish_grads()
         if self.plan.offload_resident:
             self.streamer.release(RESIDENT, self.plan.resident)

@@ -23,6 +23,8 @@ class OffloadStats:
     peak_resident_blocks: int = 0
     h2d_bytes_per_step: int = 0
     d2h_bytes_per_step: int = 0
+    # blocks whose optimizer step ran on the host while the backward pass went on
+    blocks_stepped_in_backward: int = 0
 
     @property
     def overlap_fraction(self) -> float:

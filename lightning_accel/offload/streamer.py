@@ -55,7 +55,7 @@ class Streamer:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.on_device: dict[int, _OnDevice] = {}
         self._device_bytes = 0
-        self._pending: list[_PendingGrad] = []
+        self._pending: dict[nn.Parameter, _PendingGrad] = {}
         self._staging: dict[nn.Parameter, Tensor] = {}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copy intervals
 
@@ -164,15 +164,21 @@ class Streamer:
         assert start is not None and done is not None
         self._timed.append((start, done))
         self.stats.d2h_bytes += nbytes
-        self._pending.append(_PendingGrad(param, staging, done))
+        self._pending[param] = _PendingGrad(param, staging, done)
 
-    def finish_grads(self) -> None:
-        """Wait for the in-flight gradient copies and accumulate them in fp32."""
-        for pending in self._pending:
+    def finish_grads(self, params: list[nn.Parameter] | None = None) -> None:
+        """Wait for the in-flight gradient copies (of ``params``, default all) and
+        accumulate them in fp32. Safe to call from the host-optimizer thread for one
+        unit while the main thread continues the backward pass."""
+        for param in list(self._pending) if params is None else params:
+            pending = self._pending.pop(param, None)
+            if pending is None:
+                continue
             if pending.done is not None:
                 pending.done.synchronize()
             self.store.add_grad(pending.param, pending.host, owned=False)
-        self._pending.clear()
+        if params is not None:
+            return
         for start, end in self._timed:
             end.synchronize()
             self.stats.copy_seconds += start.elapsed_time(end) / 1000.0

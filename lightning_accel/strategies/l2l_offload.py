@@ -12,24 +12,32 @@ What each hook adds to :class:`SingleDeviceStrategy`:
   rest (embeddings, head, norms) on the device, wrap the blocks' forwards;
 - ``training_step`` / ``pre_backward`` / ``post_backward``: bracket the passes so the
   executor prefetches in the right direction and lands the gradients on the host;
-- ``optimizer_step``: expose the host gradients as ``param.grad`` before clipping and the
-  step, refresh the low-precision shadows after it;
+- ``optimizer_step``: on a step's backward pass, step each block's parameters on the host
+  (in a worker thread) as soon as that block's gradients have arrived, overlapping the
+  backward of the blocks still running; then expose the remaining host gradients as
+  ``param.grad`` for clipping and the final step (resident parameters, and every block
+  when the overlap is off), and refresh the low-precision shadows;
 - ``load_optimizer_state_dict``: keep each state tensor on its parameter's device (host
   for blocks) instead of moving everything to the root device.
 
-Gradient clipping by global norm works (it sees every gradient, host and device); it
-needs all gradients before any parameter steps, which is why the optimizer step runs
-after the backward pass rather than block by block during it.
+Gradient clipping by global norm works (it sees every gradient, host and device), but it
+needs all gradients before any parameter may step, so with ``gradient_clip_val`` set (and
+likewise under fp16 loss scaling, whose overflow check spans all gradients) the whole
+host step runs after the backward pass: the overlap is lost and the step time is added
+to the critical path. The overlap also needs a per-parameter optimizer (SGD, Adam(W),
+RMSprop, Adagrad, ...), for which stepping blocks one at a time equals one full step.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
@@ -51,6 +59,8 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         checkpoint_blocks: recompute each block in backward instead of keeping its
             activations and weights (device memory independent of depth; about one extra
             forward of compute).
+        overlap_step: step each block on the host as soon as its gradients arrive, while
+            the backward pass continues (off automatically under clipping / fp16).
         device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
     """
 
@@ -62,6 +72,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         prefetch_blocks: int = 1,
         offload_resident: bool = False,
         checkpoint_blocks: bool = True,
+        overlap_step: bool = True,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
@@ -73,6 +84,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self.prefetch_blocks = prefetch_blocks
         self.offload_resident = offload_resident
         self.checkpoint_blocks = checkpoint_blocks
+        self.overlap_step = overlap_step
         self._executor: L2LExecutor | None = None
         self._last_stats = OffloadStats()
 
@@ -173,14 +185,23 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         executor = self._executor
         assert executor is not None
 
+        overlap = self.overlap_step and self._can_overlap(optimizer)
+
         def closure_then_host_grads() -> Any:
+            executor.step_blocks_during_backward(functools.partial(_step_subset, optimizer) if overlap else None)
             result = closure()
-            executor.install_grads()  # clipping and the step see the host gradients
+            executor.install_grads()  # clipping and the final step see the host gradients
             return result
 
         output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         executor.after_step()
         return output
+
+    def _can_overlap(self, optimizer: Optimizer) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        clipping = bool(trainer is not None and trainer.gradient_clip_val)
+        scaling = getattr(self.precision_plugin, "scaler", None) is not None
+        return isinstance(optimizer, _PER_PARAMETER) and not clipping and not scaling
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -202,6 +223,25 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             self._last_stats = self._executor.stats
             self._executor = None
         super().teardown()
+
+
+# Optimizers whose update of a parameter reads only that parameter's gradient and state:
+# stepping them block by block equals one step over all parameters.
+_PER_PARAMETER = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+)
+
+
+def _step_subset(optimizer: Optimizer, params: list[nn.Parameter]) -> None:
+    """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state)."""
+    keep = {id(p) for p in params}
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in groups]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
 
 
 def _check_host_optimizer(optimizer: Optimizer) -> None:

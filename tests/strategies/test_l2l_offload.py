@@ -94,17 +94,22 @@ def test_custom_model_matches_plain_training(trainer_kwargs: dict[str, Any]) -> 
     plain, offloaded = _pair(Regressor)
     initial = {k: v.clone() for k, v in plain.state_dict().items()}
     _fit(plain, _regression_data(), **trainer_kwargs)
-    _fit(offloaded, _regression_data(), L2LOffloadStrategy(blocks=["Block"]), **trainer_kwargs)
+    trainer = _fit(offloaded, _regression_data(), L2LOffloadStrategy(blocks=["Block"]), **trainer_kwargs)
     _assert_same_weights(plain, offloaded)
+    # the host step overlaps the backward unless clipping needs every gradient first
+    stepped = trainer.strategy.offload_stats.blocks_stepped_in_backward
+    assert stepped == (0 if "gradient_clip_val" in trainer_kwargs else 4 * trainer.global_step)
     # guard against an offload that silently does not train
     assert all(not torch.equal(initial[k], v) for k, v in offloaded.state_dict().items())
 
 
-def test_zoo_gpt_matches_plain_training() -> None:
+@pytest.mark.parametrize("overlap_step", [True, False])
+def test_zoo_gpt_matches_plain_training(overlap_step: bool) -> None:
     plain, offloaded = _pair(lambda: LanguageModelTask(GPT("tiny", n_layer=3, block_size=16)))
     _fit(plain, _lm_data())
-    trainer = _fit(offloaded, _lm_data(), L2LOffloadStrategy(prefetch_blocks=1))
+    trainer = _fit(offloaded, _lm_data(), L2LOffloadStrategy(prefetch_blocks=1, overlap_step=overlap_step))
     _assert_same_weights(plain, offloaded, atol=2e-6)
+    assert trainer.strategy.offload_stats.blocks_stepped_in_backward == (18 if overlap_step else 0)
     assert trainer.strategy.offload_stats.steps == 6
     assert trainer.strategy.offload_stats.peak_resident_blocks <= 2
 
