@@ -168,6 +168,21 @@ def test_bf16_offload_on_cpu_tracks_plain_bf16_and_moves_half_the_bytes(capsys: 
     assert "L2L offload: 4 steps" in capsys.readouterr().out
 
 
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale() -> None:
+    torch.manual_seed(0)
+    model = Regressor()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plugin = OffloadPrecision("16-mixed", init_scale=2.0**60)  # the scaled fp16 gradients overflow
+    _fit(model, _regression_data(), L2LOffloadStrategy(), plugins=[plugin], max_steps=1)
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**59
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} moved although the step overflowed"
+    # with a sane scale it trains
+    plugin = OffloadPrecision("16-mixed", init_scale=2.0**8)
+    _fit(model, _regression_data(), L2LOffloadStrategy(), plugins=[plugin], max_steps=2)
+    assert not torch.equal(model.state_dict()["stack.0.a.weight"], before["stack.0.a.weight"])
+
+
 def test_unsupported_precision_is_refused_before_training() -> None:
     with pytest.raises(ValueError, match=r"does not support the precision plugin MixedPrecision.*HINT: pass plugins=\[OffloadPrecision"):
         _fit(Regressor(), _regression_data(), L2LOffloadStrategy(), precision="bf16-mixed")

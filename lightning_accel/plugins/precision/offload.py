@@ -26,16 +26,18 @@ class OffloadPrecision(MixedPrecision):
     """``OffloadPrecision("bf16-mixed" | "16-mixed" | "32-true")`` for ``L2LOffloadStrategy``.
 
     ``device`` is the autocast device type; the strategy sets it from its root device when
-    left as None.
+    left as None. ``init_scale`` is the fp16 loss scale to start from (halved on every
+    overflow, when the step is skipped; grown again after 2000 clean steps).
     """
 
-    def __init__(self, precision: OffloadPrecisionFlag = "bf16-mixed", device: str | None = None) -> None:
+    def __init__(self, precision: OffloadPrecisionFlag = "bf16-mixed", device: str | None = None, init_scale: float = 2.0**16) -> None:
         if precision not in _DTYPES:
             raise ValueError(
                 f"OffloadPrecision does not support precision={precision!r}; choose one of "
                 f"{', '.join(_DTYPES)} (fp32 masters on the host, copies in that precision on the device)"
             )
-        scaler = torch.amp.GradScaler(device or "cuda") if precision == "16-mixed" else None
+        self.init_scale = init_scale
+        scaler = torch.amp.GradScaler(device or "cuda", init_scale=init_scale) if precision == "16-mixed" else None
         if precision == "32-true":
             # MixedPrecision only takes the mixed flags; set its fields directly.
             self.precision = "32-true"  # type: ignore[assignment]
@@ -49,7 +51,7 @@ class OffloadPrecision(MixedPrecision):
         """Point autocast (and the fp16 scaler) at the strategy's device type."""
         self.device = device_type
         if self.scaler is not None:
-            self.scaler = torch.amp.GradScaler(device_type)
+            self.scaler = torch.amp.GradScaler(device_type, init_scale=self.init_scale)
 
     @override
     @contextmanager
