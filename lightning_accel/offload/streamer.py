@@ -29,7 +29,7 @@ from lightning_accel.offload.stats import OffloadStats
 @dataclass
 class _OnDevice:
     params: dict[nn.Parameter, Tensor]
-    buffers: dict[tuple[int, str], Tensor]
+    buffers: dict[tuple[int, str], tuple[Tensor, Tensor]]  # (host tensor, device copy)
     ready: torch.cuda.Event | None = None
     nbytes: int = 0
     swapped: bool = False
@@ -70,7 +70,7 @@ class Streamer:
             return
         started = time.perf_counter()
         params: dict[nn.Parameter, Tensor] = {}
-        buffers: dict[tuple[int, str], Tensor] = {}
+        buffers: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         nbytes = 0
         stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
         with stream_ctx:
@@ -84,7 +84,7 @@ class Streamer:
             for owner, name, _ in unit.buffers:
                 buf = owner._buffers[name]
                 if buf is not None:
-                    buffers[(id(owner), name)] = buf.to(self.device, non_blocking=self.cuda)
+                    buffers[(id(owner), name)] = (buf, buf.to(self.device, non_blocking=self.cuda))
             ready = self._timing_event()
             if ready is not None and start is not None:
                 self._timed.append((start, ready))
@@ -109,13 +109,13 @@ class Streamer:
                 entry.ready.synchronize()
                 self.stats.wait_seconds += time.perf_counter() - waited
             compute = torch.cuda.current_stream(self.device)
-            for tensor in (*entry.params.values(), *entry.buffers.values()):
+            for tensor in (*entry.params.values(), *(dev for _, dev in entry.buffers.values())):
                 tensor.record_stream(compute)
         for param, tensor in entry.params.items():
             param.data = tensor
         for owner, name, _ in unit.buffers:
             if (id(owner), name) in entry.buffers:
-                owner._buffers[name] = entry.buffers[(id(owner), name)]
+                owner._buffers[name] = entry.buffers[(id(owner), name)][1]
         entry.swapped = True
 
     def release(self, index: int, unit: Unit) -> None:
@@ -130,10 +130,11 @@ class Streamer:
         for param in entry.params:
             param.data = self.store.master[param]
         for owner, name, _ in unit.buffers:
-            dev = owner._buffers[name]
-            host = entry.buffers.get((id(owner), name))
-            if host is not None and dev is not None and dev.device == self.device:
-                owner._buffers[name] = dev.to("cpu")
+            pair = entry.buffers.get((id(owner), name))
+            if pair is not None and entry.swapped:
+                host, _ = pair
+                host.copy_(owner._buffers[name])  # into the (pinned) host tensor it came from
+                owner._buffers[name] = host
         self._device_bytes -= entry.nbytes
 
     def is_on_device(self, index: int) -> bool:

@@ -34,7 +34,8 @@ import functools
 from typing import Any, Callable
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
@@ -91,7 +92,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        if not self._device_given and self.accelerator is not None and type(self.accelerator).__name__ == "CUDAAccelerator":
+        if not self._device_given and isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", torch.cuda.current_device())
         return super().root_device
 

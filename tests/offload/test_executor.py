@@ -125,3 +125,33 @@ def test_plan_errors() -> None:
         make_plan(Net(2), prefetch_blocks=-1)
     with pytest.raises(ValueError, match=r"no blocks found in Linear"):
         make_plan(nn.Linear(2, 2))
+
+
+class Normed(nn.Module):
+    """A block with buffers (BatchNorm running statistics) updated in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.fc(x)))
+
+
+def test_buffers_updated_on_the_device_come_back_to_the_host() -> None:
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 6), nn.Sequential(Normed(), Normed()), nn.Linear(6, 1))
+    model = nn.Sequential(nn.Linear(3, 6), nn.Sequential(Normed(), Normed()), nn.Linear(6, 1))
+    model.load_state_dict(reference.state_dict())
+    executor = L2LExecutor(model, make_plan(model, [Normed]), torch.device("cpu"), checkpoint_blocks=False, alias=False)
+    executor.attach()
+    x = torch.randn(16, 3)
+    with torch.no_grad():
+        reference(x)
+        executor.begin_step()
+        model(x)
+        executor.end_eval()
+    for name, buf in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], buf, msg=name)
+    assert model[1][0].bn.running_mean.abs().sum() > 0  # the statistics did move
