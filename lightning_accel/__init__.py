@@ -2,13 +2,24 @@
 too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry
-(idempotently), so ``Trainer(strategy="<name>")`` works after ``import lightning_accel``.
+(idempotently), so ``Trainer(strategy="l2l_offload")`` works after ``import lightning_accel``.
 """
 
 from lightning_accel._registry import register_all as _register_all
+from lightning_accel.callbacks import DataWaitMonitor, DevicePrefetcher, OffloadMonitor, PrefetchTuner
+from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "DataWaitMonitor",
+    "DevicePrefetcher",
+    "L2LOffloadStrategy",
+    "OffloadMonitor",
+    "OffloadPrecision",
+    "PrefetchTuner",
+    "__version__",
+]
 
 _register_all()

@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 # Modules whose import registers benchmarks; imported on first use, not at CLI start-up.
 BENCHMARK_MODULES: tuple[str, ...] = (
     "lightning_accel.benchmarks.offload",
+    "lightning_accel.benchmarks.prefetch",
 )
 
 

@@ -1,4 +1,4 @@
-"""Lightning callbacks: thin adapters over the mechanisms in ``lightning_accel.prefetch``."""
+"""Lightning callbacks: thin adapters over the mechanism packages (prefetch, offload)."""
 
 from lightning_accel.callbacks.data_wait_monitor import DataWaitMonitor
 from lightning_accel.callbacks.device_prefetcher import DevicePrefetcher

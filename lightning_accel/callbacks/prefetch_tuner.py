@@ -6,9 +6,10 @@ called ``iter()`` on it, so the wrapper is swapped into ``fit_loop._combined_loa
 and the epoch iterator re-created before any batch is consumed). The first
 ``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
 Only if waiting takes more than ``data_bound_fraction`` of the time does it search:
-each candidate loader (same dataset, batch size, collate, sampler kind) is built and
-pulled back to back for a few batches, which measures how fast it can deliver without
-training on those batches or disturbing the user's sampler; the search
+the start's pace is known from those steps, and each candidate loader (same dataset,
+batch size, collate, sampler kind) is built and pulled back to back for a few batches,
+which measures how fast it can deliver without training on those batches or
+disturbing the user's sampler; the search
 (:class:`~lightning_accel.prefetch.PrefetchSearch`) doubles ``num_workers`` and then
 hill-climbs, within the per-rank CPU and memory budgets. The winner is installed at
 the next batch for map-style datasets (the wrapper resumes the epoch's order where it
@@ -17,9 +18,10 @@ was, so no sample is repeated or skipped) and at the next epoch for iterable one
 Probing candidates offline rather than training on each in turn keeps the search to a
 single pause of a few seconds inside the first steps, and measures each candidate in
 steady state instead of in the burst of batches its workers buffered at start-up,
-which would make too few workers look sufficient. The user's settings are measured
-the same way and kept unless a candidate beats them, so the run is never slower than
-its start by more than that pause, which the report states.
+which would make too few workers look sufficient. The user's settings are kept
+unless a candidate's predicted wait is below the wait measured in the first steps,
+so the run is never slower than its start by more than that pause, which the report
+states.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from typing_extensions import override
 from lightning_accel.bench import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.prefetch import cache
-from lightning_accel.prefetch.loader_rebuild import RebuildError
-from lightning_accel.prefetch.probe import measure_loader
+from lightning_accel.prefetch.loader_rebuild import RebuildError, is_iterable
+from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.tunable_loader import TunableLoader
@@ -56,7 +58,8 @@ class PrefetchTuner(Callback):
             (workers x prefetch_factor x batch bytes); ``None``: half the free RAM / shared memory.
         warmup_steps: steps ignored before measuring (loader start-up).
         trial_steps: steps measured to decide whether training is data-bound.
-        max_search_steps: the search must be over by this step.
+        max_search_steps: the search must be over by this step; it runs, in one pause, right
+            after step ``warmup_steps + trial_steps``, which must come before it.
         cache_path: JSON file of tuned settings per dataset and machine; a hit skips the search.
         data_bound_fraction: share of time waiting above which the loader is tuned.
     """
@@ -65,17 +68,18 @@ class PrefetchTuner(Callback):
         self,
         max_workers: int | None = None,
         memory_budget_bytes: int | None = None,
-        warmup_steps: int = 2,
-        trial_steps: int = 4,
+        warmup_steps: int = 1,
+        trial_steps: int = 3,
         max_search_steps: int = 30,
         cache_path: str | None = None,
         data_bound_fraction: float = 0.1,
     ) -> None:
         if max_workers is not None or memory_budget_bytes is not None:
-            Budget(max_workers or 1, memory_budget_bytes or 1)  # one-line errors now, before any work
+            # One-line errors now, before any work; a value left as None is checked as a valid placeholder.
+            Budget(1 if max_workers is None else max_workers, 1 if memory_budget_bytes is None else memory_budget_bytes)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0; pass warmup_steps=2")
-        _positive_int("trial_steps", trial_steps, "trial_steps=4")
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0; pass warmup_steps=1")
+        _positive_int("trial_steps", trial_steps, "trial_steps=3")
         _positive_int("max_search_steps", max_search_steps, "max_search_steps=30")
         if warmup_steps + trial_steps >= max_search_steps:
             raise ValueError(
@@ -95,6 +99,7 @@ class PrefetchTuner(Callback):
         self.loader: TunableLoader | None = None
         self.search: PrefetchSearch | None = None
         self.chosen: LoaderSettings | None = None
+        self.measured: WaitStats | None = None
         self.reason = "not run"
         self.measurement_cost_s = 0.0
         self._done = False
@@ -138,6 +143,7 @@ class PrefetchTuner(Callback):
         self.meter.step_ended()
         if len(self.meter) >= self.warmup_steps + self.trial_steps:
             self._done = True
+            self._batch_bytes = batch_nbytes(batch)
             self._tune(self.meter.stats(skip=self.warmup_steps))
             rank_zero_info(self.report())
             if self.chosen is not None:
@@ -177,7 +183,11 @@ class PrefetchTuner(Callback):
             )
             return
         start = self.loader.settings
-        self.search = PrefetchSearch(start, measured.step_s, batch_bytes=0, budget=self._budget, cuda=self._cuda)
+        self.search = PrefetchSearch(start, measured.step_s, self._batch_bytes, budget=self._budget, cuda=self._cuda)
+        # The first steps already measured the start, which saves probing it (seconds on a slow
+        # loader): without workers the loader works only while the loop waits, so its time per
+        # batch is the wait; with workers, when data-bound, a batch arrives every wait + step.
+        self.search.record(start, measured.wait_s if start.num_workers == 0 else measured.wait_s + measured.step_s)
         while (candidate := self.search.propose()) is not None:
             try:
                 probe = measure_loader(self.loader.loader, candidate)
@@ -190,17 +200,18 @@ class PrefetchTuner(Callback):
             self.search.record(candidate, probe.interval_s)
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        if best.settings == start or best.interval_s >= baseline.interval_s:
-            self.reason = "kept your loader: no candidate delivered batches faster"
+        if best.settings == start or best.wait_s >= baseline.wait_s:
+            self.reason = "kept your loader: no candidate would wait less"
             return
-        self._install(best.settings, f"fastest of {len(self.search.trials)} measured within the budget")
+        when = "from the next epoch (iterable dataset)" if is_iterable(self.loader.loader) else "from the next batch"
+        self._install(best.settings, f"fastest of {len(self.search.trials)} measured within the budget, used {when}")
         if self.chosen is not None and self.cache_path:
             cache.store(self.cache_path, self._cache_key, self.chosen)
 
     def report(self) -> str:
         """What was measured, tried and chosen, as one table."""
         lines = [f"PrefetchTuner: {self.reason}"]
-        measured: WaitStats | None = getattr(self, "measured", None)
+        measured = self.measured
         if measured is not None:
             lines.append(
                 f"  measured over {measured.steps} steps: wait {1000 * measured.wait_s:.1f} ms, "

@@ -83,11 +83,13 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, plan: Iterable 
         pin_memory_device=loader.pin_memory_device,
         **settings.as_kwargs(),
     )
-    if is_iterable(loader):
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
-    if loader.batch_sampler is None:  # batch_size=None: the sampler yields single indices
-        return DataLoader(loader.dataset, batch_size=None, sampler=plan if plan is not None else loader.sampler, **common)
-    return DataLoader(loader.dataset, batch_sampler=plan if plan is not None else loader.batch_sampler, **common)
+    with more_workers_than_cores():
+        if is_iterable(loader):
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
+        if loader.batch_sampler is None:  # batch_size=None: the sampler yields single indices
+            sampler = plan if plan is not None else loader.sampler
+            return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **common)
+        return DataLoader(loader.dataset, batch_sampler=plan if plan is not None else loader.batch_sampler, **common)
 
 
 @contextlib.contextmanager

@@ -2,13 +2,14 @@
 
 Pulling batches back to back, the time between the first and the last of ``n``
 batches over ``n - 1`` is the loader's sustained interval. The first batch is excluded
-because it carries the worker start-up; ``n`` spans at least two rounds of every worker,
-so a burst of batches that were buffered during start-up does not pass for throughput.
+because it carries the worker start-up; ``n - 1`` is a whole number of rounds of every
+worker, so a burst of batches buffered during start-up does not pass for throughput.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +42,12 @@ def batch_nbytes(batch: Any) -> int:
 
 
 def probe_batches(settings: LoaderSettings, min_batches: int = 4) -> int:
-    return max(min_batches, 2 * settings.num_workers + 2)
+    # Workers start together, so batches arrive in rounds of w = num_workers; k * w + 1
+    # batches span whole rounds after the first arrival (a part round would overstate speed).
+    w = settings.num_workers
+    if w == 0:
+        return min_batches
+    return w * max(1, math.ceil((min_batches - 1) / w)) + 1
 
 
 def _probe_plan(loader: DataLoader, n: int) -> list:

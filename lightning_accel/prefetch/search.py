@@ -2,9 +2,10 @@
 
 In the spirit of tf.data AUTOTUNE: a candidate is judged by the measured time between
 batches its loader delivers (``interval_s``), against the time a training step takes
-(``step_s``). Since the loader runs ahead of the step, the wait it leaves is about
-``max(0, interval_s - step_s)``. The search doubles ``num_workers`` while that wait
-shrinks, then tries the midpoint between the best and the first worse count, then a
+(``step_s``). Since worker processes run ahead of the step, the wait they leave is
+about ``max(0, interval_s - step_s)``; without workers nothing overlaps and the wait is
+``interval_s`` itself. The search doubles ``num_workers`` (from 2, or twice the
+start) while that wait shrinks, then tries the midpoint between the best and the first worse count, then a
 deeper ``prefetch_factor``; it stops as soon as the predicted wait is negligible or the
 gains flatten. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
 measurement: pinning only helps a CUDA copy, and persistence only saves the worker
@@ -48,7 +49,7 @@ class Budget:
 class Trial:
     settings: LoaderSettings
     interval_s: float  # measured seconds between batches, loader alone
-    wait_s: float  # predicted wait per step: max(0, interval_s - step_s)
+    wait_s: float  # predicted wait per step: max(0, interval_s - step_s), or interval_s without workers
 
 
 @dataclass
@@ -81,7 +82,9 @@ class PrefetchSearch:
         )
 
     def record(self, settings: LoaderSettings, interval_s: float) -> Trial:
-        trial = Trial(settings, interval_s, max(0.0, interval_s - self.step_s))
+        # Without workers the loader only runs while the step waits for it: no overlap.
+        wait = interval_s if settings.num_workers == 0 else max(0.0, interval_s - self.step_s)
+        trial = Trial(settings, interval_s, wait)
         self.trials.append(trial)
         return trial
 
@@ -113,7 +116,7 @@ class PrefetchSearch:
             return None
         if self._phase == "start":
             self._phase = "double"
-            first = self._settings(max(1, self.start.num_workers))
+            first = self._settings(max(2, 2 * self.start.num_workers))
             if first != self.start and self._fits(first):
                 return first
         if self._phase == "double":

@@ -51,6 +51,12 @@ class TunableLoader:
         self._plan = _Plan()
         self._inner: DataLoader | None = None
         self._iterator: Any = None
+        self._batches: list | None = None  # this epoch's batches while a map-style epoch runs
+        self._consumed = 0
+        # From now on the user's loader is only a template; free the workers it may keep alive.
+        if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
+            loader._iterator._shutdown_workers()
+            loader._iterator = None
 
     # Lightning reads these (set_epoch on the sampler under DDP, length for the epoch).
     @property
@@ -73,9 +79,19 @@ class TunableLoader:
         return len(self.loader)
 
     def switch(self, settings: LoaderSettings) -> None:
-        if settings != self.settings:
-            check_rebuildable(self.loader, workers=settings.num_workers > 0)
-            self._pending = settings
+        """Use ``settings`` from the next batch (map-style, mid-epoch) or the next epoch (iterable).
+
+        Mid-epoch, the new workers start here, so they fetch while the current step
+        finishes instead of after it.
+        """
+        if settings == self.settings:
+            return
+        check_rebuildable(self.loader, workers=settings.num_workers > 0)
+        self._pending = settings
+        if self._batches is not None:  # a map-style epoch is under way: resume it on new workers now
+            self._apply_pending()
+            self._plan.items = self._batches[self._consumed :]
+            self._iter_inner()
 
     def _apply_pending(self) -> None:
         if self._pending is not None:
@@ -105,15 +121,17 @@ class TunableLoader:
             yield from self._iter_inner()
             return
         source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
-        batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
-        consumed = 0
-        while consumed < len(batches):
-            self._plan.items = batches[consumed:]
-            for batch in self._iter_inner():
-                consumed += 1
+        self._batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
+        self._consumed = 0
+        self._plan.items = self._batches
+        self._iter_inner()
+        try:
+            while True:
+                try:
+                    batch = next(self._iterator)  # switch() may have replaced it since the last batch
+                except StopIteration:
+                    return
+                self._consumed += 1
                 yield batch
-                if self._pending is not None:
-                    break
-            else:
-                return
-            self._apply_pending()
+        finally:
+            self._batches = None

@@ -36,6 +36,6 @@ def test_compute_bound_verdict_and_logged_metrics(sleepy, recorder, make_trainer
     assert t.callback_metrics["data_wait_ms"].item() == pytest.approx(1000 * monitor.meter.waits[-1], rel=1e-4)
 
 
-def test_bad_threshold_is_rejected(sleepy, recorder, make_trainer):
+def test_bad_threshold_is_rejected():
     with pytest.raises(ValueError, match=r"data_bound_fraction=1.5 must lie strictly between 0 and 1"):
         DataWaitMonitor(data_bound_fraction=1.5)

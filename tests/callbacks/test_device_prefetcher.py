@@ -30,14 +30,14 @@ def test_cpu_path_is_a_no_op_and_says_so_once(caplog, sleepy, recorder, make_tra
         assert a[1].device.type == b[1].device.type == "cpu"
 
 
-def test_copy_iterable_refuses_a_cpu_device(sleepy, recorder, make_trainer):
+def test_copy_iterable_refuses_a_cpu_device():
     with pytest.raises(ValueError, match=r"device=cpu is not a CUDA device"):
         CudaPrefetchIterable([], torch.device("cpu"))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_copy_is_one_batch_ahead_and_exact(sleepy, recorder, make_trainer):
+def test_cuda_copy_is_one_batch_ahead_and_exact():
     batches = [(torch.full((256, 256), float(i)), torch.tensor([i])) for i in range(5)]
     device = torch.device("cuda", 0)
     out = []

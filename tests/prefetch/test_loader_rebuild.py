@@ -129,3 +129,19 @@ def test_probe_measures_a_known_latency():
     probe = measure_loader(DataLoader(Slow(100), batch_size=1), LoaderSettings(0), min_batches=6)
     assert probe.batches == 6 and probe.batch_bytes == 40 == batch_nbytes(torch.zeros(1, 10))
     assert 0.015 < probe.interval_s < 0.2  # 20 ms of sleep per batch; generous for a shared machine
+
+
+def test_wrapping_frees_the_users_persistent_workers():
+    user = DataLoader(Indices(8), batch_size=2, num_workers=1, persistent_workers=True)
+    iter(user)  # what Lightning does before on_train_start: workers are now alive
+    worker = user._iterator._workers[0]
+    loader = TunableLoader(user)
+    assert user._iterator is None and not worker.is_alive()
+    assert sorted(served(loader)) == list(range(8))  # served by the wrapper's own workers
+    loader.close()
+
+
+def test_probe_spans_whole_rounds_of_workers():
+    from lightning_accel.prefetch.probe import probe_batches
+
+    assert [probe_batches(LoaderSettings(w), 4) for w in (0, 1, 2, 4, 8)] == [4, 4, 5, 5, 9]

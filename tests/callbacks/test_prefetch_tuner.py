@@ -1,0 +1,107 @@
+"""PrefetchTuner through a real Trainer: tunes only when data-bound, loses no sample, refuses clearly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+
+import pytest
+from torch.utils.data import BatchSampler, DataLoader
+
+from lightning_accel.callbacks import PrefetchTuner
+from lightning_accel.prefetch import LoaderSettings
+
+
+def test_data_bound_run_gets_workers_and_every_sample_once(sleepy, recorder, make_trainer, tmp_path, caplog):
+    data = sleepy(64, latency_s=0.04)
+    loader = DataLoader(data, batch_size=1, shuffle=True)
+    tuner = PrefetchTuner(max_workers=4, warmup_steps=1, trial_steps=3, cache_path=str(tmp_path / "tuned.json"))
+    model = recorder(step_s=0.005)
+    with caplog.at_level(logging.INFO):
+        make_trainer([tuner]).fit(model, loader)
+    assert sorted(model.indices) == list(range(64))  # the switch mid-epoch lost and repeated nothing
+    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2
+    assert tuner.loader.switches == 1 and tuner.loader.settings == tuner.chosen
+    trials = tuner.search.trials
+    assert trials[0].settings == LoaderSettings(0)  # the start, measured like every candidate
+    assert all(t.settings.num_workers <= 4 for t in trials)
+    # 40 ms per item without workers: the start waits about that; the chosen loader much less.
+    assert trials[0].wait_s > 0.03 and tuner.search.best.wait_s < 0.5 * trials[0].wait_s
+    report = "\n".join(r.getMessage() for r in caplog.records if "PrefetchTuner" in r.getMessage())
+    assert "<- chosen" in report and "measurement cost" in report
+    assert json.loads((tmp_path / "tuned.json").read_text())  # cached for the next run
+    assert tuner.trials_csv().count("\n") == len(trials) + 1
+
+
+def test_cache_hit_starts_tuned(sleepy, recorder, make_trainer, tmp_path):
+    from lightning_accel.prefetch import cache
+
+    data = sleepy(8)
+    path = tmp_path / "tuned.json"
+    cache.store(path, cache.cache_key(data, 2), LoaderSettings(1, 2, persistent_workers=True))
+    tuner = PrefetchTuner(cache_path=str(path))
+    model = recorder()
+    make_trainer([tuner]).fit(model, DataLoader(data, batch_size=2))
+    assert tuner.reason.startswith("from cache") and tuner.chosen == LoaderSettings(1, 2, persistent_workers=True)
+    assert tuner.search is None and sorted(model.indices) == list(range(8))
+
+
+def test_cache_file_that_is_garbage_is_ignored(tmp_path):
+    from lightning_accel.prefetch import cache
+
+    path = tmp_path / "tuned.json"
+    path.write_text("{not json")
+    assert cache.load(path, "k") is None
+    cache.store(path, "k", LoaderSettings(2, 4))
+    assert cache.load(path, "k") == LoaderSettings(2, 4)
+
+
+def test_compute_bound_run_keeps_the_users_loader(sleepy, recorder, make_trainer):
+    tuner = PrefetchTuner(warmup_steps=1, trial_steps=2)
+    model = recorder(step_s=0.02)
+    make_trainer([tuner]).fit(model, DataLoader(sleepy(10), batch_size=1))
+    assert tuner.chosen is None and "compute-bound" in tuner.reason and tuner.search is None
+    assert tuner.loader.switches == 0 and sorted(model.indices) == list(range(10))
+
+
+def test_custom_batch_sampler_warns_and_trains_on(sleepy, recorder, make_trainer):
+    class Custom(BatchSampler):
+        pass
+
+    data = sleepy(6)
+    loader = DataLoader(data, batch_sampler=Custom(range(6), batch_size=2, drop_last=False))
+    tuner = PrefetchTuner()
+    model = recorder()
+    with pytest.warns(UserWarning, match=r"PrefetchTuner: custom batch_sampler Custom cannot be re-created.*continues"):
+        t = make_trainer([tuner])
+        t.fit(model, loader)
+    assert sorted(model.indices) == list(range(6)) and t.fit_loop._combined_loader.flattened[0] is loader
+
+
+def test_unpicklable_dataset_for_spawned_workers_warns_and_trains_on(sleepy, recorder, make_trainer, monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda *a, **k: "spawn")
+    data = sleepy(24, latency_s=0.02)
+    data.hook = lambda x: x  # cannot be pickled
+    tuner = PrefetchTuner(warmup_steps=1, trial_steps=2)
+    model = recorder()
+    with pytest.warns(UserWarning, match=r"dataset SleepyIndices cannot be pickled for 'spawn' workers"):
+        make_trainer([tuner]).fit(model, DataLoader(data, batch_size=1))
+    assert tuner.chosen is None and tuner.loader.settings.num_workers == 0
+    assert sorted(model.indices) == list(range(24))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_workers=0), r"max_workers=0 must be a positive integer"),
+        (dict(memory_budget_bytes=-1), r"memory_budget_bytes=-1 must be a positive integer"),
+        (dict(memory_budget_bytes=0), r"memory_budget_bytes=0 must be a positive integer"),
+        (dict(trial_steps=0), r"trial_steps=0 must be a positive integer; pass trial_steps=3"),
+        (dict(warmup_steps=-1), r"warmup_steps=-1 must be an integer >= 0"),
+        (dict(warmup_steps=20, trial_steps=10), r"warmup_steps \+ trial_steps = 30 leaves no room within max_search_steps=30"),
+    ],
+)
+def test_bad_arguments_are_rejected_up_front(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PrefetchTuner(**kwargs)
