@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 BENCHMARK_MODULES: tuple[str, ...] = (
     "lightning_accel.benchmarks.offload",
     "lightning_accel.benchmarks.prefetch",
+    "lightning_accel.benchmarks.ddp",
 )
 
 

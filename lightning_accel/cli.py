@@ -17,6 +17,10 @@ from collections.abc import Sequence
 
 DEFAULT_RECIPE = "gpt-tiny_cpu"
 EXIT_USAGE = 2
+# Lightning starts each extra DDP rank by re-running this command with the overrides
+# only (plus hydra.run.dir=...); the recipe travels to those ranks in this variable.
+RECIPE_ENV = "LIGHTNING_ACCEL_RECIPE"
+_COMMANDS = ("run", "ls", "cp", "validate", "bench", "-h", "--help")
 
 
 def _fail(message: str) -> int:
@@ -37,8 +41,11 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     import hydra
 
     from lightning_accel.config.compose import compose_recipe, resolve_recipe, searchpath_override
+    from lightning_accel.config.schema import register_schemas
     from lightning_accel.config.validate import check_launchable, validate
     from lightning_accel.runner import task
+    from lightning_accel.strategies.ddp_comm import check_comm_strategy
+    from lightning_accel.sweep import check_sweep
 
     hydra_flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
@@ -47,12 +54,20 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     else:
         check = True
     path = resolve_recipe(recipe)
-    if check:
+    if check and not os.environ.get(RECIPE_ENV):  # a re-launched DDP rank was checked by rank 0
         # Sweep overrides (a=1,2) cannot be composed as one config: check the rest.
         cfg = compose_recipe(path, [o for o in overrides if not _is_sweep(o)])
         validate(cfg)
-        check_launchable(cfg, recipe)
-    sys.argv = ["lightning-accel", *args, searchpath_override()]
+        on_cluster = check_sweep(path, args)  # search space, direction, launcher, before any trial
+        if not on_cluster:  # jobs sent to SLURM run on its nodes, not on this machine
+            check_launchable(cfg, recipe)
+        check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
+    register_schemas()  # the ConfigStore schemas, in this process (a re-launched rank too)
+    os.environ[RECIPE_ENV] = str(path)
+    # Keep argv[0]: Lightning re-runs it (the console script's path, or -m lightning_accel)
+    # to start the other ranks.
+    searchpath = searchpath_override()
+    sys.argv = [sys.argv[0], *[a for a in args if a != searchpath], searchpath]
     app = hydra.main(version_base="1.3", config_path=str(path.parent), config_name=path.stem)(task)
     app()
     return 0
@@ -141,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get(RECIPE_ENV) and (not argv or argv[0] not in _COMMANDS):
+        argv = ["run", os.environ[RECIPE_ENV], *argv]  # a DDP rank re-launched by Lightning
     parser = build_parser()
     if not argv:
         argv = ["run", DEFAULT_RECIPE]

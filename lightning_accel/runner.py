@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.plugins.io import CheckpointIO
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -75,6 +76,8 @@ def _resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
 
 
 def _write_status(output_dir: Path, status: dict[str, Any]) -> None:
+    if rank_zero_only.rank != 0:  # DDP ranks share the run directory; rank 0 speaks for the run
+        return
     tmp = output_dir / "run.json.tmp"
     tmp.write_text(json.dumps(status, indent=2, default=str))
     os.replace(tmp, output_dir / "run.json")

@@ -40,6 +40,7 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
     )
     env.pop("HYDRA_FULL_ERROR", None)
+    env.pop("LIGHTNING_ACCEL_RECIPE", None)  # set only in DDP ranks re-launched by Lightning
     return env
 
 

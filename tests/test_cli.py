@@ -58,6 +58,17 @@ def test_multirun_sweeps(cli_env: dict[str, str], tmp_path: Path) -> None:
     assert [json.loads(j.read_text())["status"] for j in jobs] == ["completed", "completed"]
 
 
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_from_the_cli(cli_env: dict[str, str], tmp_path: Path) -> None:
+    # Lightning re-launches rank 1 with the overrides only; the recipe reaches it by env.
+    proc = _run(["run", "resnet-tiny_cpu", "strategy=ddp_fp16", "trainer.devices=2", "trainer.max_steps=4",
+                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
+                 "trainer.enable_progress_bar=false"], cli_env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_json,) = (tmp_path / "outputs" / "resnet-tiny_cpu").glob("*/run.json")
+    assert json.loads(run_json.read_text())["global_step"] == 4
+
+
 BAD_INPUT = [
     (["run", "gpt-tny_cpu"], r"unknown recipe 'gpt-tny_cpu' \(did you mean 'gpt-tiny_cpu'"),
     (["run", "gpt-tiny_cpu", "model=gtp"], r"unknown model option 'gtp' \(did you mean 'gpt'\?\)"),

@@ -28,12 +28,23 @@ def close_matches(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {', '.join(repr(m) for m in matches)}?)" if matches else ""
 
 
+# Hydra plugins our extras install: a missing one gets the install line, not a list.
+_PLUGIN_EXTRAS = {
+    ("hydra/sweeper", "optuna"): "sweep",
+    ("hydra/launcher", "submitit_slurm"): "slurm",
+    ("hydra/launcher", "submitit_local"): "slurm",
+}
+
+
 def _explain_missing_config(err: MissingConfigException) -> str | None:
     missing = err.missing_cfg_file or ""
     if "/" not in missing or not err.options:
         return None
     group, option = missing.rsplit("/", 1)
     options = sorted(o for o in err.options if o not in ("base", "by_name"))
+    extra = _PLUGIN_EXTRAS.get((group, option))
+    if extra is not None and option not in options:
+        return f'{group}={option} comes with the {extra} extra, which is not installed: pip install "lightning-accel[{extra}]"'
     return (
         f"unknown {group} option {option!r}{close_matches(option, options)}; "
         f"choose one of: {', '.join(options)} (e.g. {group}={options[0]})"

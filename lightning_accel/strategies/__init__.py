@@ -1,5 +1,6 @@
 """Thin Lightning Strategy classes wiring the mechanisms into a ``Trainer``."""
 
+from lightning_accel.strategies.ddp_comm import CommDDPStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
-__all__ = ["L2LOffloadStrategy"]
+__all__ = ["CommDDPStrategy", "L2LOffloadStrategy"]
