@@ -25,6 +25,7 @@ BENCHMARK_MODULES: tuple[str, ...] = (
     "lightning_accel.benchmarks.offload",
     "lightning_accel.benchmarks.prefetch",
     "lightning_accel.benchmarks.ddp",
+    "lightning_accel.benchmarks.pipeline",
 )
 
 

@@ -1,6 +1,7 @@
 """Thin Lightning Strategy classes wiring the mechanisms into a ``Trainer``."""
 
 from lightning_accel.strategies.ddp_comm import CommDDPStrategy
+from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
-__all__ = ["CommDDPStrategy", "L2LOffloadStrategy"]
+__all__ = ["CommDDPStrategy", "GPipeStrategy", "L2LOffloadStrategy"]

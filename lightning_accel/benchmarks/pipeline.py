@@ -1,0 +1,274 @@
+"""``lightning-accel bench pipeline``: what GPipe buys on this machine, measured side by side.
+
+Part 1, speed (2 processes x 1 thread, gloo): one training step of a 16-block MLP,
+- on one process (the baseline),
+- on 2 ranks with raw ``torch.distributed.pipelining`` (stages cut by hand, ScheduleGPipe),
+- on 2 ranks with our :class:`lightning_accel.pipeline.distributed.RankPipeline` on the same stages,
+each against the ideal speed-up S*M/(M+S-1) of S equal stages and M micro-batches.
+``--plot DIR`` records our pipeline's last step and draws it (SVG and Chrome trace).
+
+Part 2, memory (one process): peak bytes allocated during one step (activations, their
+recomputation and the gradients) through :class:`LocalPipeline` with ``always``
+checkpointing for growing M, against no micro-batching and no checkpointing, and the
+time each costs. On the CPU the bytes come from the profiler's allocation events; on
+CUDA from the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_accel.bench import format_table, machine_line, register_benchmark
+from lightning_accel.models import MLP
+from lightning_accel.models.block_policy import find_blocks
+from lightning_accel.pipeline.distributed import RankPipeline
+from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
+from lightning_accel.pipeline.microbatch import scatter
+from lightning_accel.pipeline.schedule import bubble_fraction, ideal_speedup
+from lightning_accel.pipeline.timeline import Event, measured_bubble, to_chrome_trace, to_svg
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-accel bench pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--depth", type=int, default=16, help="MLP blocks (split evenly over the 2 stages)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches M for the 2-process part")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per contender (after 2 warm-up steps)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per contender; the best round counts")
+    p.add_argument("--memory-chunks", default="1,2,4,8", help="M values for the memory table")
+    p.add_argument("--memory-batch", type=int, default=1024, help="memory table: a batch whose activations outweigh the weights")
+    p.add_argument("--memory-hidden", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the 2 ranks are killed")
+    p.add_argument("--plot", metavar="DIR", help="write the last step of our pipeline as DIR/pipeline-timeline.svg "
+                   "and DIR/pipeline-trace.json (Chrome trace), with the measured bubble")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def _model(depth: int, hidden: int, batch: int) -> tuple[MLP, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    net = MLP(hidden, hidden, hidden=hidden, depth=depth)
+    g = torch.Generator().manual_seed(1)
+    return net, torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g)
+
+
+def _time_steps(step, steps: int, barrier=lambda: None) -> float:
+    for _ in range(2):
+        step()
+    barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _one_process(args: argparse.Namespace) -> float:
+    net, x, y = _model(args.depth, args.hidden, args.batch)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+
+    return min(_time_steps(step, args.steps) for _ in range(args.rounds))
+
+
+def _raw_stage(net: MLP, rank: int, half: int) -> nn.Module:
+    """Stages cut by hand, as a user of raw torch.distributed.pipelining writes them."""
+    if rank == 0:
+        return nn.Sequential(net.pre, *net.blocks[:half])
+    return nn.Sequential(*net.blocks[half:], net.post)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One of the 2 ranks: time raw pipelining, then ours, on the same stages; rank 0 prints seconds per step."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    half = args.depth // 2
+    steps = {}
+    for contender in ("raw", "ours"):
+        net, x, y = _model(args.depth, args.hidden, args.batch)
+        if contender == "raw":
+            module = _raw_stage(net, rank, half)
+            schedule = ScheduleGPipe(PipelineStage(module, rank, 2, torch.device("cpu")), args.chunks, loss_fn=F.mse_loss)
+            params = list(module.parameters())
+
+            def run(schedule=schedule, x=x, y=y) -> None:
+                schedule.step(x, target=None) if rank == 0 else schedule.step(target=y)
+        else:
+            pipe = RankPipeline(net, [half, args.depth - half], args.chunks, F.mse_loss, "gpipe", record=bool(args.plot))
+            params = pipe.parameters()
+
+            def run(pipe=pipe, x=x, y=y) -> None:
+                pipe.step(x, y)
+        opt = torch.optim.SGD(params, lr=1e-3)
+
+        def step(run=run, opt=opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            run()
+            opt.step()
+
+        steps[contender] = step
+    # alternate the contenders round by round so a noisy neighbour hurts both alike; keep each one's best round
+    results = {name: float("inf") for name in steps}
+    for r in range(args.rounds):
+        for name in (("raw", "ours") if r % 2 == 0 else ("ours", "raw")):
+            results[name] = min(results[name], _time_steps(steps[name], args.steps, dist.barrier))
+    if args.plot:
+        steps["ours"]()  # one more step, recorded, then every rank's events to rank 0
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, [tuple(e) for e in pipe.events()])
+        if rank == 0:
+            events = [Event(*e) for part in gathered for e in part]
+            os.makedirs(args.plot, exist_ok=True)
+            title = f"GPipe, 2 stages x M={args.chunks}, MLP depth {args.depth}"
+            with open(os.path.join(args.plot, "pipeline-timeline.svg"), "w") as f:
+                f.write(to_svg(events, title))
+            with open(os.path.join(args.plot, "pipeline-trace.json"), "w") as f:
+                json.dump(to_chrome_trace(events), f)
+            print(f"BUBBLE {measured_bubble(events):.6f}", flush=True)
+    if rank == 0:
+        print(f"RESULT raw={results['raw']:.6f} ours={results['ours']:.6f}", flush=True)
+    dist.destroy_process_group()
+
+
+def _two_processes(args: argparse.Namespace) -> dict[str, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline", "--worker", "--depth", str(args.depth),
+            "--hidden", str(args.hidden), "--batch", str(args.batch), "--chunks", str(args.chunks),
+            "--steps", str(args.steps), "--rounds", str(args.rounds)] + (["--plot", args.plot] if args.plot else [])
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + args.timeout
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"the 2 pipeline ranks did not finish within --timeout {args.timeout} s") from None
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a pipeline rank failed:\n" + "\n".join(o[-2000:] for o in outputs))
+    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
+    result = {k: float(v) for k, v in (kv.split("=") for kv in line.split()[1:])}
+    bubble = [ln for ln in outputs[0].splitlines() if ln.startswith("BUBBLE ")]
+    if bubble:
+        result["bubble"] = float(bubble[0].split()[1])
+    return result
+
+
+def _peak_bytes(fn) -> int:
+    """Peak bytes allocated while ``fn`` runs (CUDA allocator peak, or the CPU profiler's allocation events)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _memory_rows(args: argparse.Namespace, chunk_values: list[int]) -> list[list[object]]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows: list[list[object]] = []
+    baseline: tuple[int, float] | None = None
+    for chunks, mode in [(1, "never"), *((m, "always") for m in chunk_values)]:
+        net, x, y = _model(args.depth, args.memory_hidden, args.memory_batch)
+        net, x, y = net.to(device), x.to(device), y.to(device)
+        pipe = LocalPipeline(net, find_blocks(net), [args.depth], [device], checkpoint_stop(mode, chunks))
+        pipe.place()
+
+        def step(pipe=pipe, net=net, chunks=chunks) -> None:
+            net.zero_grad(set_to_none=True)
+            losses = []
+            for i, (xb, yb) in enumerate(scatter((x, y), chunks)):
+                with pipe.microbatch(i):
+                    losses.append(F.mse_loss(net(xb), yb) * (xb.size(0) / x.size(0)))
+            sum(losses).backward()
+
+        seconds = _time_steps(step, args.steps)
+        net.zero_grad(set_to_none=True)
+        peak = _peak_bytes(step)
+        baseline = baseline or (peak, seconds)
+        rows.append([f"M={chunks}, checkpoint={mode}", peak / 2**20, peak / baseline[0], seconds * 1e3, seconds / baseline[1]])
+    return rows
+
+
+@register_benchmark("pipeline", "GPipe: 2-process speed-up vs raw torch pipelining and the ideal; memory vs micro-batches")
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.depth < 2 or args.batch % args.chunks or args.steps < 1 or args.rounds < 1:
+        raise SystemExit(f"--depth {args.depth} / --batch {args.batch} / --chunks {args.chunks}: need depth >= 2, "
+                         "batch divisible by chunks, steps and rounds >= 1")
+    chunk_values = [int(c) for c in args.memory_chunks.split(",")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = _one_process(args)
+        two = _two_processes(args)
+        memory = _memory_rows(args, chunk_values)
+    finally:
+        torch.set_num_threads(threads)
+    ideal = ideal_speedup(args.chunks, 2)
+    print(f"MLP depth {args.depth}, hidden {args.hidden}, batch {args.batch}; 2 stages x M={args.chunks} "
+          f"micro-batches, 1 thread per process; best of {args.rounds} alternating rounds of {args.steps} timed steps")
+    print(format_table(
+        ["contender", "s/step", "speed-up vs 1 process", "of ideal", "vs raw pipelining"],
+        [
+            ["1 process (no pipeline)", one, 1.0, 1.0 / ideal, two["raw"] / one],
+            ["raw torch.distributed.pipelining", two["raw"], one / two["raw"], one / two["raw"] / ideal, 1.0],
+            ["lightning_accel RankPipeline", two["ours"], one / two["ours"], one / two["ours"] / ideal, two["raw"] / two["ours"]],
+            ["ideal S*M/(M+S-1)", one / ideal, ideal, 1.0, "-"],
+        ],
+    ))
+    if args.plot:
+        print(f"timeline of our last step: {args.plot}/pipeline-timeline.svg, {args.plot}/pipeline-trace.json; "
+              f"bubble measured {two['bubble']:.1%}, fill-drain ideal {bubble_fraction(args.chunks, 2):.1%}")
+    print()
+    grads = sum(p.numel() * p.element_size() for p in _model(args.depth, args.memory_hidden, 1)[0].parameters())
+    print(f"one process, MLP hidden {args.memory_hidden}, batch {args.memory_batch}: peak bytes allocated during a step "
+          f"(activations, their recomputation, and {grads / 2**20:.1f} MiB of gradients):")
+    print(format_table(["setting", "peak MiB", "vs M=1 never", "ms/step", "time vs M=1 never"], memory))
+    print(machine_line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,96 @@
+"""Manipulation of micro-batches: scatter a batch into M chunks and gather them back.
+
+A batch is whatever a DataLoader yields: a tensor, or tuples, lists and dicts of them
+(and of values that are not tensors, which every chunk shares). Every tensor in one
+batch is split along dimension 0 into the same M pieces, with ``torch.tensor_split``
+semantics (sizes differ by at most one, larger pieces first), so micro-batch ``i`` of
+the inputs always lines up with micro-batch ``i`` of the targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["batch_size", "gather", "scatter"]
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def batch_size(batch: Any) -> int:
+    """The size of dimension 0 shared by every tensor in ``batch``.
+
+    Raises ``ValueError`` when there is no tensor, a scalar tensor, or tensors disagree,
+    because then no split lines inputs up with targets.
+    """
+    tensors = _tensors(batch)
+    if not tensors:
+        raise ValueError(
+            f"cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no tensor; "
+            "yield tensors (or tuples/lists/dicts of tensors) from the DataLoader"
+        )
+    if any(t.ndim == 0 for t in tensors):
+        raise ValueError("cannot split a batch holding a 0-d tensor into micro-batches; give every tensor a batch dimension")
+    sizes = sorted({t.size(0) for t in tensors})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"cannot split the batch into micro-batches: its tensors have different sizes in dimension 0 ({sizes}); "
+            "every tensor in a batch must share the batch dimension"
+        )
+    return sizes[0]
+
+
+def _split(batch: Any, chunks: int) -> list[Any]:
+    if isinstance(batch, Tensor):
+        return list(torch.tensor_split(batch, chunks, dim=0))
+    if isinstance(batch, Mapping):
+        parts = {k: _split(v, chunks) for k, v in batch.items()}
+        return [type(batch)((k, parts[k][i]) for k in batch) for i in range(chunks)]  # type: ignore[call-arg]
+    if isinstance(batch, (tuple, list)):
+        columns = [_split(v, chunks) for v in batch]
+        rows = [[col[i] for col in columns] for i in range(chunks)]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+            return [type(batch)(*row) for row in rows]
+        return [type(batch)(row) for row in rows]
+    return [batch] * chunks  # not a tensor: every micro-batch shares it
+
+
+def scatter(batch: Any, chunks: int) -> list[Any]:
+    """Split ``batch`` into ``chunks`` micro-batches along dimension 0, keeping its structure."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive int, got {chunks!r}; e.g. chunks=4 splits each batch into 4 micro-batches")
+    size = batch_size(batch)
+    if chunks > size:
+        raise ValueError(
+            f"chunks={chunks} is greater than the batch size {size}: some micro-batches would be empty; "
+            f"set chunks <= {size} or raise the DataLoader's batch_size to at least {chunks}"
+        )
+    return _split(batch, chunks)
+
+
+def gather(microbatches: Sequence[Any]) -> Any:
+    """Concatenate micro-batches (as :func:`scatter` made them) back into one batch."""
+    if not microbatches:
+        raise ValueError("cannot gather zero micro-batches")
+    first = microbatches[0]
+    if isinstance(first, Tensor):
+        return torch.cat(list(microbatches), dim=0)
+    if isinstance(first, Mapping):
+        return type(first)((k, gather([m[k] for m in microbatches])) for k in first)  # type: ignore[call-arg]
+    if isinstance(first, (tuple, list)):
+        columns = [gather([m[i] for m in microbatches]) for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*columns)
+        return type(first)(columns)
+    return first

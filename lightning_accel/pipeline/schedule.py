@@ -1,0 +1,139 @@
+"""Pipeline schedules as pure functions: which (micro-batch, stage) runs at each clock.
+
+A schedule is plain data computed before any work: per stage, the ordered list of
+forward (``"F"``) and backward (``"B"``) actions, and from those the clock cycles on
+which each action runs when every action takes one unit of time. The executors follow
+the orders; the tests compare them with orders written out by hand; the timeline
+picture and the bubble figure are read off the same data.
+
+- GPipe (fill-drain): every stage runs all M forwards, then all M backwards in
+  reverse; activations of all M micro-batches are alive at the peak.
+- 1F1B (PipeDream-flush): stage ``s`` runs ``S - s - 1`` warm-up forwards, then
+  alternates one forward and one backward, then drains; at most ``S - s`` micro-batches
+  are alive on stage ``s``. Same bubble as GPipe, less activation memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+__all__ = [
+    "Action",
+    "SCHEDULES",
+    "bubble_fraction",
+    "check_schedule",
+    "clock_cycles",
+    "gpipe_order",
+    "ideal_speedup",
+    "one_f_one_b_order",
+    "simulate",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+class Action(NamedTuple):
+    """One unit of work: ``kind`` "F" or "B" of ``microbatch`` on ``stage``."""
+
+    kind: str
+    microbatch: int
+    stage: int
+
+
+def _check(m: int, n: int) -> None:
+    if m < 1 or n < 1:
+        raise ValueError(f"a schedule needs at least one micro-batch and one stage, got m={m}, n={n}")
+
+
+def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
+    """GPipe's forward clock cycles: at clock ``k`` every (micro-batch i, stage j) with i + j == k runs."""
+    _check(m, n)
+    for k in range(m + n - 1):
+        yield [(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))]
+
+
+def gpipe_order(m: int, n: int) -> list[list[Action]]:
+    """Per stage: F0 .. F(m-1), then B(m-1) .. B0 (fill, then drain in reverse)."""
+    _check(m, n)
+    return [
+        [Action("F", i, s) for i in range(m)] + [Action("B", i, s) for i in reversed(range(m))]
+        for s in range(n)
+    ]
+
+
+def one_f_one_b_order(m: int, n: int) -> list[list[Action]]:
+    """Per stage: ``min(n - s - 1, m)`` warm-up forwards, then one F / one B, then the remaining Bs."""
+    _check(m, n)
+    orders: list[list[Action]] = []
+    for s in range(n):
+        warmup = min(n - s - 1, m)
+        order = [Action("F", i, s) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action("F", warmup + i, s), Action("B", i, s)]
+        order += [Action("B", i, s) for i in range(m - warmup, m)]
+        orders.append(order)
+    return orders
+
+
+def simulate(orders: Sequence[Sequence[Action]]) -> list[list[Action]]:
+    """Clock cycles of per-stage orders when each action takes one unit of time.
+
+    F(i, s) waits for F(i, s-1); B(i, s) waits for F(i, s) and B(i, s+1). Each stage
+    runs its order in sequence. Returns, per clock, the actions running then. Raises
+    ``ValueError`` if the orders deadlock (an action waits on one that never runs first).
+    """
+    n = len(orders)
+    done: dict[tuple[str, int, int], int] = {}  # action -> clock it ran on
+    position = [0] * n
+    clocks: list[list[Action]] = []
+    total = sum(len(o) for o in orders)
+    while len(done) < total:
+        k = len(clocks)
+        running: list[Action] = []
+        for s in range(n):
+            if position[s] == len(orders[s]):
+                continue
+            a = orders[s][position[s]]
+            if a.kind == "F":
+                deps = [("F", a.microbatch, s - 1)] if s > 0 else []
+            else:
+                deps = [("F", a.microbatch, s)] + ([("B", a.microbatch, s + 1)] if s < n - 1 else [])
+            if all(d in done and done[d] < k for d in deps):
+                running.append(a)
+        if not running:
+            raise ValueError(f"the pipeline orders deadlock at clock {k}: no stage can run its next action")
+        for a in running:
+            done[tuple(a)] = k  # type: ignore[index]
+            position[a.stage] += 1
+        clocks.append(running)
+    return clocks
+
+
+def bubble_fraction(m: int, n: int) -> float:
+    """Idle share of a fill-drain pipeline with equal stages: (n - 1) / (m + n - 1)."""
+    _check(m, n)
+    return (n - 1) / (m + n - 1)
+
+
+def ideal_speedup(m: int, n: int) -> float:
+    """Speed-up of n equal stages over one device running them all: n * m / (m + n - 1)."""
+    _check(m, n)
+    return n * m / (m + n - 1)
+
+
+def check_schedule(name: str, chunks: int, stages: int) -> None:
+    """Refuse, before any work, a schedule the chosen (chunks, stages) cannot run."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name in ("1f1b", "interleaved_1f1b") and chunks < stages:
+        raise ValueError(
+            f"schedule {name!r} needs at least as many micro-batches as stages (chunks={chunks}, stages={stages}); "
+            f"set chunks >= {stages} or schedule='gpipe'"
+        )
+    rounds = max(1, chunks // stages)
+    if name == "interleaved_1f1b" and chunks % rounds != 0:
+        raise ValueError(
+            f"schedule 'interleaved_1f1b' runs micro-batches in rounds of {stages} and needs chunks to be a "
+            f"multiple of the {rounds} rounds (chunks={chunks}, stages={stages}); set chunks={rounds * stages}"
+        )

@@ -1,0 +1,202 @@
+"""GPipeStrategy: GPipe micro-batching inside a plain Lightning ``Trainer``.
+
+How it hooks into Lightning: Lightning's automatic optimization calls
+``strategy.training_step`` inside the optimizer closure, then ``strategy.backward`` on
+the returned loss, then steps. This strategy overrides only ``training_step``: it
+scatters the batch into ``chunks`` micro-batches, runs the LightningModule's own
+``training_step`` on each (so the user's loss, logging and metrics code is unchanged),
+and returns the micro-batch losses reduced to the batch loss (see
+:mod:`lightning_accel.pipeline.reduction`). Lightning's own ``backward`` then runs one
+backward pass through all micro-batches, which accumulates their gradients, and its
+``optimizer_step`` steps once. Because backward, precision, clipping and gradient
+accumulation stay Lightning's, a loss scaler steps once per batch and
+``accumulate_grad_batches`` / ``gradient_clip_val`` keep working. The alternative,
+backward per micro-batch inside ``training_step``, would bypass the precision plugin's
+backward and the ``on_before_backward`` hooks.
+
+Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload)
+are split into stages (``balance``) and placed on ``devices`` by
+:class:`lightning_accel.pipeline.LocalPipeline`, which wraps no module, so checkpoints
+keep the user's parameter names.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
+
+from lightning_accel.models.block_policy import BlockPolicy, find_blocks
+from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
+from lightning_accel.pipeline.microbatch import batch_size, scatter
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance
+from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
+
+DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
+
+
+def _devices(devices: DeviceSpec) -> list[torch.device]:
+    """One device per stage from the user's spec, refusing CUDA devices this machine lacks before any work."""
+    if devices is None:
+        n = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(n)] if n else [torch.device("cpu")]
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be >= 1 (one per stage), got {devices}")
+        if torch.cuda.is_available():
+            if devices > torch.cuda.device_count():
+                raise ValueError(
+                    f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA devices; "
+                    f"use at most {torch.cuda.device_count()} stages, or list devices explicitly (e.g. ['cpu', 'cpu'])"
+                )
+            return [torch.device("cuda", i) for i in range(devices)]
+        return [torch.device("cpu")] * devices
+    if isinstance(devices, str) or not devices:
+        raise ValueError(f"devices must be an int or a list with one device per stage, got {devices!r}; e.g. devices=['cpu', 'cpu']")
+    out = [torch.device(d) for d in devices]
+    count = torch.cuda.device_count()
+    missing = [str(d) for d in out if d.type == "cuda" and (d.index or 0) >= count]
+    if missing:
+        raise ValueError(
+            f"devices lists {', '.join(missing)} but this machine has {count} CUDA device(s); run on a machine with "
+            "them, or list existing devices (e.g. devices=['cpu', 'cpu'] runs the stages on the CPU)"
+        )
+    return out
+
+
+class GPipeStrategy(SingleDeviceStrategy):
+    """Split the model's blocks into stages over ``devices`` and each batch into ``chunks`` micro-batches.
+
+    Args:
+        chunks: micro-batches per batch (M). More cuts the pipeline bubble and the
+            activation memory of one micro-batch, at more per-micro-batch overhead.
+        balance: blocks per stage as a list, or ``"by_size"`` (parameter and buffer bytes,
+            one stage per device).
+        devices: one device per stage: a list (``["cuda:0", "cuda:1"]``, ``["cpu", "cpu"]``),
+            an int (that many CUDA devices, or CPU stages where there is no GPU), or
+            ``None`` for every visible GPU (the CPU when there is none).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches
+            recompute their activations in backward instead of storing them (memory for time).
+        blocks: the block policy of :func:`lightning_accel.models.block_policy.find_blocks`.
+        loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from the
+            whole batch, instead of once per micro-batch.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        chunks: int = 1,
+        balance: Sequence[int] | str = "by_size",
+        devices: DeviceSpec = None,
+        checkpoint: str = "except_last",
+        blocks: BlockPolicy = "auto",
+        loss_reduction: str = "mean",
+        deferred_batch_norm: bool = False,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}; e.g. chunks=4")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}; "
+                "'always' saves the most memory, 'never' is the fastest"
+            )
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
+        if isinstance(balance, str) and balance != "by_size":
+            raise ValueError(
+                f"balance must be a list of blocks per stage or 'by_size', got {balance!r}; "
+                "for timings, measure with lightning_accel.pipeline.profile_times and pass "
+                "balance_by_cost(times, stages) as the list"
+            )
+        self.devices = _devices(devices)
+        if not isinstance(balance, str) and len(list(balance)) > len(self.devices):
+            raise ValueError(
+                f"balance {list(balance)} has {len(list(balance))} stages but only {len(self.devices)} devices were "
+                f"given; list one device per stage (devices of length {len(list(balance))}) or use fewer stages"
+            )
+        super().__init__(device=self.devices[0], checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.chunks = chunks
+        self.balance = balance if isinstance(balance, str) else list(balance)
+        self.checkpoint = checkpoint
+        self.blocks = blocks
+        self.loss_reduction = loss_reduction
+        self.deferred_batch_norm = deferred_batch_norm
+        self.pipeline: LocalPipeline | None = None
+
+    def _net(self) -> nn.Module:
+        """The network the blocks live in: the LightningModule's ``net`` if it has one (zoo tasks), else itself."""
+        module = self.lightning_module
+        assert module is not None
+        net = getattr(module, "net", None)
+        return net if isinstance(net, nn.Module) else module
+
+    def _plan(self, net: nn.Module) -> LocalPipeline:
+        blocks = find_blocks(net, self.blocks)
+        if isinstance(self.balance, str):
+            stages = min(len(self.devices), len(blocks))
+            balance = balance_by_cost(block_bytes([b.module for b in blocks]), stages)
+        else:
+            balance = check_balance(self.balance, len(blocks), len(self.devices))
+        return LocalPipeline(
+            net, blocks, balance, self.devices, checkpoint_stop(self.checkpoint, self.chunks), self.deferred_batch_norm
+        )
+
+    def _warn_batch_norm(self, net: nn.Module) -> None:
+        """BatchNorm sees one micro-batch at a time, which plain training does not: say so once, up front."""
+        norms = [n for n, m in net.named_modules() if isinstance(m, _BatchNorm)]
+        if self.chunks > 1 and norms and not self.deferred_batch_norm:
+            warnings.warn(
+                f"GPipeStrategy(chunks={self.chunks}): {len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalize "
+                f"each micro-batch (1/{self.chunks} of the batch) on its own, so batch statistics, running mean/var "
+                "and gradients differ from plain training. HINT: deferred_batch_norm=True keeps the running "
+                "statistics over the whole batch (each micro-batch is still normalized by its own statistics)",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.pipeline is not None:
+            self.pipeline.restore()
+        self.model.to(self.root_device)
+        net = self._net()
+        self.pipeline = self._plan(net)
+        self.pipeline.place()
+        self._warn_batch_norm(net)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        assert self.lightning_module is not None and self.pipeline is not None
+        if args:
+            batch, rest = args[0], args[1:]
+        else:
+            batch, rest = kwargs.pop("batch"), ()
+        micro = scatter(batch, self.chunks)
+        outputs = []
+        with self.precision_plugin.train_step_context():
+            for i, mb in enumerate(micro):
+                with self.pipeline.microbatch(i):
+                    outputs.append(self.lightning_module.training_step(mb, *rest, **kwargs))
+        self.pipeline.finish_batch()
+        return reduce_outputs(outputs, [batch_size(mb) for mb in micro], self.loss_reduction)
+
+    @override
+    def teardown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.restore()
+            self.pipeline = None
+        super().teardown()

@@ -1,0 +1,39 @@
+"""The pipeline benchmark on a shrunk workload: every contender runs and the tables are complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_accel.bench import BENCHMARKS
+from lightning_accel.benchmarks.pipeline import main
+
+
+def test_shrunk_benchmark_prints_every_row_and_draws_the_timeline(capsys, tmp_path):
+    args = ["--plot", str(tmp_path / "plot"), "--depth", "4", "--hidden", "32", "--batch", "16", "--chunks", "4", "--steps", "1", "--rounds", "1",
+            "--memory-chunks", "1,4", "--memory-batch", "64", "--memory-hidden", "64", "--timeout", "120"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for name in ("1 process (no pipeline)", "raw torch.distributed.pipelining", "lightning_accel RankPipeline",
+                 "ideal S*M/(M+S-1)", "M=1, checkpoint=never", "M=1, checkpoint=always", "M=4, checkpoint=always"):
+        assert name in out
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    assert float(rows["ideal S*M/(M+S-1)"][-3]) == pytest.approx(8 / 5, abs=1e-3)  # S=2, M=4
+    assert float(rows["raw torch.distributed.pipelining"][-1]) == 1.0
+    assert out.rstrip().splitlines()[-1].startswith("machine: ")
+    assert "bubble measured" in out and "fill-drain ideal 20.0%" in out  # (S-1)/(M+S-1) = 1/5
+    svg = (tmp_path / "plot" / "pipeline-timeline.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 2 * 2 * 4  # 2 stages x (F + B) x 4 micro-batches
+    trace = json.loads((tmp_path / "plot" / "pipeline-trace.json").read_text())
+    assert sorted({(e["tid"], e["name"]) for e in trace["traceEvents"]}) == sorted(
+        (s, f"{k}{m}") for s in range(2) for k in "FB" for m in range(4))
+
+
+def test_registered_under_pipeline():
+    assert BENCHMARKS["pipeline"][1] is main
+
+
+def test_batch_not_divisible_by_chunks_is_rejected():
+    with pytest.raises(SystemExit, match=r"--batch 10 / --chunks 4.*batch divisible by chunks"):
+        main(["--batch", "10", "--chunks", "4"])

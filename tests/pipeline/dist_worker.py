@@ -1,0 +1,45 @@
+"""One rank of a 2-process pipeline test, launched the way Lightning's subprocess launcher does (env vars).
+
+argv: OUT_DIR SCHEDULES MODE: SCHEDULES comma-separated (one launch runs them all, one after
+another, to pay the start-up once); MODE "train" (save this rank's gradients and loss per
+schedule) or "die" (rank 1 exits in the middle of its first forward).
+"""
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_accel.models import MLP
+from lightning_accel.pipeline.distributed import RankPipeline
+
+
+def main() -> None:
+    out, schedules, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
+    for schedule in schedules.split(","):
+        torch.manual_seed(0)
+        net = MLP(6, 3, hidden=16, depth=4).double()
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+        balance = [1, 1, 1, 1] if schedule == "interleaved_1f1b" else [1, 3]
+        pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule, record=True)
+        if mode == "die" and rank == 1:
+            pipe.modules[0].blocks[0].register_forward_pre_hook(lambda *_: os._exit(3))
+        try:
+            loss = pipe.step(x, y)
+        except RuntimeError as err:
+            print(f"rank {rank} error: {err}", flush=True)
+            os._exit(4)  # do not wait in destroy_process_group for a dead peer
+        grads = {n: p.grad for m in pipe.modules for n, p in zip(m.user_state_dict(), m.parameters())}
+        torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()]}, os.path.join(out, f"{schedule}-rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The multi-process pipeline on 2 gloo ranks against plain training, and a rank that dies."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_accel.models import GPT, MLP
+from lightning_accel.pipeline.distributed import StageModule, stage_indices
+from lightning_accel.pipeline.schedule import one_f_one_b_order
+from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def _launch(out: Path, schedule: str, mode: str, timeout: float = 60.0) -> list[subprocess.CompletedProcess]:
+    """Start 2 ranks with Lightning-style env vars; kill both if they outlive ``timeout`` (so CI never hangs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), schedule, mode], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            stdout, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"pipeline ranks still running after {timeout} s: a hang")
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+    return results
+
+
+def _reference():
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+    loss = F.mse_loss(net(x), y)
+    loss.backward()
+    return {n: p.grad for n, p in net.named_parameters()}, loss.detach()
+
+
+def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
+    results = _launch(tmp_path, ",".join(schedules), "train", timeout=120)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    ref_grads, ref_loss = _reference()
+    for schedule in schedules:
+        ranks = [torch.load(tmp_path / f"{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
+        grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
+        assert grads.keys() == ref_grads.keys(), schedule  # each parameter on exactly one rank, under the user's name
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
+        assert ranks[0]["loss"] is None  # the loss lives on the last stage: rank 1 (stage 1, or 3 when interleaved)
+        torch.testing.assert_close(ranks[1]["loss"], ref_loss, rtol=1e-10, atol=1e-12)
+        # the recorded timeline is the schedule that ran: compare with the orders written out by hand
+        events = [Event(*e) for r in ranks for e in r["events"]]
+        orders = stage_orders(events)
+        if schedule == "gpipe":  # torch's GPipe drains in increasing micro-batch order
+            assert orders == [["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]] * 2
+        elif schedule == "1f1b":
+            assert orders == [["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"],
+                              ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]]
+            assert orders == [[f"{a.kind}{a.microbatch}" for a in o] for o in one_f_one_b_order(4, 2)]
+        else:  # 4 stages, 2 per rank: every micro-batch forward and backward once on each, forwards in order
+            assert len(orders) == 4
+            for order in orders:
+                assert [a for a in order if a[0] == "F"] == ["F0", "F1", "F2", "F3"]
+                assert sorted(a for a in order if a[0] == "B") == ["B0", "B1", "B2", "B3"]
+        assert all(e.end >= e.start for e in events) and 0.0 <= measured_bubble(events) < 1.0
+
+
+def test_a_rank_dying_mid_step_ends_every_rank_with_an_error_naming_it(tmp_path):
+    start = time.monotonic()
+    results = _launch(tmp_path, "gpipe", "die", timeout=60)
+    assert results[1].returncode == 3
+    assert results[0].returncode == 4, results[0].stdout[-3000:]
+    assert "rank 0 error: pipeline step failed on rank 0 (stages [0]) while exchanging with rank(s) [1]" in results[0].stdout
+    assert time.monotonic() - start < 45
+
+
+def test_stage_modules_split_the_network_and_keep_names():
+    net = MLP(6, 3, hidden=8, depth=4)
+    first, last = StageModule(net, [1, 3], 0), StageModule(net, [1, 3], 1)
+    assert set(first.user_state_dict()) == {"pre.weight", "pre.bias", *(f"blocks.0.{n}" for n, _ in net.blocks[0].named_parameters())}
+    assert {*first.user_state_dict(), *last.user_state_dict()} == set(dict(net.named_parameters()))
+    x = torch.randn(2, 6)
+    torch.testing.assert_close(last(first(x)), net(x))
+    assert stage_indices(1, 2, "1f1b") == [1] and stage_indices(1, 2, "interleaved_1f1b") == [1, 3]
+
+
+def test_tied_weights_across_stages_are_refused():
+    net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    with pytest.raises(ValueError, match=r"parameter post.lm_head.weight is shared between pipeline stage 1.*untie"):
+        StageModule(net, [1, 1], 1)
+
+
+def test_a_network_without_blocks_is_refused():
+    with pytest.raises(TypeError, match="the multi-process GPipe pipeline needs a block network, but Sequential has no nn.Module `pre`"):
+        StageModule(nn.Sequential(nn.Linear(2, 2)), [1], 0)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A 1-rank gloo group in this process: enough for the checks that run before any exchange."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_shapes_that_change_between_steps_fail_before_the_step(one_rank_group):
+    from lightning_accel.pipeline.distributed import RankPipeline
+
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=8, depth=2)
+    pipe = RankPipeline(net, [2], chunks=2, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    torch.testing.assert_close(pipe.step(x, y), F.mse_loss(net(x), y))  # one stage: the plain loss
+    with pytest.raises(ValueError, match=r"batch shapes \(inputs, target\) \(\(2, 6\), \(2, 3\)\) differ from the first step's \(\(4, 6\), \(4, 3\)\).*drop_last=True"):
+        pipe.step(torch.randn(2, 6), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"the batch size 5 is not divisible by chunks=2"):
+        pipe.step(torch.randn(5, 6), torch.randn(5, 3))
+
+
+def test_schedule_needing_more_micro_batches_fails_before_building(one_rank_group):
+    from lightning_accel.pipeline.distributed import RankPipeline
+
+    with pytest.raises(ValueError, match=r"schedule 'interleaved_1f1b' needs at least as many micro-batches as stages \(chunks=1, stages=2\)"):
+        RankPipeline(MLP(6, 3, hidden=8, depth=2), [1, 1], chunks=1, loss_fn=F.mse_loss, schedule="interleaved_1f1b")

@@ -1,0 +1,96 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accel.models import GPT
+from lightning_accel.models.block_policy import find_blocks
+from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
+from lightning_accel.pipeline.microbatch import scatter
+from lightning_accel.pipeline.reduction import reduce_outputs
+
+
+class Counting(nn.Module):
+    """A block that counts its forward calls, to see re-materialization happen."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(3, 8)
+        self.layers = nn.ModuleList(Counting(8) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_checkpoint_stop_policy():
+    assert [checkpoint_stop(m, 4) for m in ("always", "except_last", "never")] == [4, 3, 0]
+    with pytest.raises(ValueError, match="checkpoint must be one of always, except_last, never, got 'sometimes'"):
+        checkpoint_stop("sometimes", 4)
+
+
+@pytest.mark.parametrize(("mode", "recomputed"), [("always", 4), ("except_last", 3), ("never", 0)])
+def test_rematerialization_and_exact_gradients(mode, recomputed):
+    torch.manual_seed(0)
+    net = Net().double()
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    nn.functional.mse_loss(ref(x), y).backward()
+
+    chunks = 4
+    pipe = LocalPipeline(net, find_blocks(net), [1, 3], ["cpu", "cpu"], checkpoint_stop(mode, chunks))
+    pipe.place()
+    losses, sizes = [], []
+    for i, (xb, yb) in enumerate(scatter((x, y), chunks)):
+        with pipe.microbatch(i):
+            losses.append(nn.functional.mse_loss(net(xb), yb))
+        sizes.append(xb.size(0))
+    reduce_outputs(losses, sizes).backward()
+    # every block ran once per micro-batch forward, plus once per re-materialized micro-batch
+    assert [layer.calls for layer in net.layers] == [chunks + recomputed] * 4
+    for (name, p), (ref_name, q) in zip(net.named_parameters(), ref.named_parameters()):
+        assert name == ref_name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_assignment_attaches_outside_modules_to_first_and_last_stage():
+    net = Net()
+    pipe = LocalPipeline(net, find_blocks(net), [2, 1, 1], ["cpu"] * 3)
+    assert pipe.assignment() == {
+        "stem": 0, "layers.0": 0, "layers.1": 0, "layers.2": 1, "layers.3": 2, "head": 2,
+    }
+
+
+def test_restore_leaves_a_plain_model_with_the_same_names():
+    net = Net()
+    names = [n for n, _ in net.state_dict().items()]
+    pipe = LocalPipeline(net, find_blocks(net), [2, 2], ["cpu", "cpu"], checkpoint_stop("always", 2))
+    pipe.place()
+    assert list(net.state_dict()) == names
+    assert "forward" in net.layers[0].__dict__
+    pipe.restore()
+    assert "forward" not in net.layers[0].__dict__
+    assert not net._forward_hooks and not net.stem._forward_pre_hooks
+
+
+def test_tied_weights_across_devices_are_refused_before_moving():
+    net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    pipe = LocalPipeline(net, find_blocks(net), [1, 1], ["cpu", "meta"])
+    with pytest.raises(ValueError, match=r"shared by pre.wte \(stage 0, cpu\) and post.lm_head \(stage 1, meta\).*HINT: untie"):
+        pipe.place()
+    assert all(p.device.type == "cpu" for p in net.parameters())
