@@ -37,14 +37,15 @@ class OffloadPrecision(MixedPrecision):
                 f"{', '.join(_DTYPES)} (fp32 masters on the host, copies in that precision on the device)"
             )
         self.init_scale = init_scale
-        scaler = torch.amp.GradScaler(device or "cuda", init_scale=init_scale) if precision == "16-mixed" else None
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")  # the strategy may still change it
+        scaler = torch.amp.GradScaler(device, init_scale=init_scale) if precision == "16-mixed" else None
         if precision == "32-true":
             # MixedPrecision only takes the mixed flags; set its fields directly.
             self.precision = "32-true"  # type: ignore[assignment]
-            self.device = device or "cpu"
+            self.device = device
             self.scaler = None
         else:
-            super().__init__(precision, device or "cuda", scaler)  # type: ignore[arg-type]
+            super().__init__(precision, device, scaler)  # type: ignore[arg-type]
         self.compute_dtype: torch.dtype = _DTYPES[precision]
 
     def set_device(self, device_type: str) -> None:
