@@ -1,31 +1,37 @@
-"""PrefetchTuner: finding the train loader's worker settings by measurement, during fit.
+"""PrefetchTuner: finding the train loader's worker settings by measurement, during fit, without pausing it.
 
 How it works, and why this way. At ``on_train_start`` the train ``DataLoader`` is
 wrapped in a :class:`~lightning_accel.prefetch.TunableLoader` (Lightning has already
 called ``iter()`` on it, so the wrapper is swapped into ``fit_loop._combined_loader``
 and the epoch iterator re-created before any batch is consumed). The first
 ``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
-Only if waiting takes more than ``data_bound_fraction`` of the time does it search:
-the start's pace is known from those steps, and each candidate loader (same dataset,
-batch size, collate, sampler kind) is built and pulled back to back for a few batches,
-which measures how fast it can deliver without training on those batches or
-disturbing the user's sampler; the search
-(:class:`~lightning_accel.prefetch.PrefetchSearch`) doubles ``num_workers`` and then
-hill-climbs, within the per-rank CPU and memory budgets. The winner is installed at
-the next batch for map-style datasets (the wrapper resumes the epoch's order where it
-was, so no sample is repeated or skipped) and at the next epoch for iterable ones.
+Only if waiting takes more than ``data_bound_fraction`` of the time does it search, and
+it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's loader is
+built and its workers started in the background while training goes on consuming the
+current one; at a batch boundary ``lead`` steps later (about one batch's latency, so
+the new workers have batches ready) the candidate takes over, and training runs on it.
+Its pace is measured from the times its workers finished its first ``2 w`` batches:
+each worker's first and second batch (both queued from the start) span one item as the
+``w`` workers make them together, so the pace is not blurred by the batches buffered
+before the hand-over (which would make too few workers look sufficient).
+:class:`~lightning_accel.prefetch.PrefetchSearch` then proposes the next candidate
+(doubling ``num_workers``, then hill-climbing, within the per-rank CPU and memory
+budgets) until the predicted wait is negligible, the gains flatten or
+``max_search_steps`` would be passed. The best setting measured stays (or is
+prepared in the background once more); the start stays when nothing waited less, so
+the run is slower than its start by at most the extra waiting of the steps trained on
+worse candidates, which the report states as the measurement cost. Every switch is at a
+batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
 
-Probing candidates offline rather than training on each in turn keeps the search to a
-single pause of a few seconds inside the first steps, and measures each candidate in
-steady state instead of in the burst of batches its workers buffered at start-up,
-which would make too few workers look sufficient. The user's settings are kept
-unless a candidate's predicted wait is below the wait measured in the first steps,
-so the run is never slower than its start by more than that pause, which the report
-states.
+An iterable dataset cannot be resumed part-way, so there the candidates are probed
+back to back in one pause (the loader alone, a few batches each) and the winner starts
+at the next epoch.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,6 +43,7 @@ from lightning_accel.bench import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.loader_rebuild import RebuildError, is_iterable
+from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
@@ -57,9 +64,11 @@ class PrefetchTuner(Callback):
         memory_budget_bytes: bytes of buffered batches per rank at most
             (workers x prefetch_factor x batch bytes); ``None``: half the free RAM / shared memory.
         warmup_steps: steps ignored before measuring (loader start-up).
-        trial_steps: steps measured to decide whether training is data-bound.
-        max_search_steps: the search must be over by this step; it runs, in one pause, right
-            after step ``warmup_steps + trial_steps``, which must come before it.
+        trial_steps: steps measured at most to decide whether training is data-bound; two are
+            enough when each waited longer for its batch than it computed (clearly data-bound).
+        max_search_steps: the search must be decided by this step; it starts after step
+            ``warmup_steps + trial_steps``, which must come before it, and tries no candidate
+            it could not judge in time.
         cache_path: JSON file of tuned settings per dataset and machine; a hit skips the search.
         data_bound_fraction: share of time waiting above which the loader is tuned.
     """
@@ -102,14 +111,23 @@ class PrefetchTuner(Callback):
         self.measured: WaitStats | None = None
         self.reason = "not run"
         self.measurement_cost_s = 0.0
+        self.finished_step: int | None = None  # the step at which the search decided
+        self.max_lead = 16  # steps a candidate's workers may fill up before taking over
+        self.guess = True  # let the start's measurement pick where the doubling starts
         self._done = False
         self._cache_key = ""
+        self._trying: LoaderSettings | None = None
+        self._search_from = 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
+        self._budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
+        self._cuda = pl_module.device.type == "cuda"
+        cached = self._cached(trainer)
         try:
-            why_not = swap_train_loader(trainer, TunableLoader)
+            # A cache hit serves with the tuned settings from the very first batch.
+            why_not = swap_train_loader(trainer, lambda loader: TunableLoader(loader, cached))
         except RebuildError as err:
             why_not = str(err)
         if why_not is not None:
@@ -117,17 +135,24 @@ class PrefetchTuner(Callback):
             rank_zero_warn(f"PrefetchTuner: {why_not}; training continues with your loader's settings")
             return
         self.loader = trainer.fit_loop._combined_loader.flattened[0]  # type: ignore[union-attr]
-        self._budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
-        self._cuda = pl_module.device.type == "cuda"
-        if self.cache_path:
-            self._cache_key = cache.cache_key(self.loader.dataset, self.loader.batch_size, trainer.num_devices)
-            cached = cache.load(self.cache_path, self._cache_key)
-            if cached is not None and cached.num_workers <= self._budget.max_workers:
-                self._install(cached, f"from cache {self.cache_path}")
-                rank_zero_info(f"PrefetchTuner: {self.reason}: {cached.label()}")
-                return
+        if cached is not None:
+            self.chosen = cached
+            self.reason = f"from cache {self.cache_path}"
+            rank_zero_info(f"PrefetchTuner: {self.reason}: {cached.label()}")
+            return
         self._done = False
         self.meter.start()
+
+    def _cached(self, trainer: pl.Trainer) -> LoaderSettings | None:
+        combined = trainer.fit_loop._combined_loader
+        if not self.cache_path or combined is None or len(combined.flattened) != 1:
+            return None
+        loader = combined.flattened[0]
+        if not hasattr(loader, "dataset"):
+            return None  # not a DataLoader: the swap below says why it is kept
+        self._cache_key = cache.cache_key(loader.dataset, getattr(loader, "batch_size", None), trainer.num_devices)
+        cached = cache.load(self.cache_path, self._cache_key)
+        return cached if cached is not None and cached.num_workers <= self._budget.max_workers else None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -141,10 +166,14 @@ class PrefetchTuner(Callback):
         if self._done:
             return
         self.meter.step_ended()
-        if len(self.meter) >= self.warmup_steps + self.trial_steps:
-            self._done = True
-            self._batch_bytes = batch_nbytes(batch)
-            self._tune(self.meter.stats(skip=self.warmup_steps))
+        if self.search is None:
+            if len(self.meter) >= self.warmup_steps + self.trial_steps or self._clearly_data_bound():
+                self._batch_bytes = batch_nbytes(batch)
+                self._start_search(self.meter.stats(skip=self.warmup_steps))
+        else:
+            self._advance()
+        if self._done:
+            self.finished_step = len(self.meter)
             rank_zero_info(self.report())
             if self.chosen is not None:
                 for logger in trainer.loggers:
@@ -157,23 +186,26 @@ class PrefetchTuner(Callback):
                         step=trainer.global_step,
                     )
 
+    def _clearly_data_bound(self) -> bool:
+        """Two steps or more (after the warm-up), and each waited longer than it computed: no need for more."""
+        waits, steps = self.meter.waits[self.warmup_steps : len(self.meter)], self.meter.steps[self.warmup_steps :]
+        return len(steps) >= 2 and all(w > s for w, s in zip(waits, steps))
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._done and self.search is not None:  # training ended mid-search: keep what was learnt
+            self._finish(cut_short=True)
+            self.finished_step = len(self.meter)
+            rank_zero_info(self.report())
         if self.loader is not None:
             self.loader.close()
 
-    def _install(self, settings: LoaderSettings, reason: str) -> None:
-        assert self.loader is not None
-        try:
-            self.loader.switch(settings)
-        except RebuildError as err:
-            self.reason = f"kept your loader: {err}"
-            rank_zero_warn(f"PrefetchTuner: {err}; training continues with your loader's settings")
-            return
-        self.chosen = settings
-        self.reason = reason
+    def _keep(self, why: str) -> None:
+        self.reason = f"kept your loader: {why}"
+        rank_zero_warn(f"PrefetchTuner: {why}; training continues with your loader's settings")
+        self._done = True
 
-    def _tune(self, measured: WaitStats) -> None:
+    def _start_search(self, measured: WaitStats) -> None:
         assert self.loader is not None
         self.measured = measured
         if measured.wait_fraction <= self.data_bound_fraction:
@@ -181,31 +213,144 @@ class PrefetchTuner(Callback):
                 f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
                 f"<= {100 * self.data_bound_fraction:.0f}%)"
             )
+            self._done = True
             return
         start = self.loader.settings
-        self.search = PrefetchSearch(start, measured.step_s, self._batch_bytes, budget=self._budget, cuda=self._cuda)
-        # The first steps already measured the start, which saves probing it (seconds on a slow
-        # loader): without workers the loader works only while the loop waits, so its time per
-        # batch is the wait; with workers, when data-bound, a batch arrives every wait + step.
+        self._start = start
+        self.search = PrefetchSearch(
+            start, measured.step_s, self._batch_bytes, budget=self._budget, cuda=self._cuda, guess=self.guess
+        )
+        # The first steps already measured the start: without workers the loader works only while
+        # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
+        # arrives every wait + step.
         self.search.record(start, measured.wait_s if start.num_workers == 0 else measured.wait_s + measured.step_s)
+        self._search_from = len(self.meter)
+        if is_iterable(self.loader.loader):
+            self._probe_search()
+            return
+        self._next_candidate()
+
+    def _lead(self, candidate: LoaderSettings) -> int:
+        """Batches the current loader still serves while the candidate's workers fill up.
+
+        About one item's latency (what a worker needs for its first batch) over the
+        current time per step, longer when more workers than cores start at once and
+        share them; 0 (a cold switch) when both loaders' buffers would not fit the memory
+        budget at once.
+        """
+        assert self.loader is not None and self.search is not None
+        current = self.loader.settings
+        both = (current.buffered_batches + candidate.buffered_batches) * self.search.batch_bytes
+        if both > self._budget.memory_bytes:
+            return 0
+        trial = next((t for t in reversed(self.search.trials) if t.settings == current), None)
+        step_s = self.search.step_s
+        if current.num_workers == 0 or trial is None:
+            item_s = trial.interval_s if trial is not None else step_s
+            period = item_s + step_s
+        else:
+            item_s = trial.interval_s * current.num_workers  # each worker takes w intervals per batch
+            period = max(step_s, trial.interval_s)
+        period = max(period, 1e-6)
+        crowd = max(1.0, candidate.num_workers / (os.cpu_count() or 1))
+        # Each step of lead trades a slow batch from the current loader for a fast one later,
+        # which pays while the new workers would not be ready anyway.
+        return max(1, min(self.max_lead, math.floor(1.1 * item_s * crowd / period)))
+
+    def _next_candidate(self) -> None:
+        assert self.loader is not None and self.search is not None
+        candidate = self.search.propose()
+        if candidate is not None:
+            lead = self._lead(candidate)
+            # The verdict on a candidate needs 2 w of its batches after the hand-over.
+            if len(self.meter) + lead + 2 * max(1, candidate.num_workers) > self.max_search_steps:
+                candidate = None
+        if candidate is None:
+            self._finish()
+            return
+        try:
+            self.loader.prepare(candidate, lead)
+        except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
+            self._keep(str(err))
+            return
+        self._trying = candidate
+
+    def _advance(self) -> None:
+        """After a step of the search: judge the candidate once it has served enough batches."""
+        assert self.loader is not None and self.search is not None
+        candidate = self._trying
+        if candidate is None:
+            return
+        if self.loader.settings != candidate:
+            return  # still being prepared
+        w = max(1, candidate.num_workers)
+        stamps = self.loader.stamps
+        if len(stamps) < 2 * w:
+            return
+        # Worker j made batches j and j + w back to back (both were queued when it started), so
+        # their finish times span one item as the w workers make them together: the second
+        # round, past the burst of forking and starting all at once.
+        item_s = sum(max(0.0, stamps[j + w] - stamps[j]) for j in range(w)) / w
+        interval = item_s / w
+        self.search.record(candidate, interval)
+        self._trying = None
+        self._next_candidate()
+
+    def _finish(self, cut_short: bool = False) -> None:
+        assert self.loader is not None and self.search is not None
+        self._done = True
+        best, baseline = self.search.best, self.search.trials[0]
+        assert best is not None
+        target = best.settings if best.wait_s < baseline.wait_s else self._start
+        # At the end of training nothing is left to serve: only the report and the cache see the result.
+        if not cut_short and self.loader.settings != target:
+            try:
+                self.loader.prepare(target, self._lead(target))
+            except RebuildError as err:
+                self._keep(str(err))
+                return
+        self.measurement_cost_s = self._search_cost(baseline.wait_s)
+        steps = len(self.meter) - self._search_from
+        if target == self._start:
+            self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less"
+        else:
+            self.chosen = target
+            self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (
+                "; training ended before the search did (cached for the next run)" if cut_short else ", serving from the next batches"
+            )
+        if self.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
+            cache.store(self.cache_path, self._cache_key, target)
+
+    def _search_cost(self, start_wait_s: float) -> float:
+        """Extra waiting, against the start's, of the steps trained while candidates were tried."""
+        return sum(max(0.0, w - start_wait_s) for w in self.meter.waits[self._search_from : len(self.meter)])
+
+    def _probe_search(self) -> None:
+        """Iterable datasets: probe each candidate back to back in one pause; the best from the next epoch."""
+        assert self.loader is not None and self.search is not None
+        self._done = True
         while (candidate := self.search.propose()) is not None:
             try:
                 probe = measure_loader(self.loader.loader, candidate)
             except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
-                self.reason = f"kept your loader: {err}"
-                rank_zero_warn(f"PrefetchTuner: {err}; training continues with your loader's settings")
+                self._keep(str(err))
                 return
             self.measurement_cost_s += probe.elapsed_s
             self.search.batch_bytes = max(self.search.batch_bytes, probe.batch_bytes)
             self.search.record(candidate, probe.interval_s)
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        if best.settings == start or best.wait_s >= baseline.wait_s:
+        if best.settings == self._start or best.wait_s >= baseline.wait_s:
             self.reason = "kept your loader: no candidate would wait less"
             return
-        when = "from the next epoch (iterable dataset)" if is_iterable(self.loader.loader) else "from the next batch"
-        self._install(best.settings, f"fastest of {len(self.search.trials)} measured within the budget, used {when}")
-        if self.chosen is not None and self.cache_path:
+        try:
+            self.loader.switch(best.settings)
+        except RebuildError as err:
+            self._keep(str(err))
+            return
+        self.chosen = best.settings
+        self.reason = f"fastest of {len(self.search.trials)} probed within the budget, used from the next epoch (iterable dataset)"
+        if self.cache_path:
             cache.store(self.cache_path, self._cache_key, self.chosen)
 
     def report(self) -> str:
@@ -233,7 +378,7 @@ class PrefetchTuner(Callback):
             lines += ["  " + line for line in table.splitlines()]
             lines.append(
                 f"  budget per rank: {budget.max_workers} workers, {budget.memory_bytes / 2**20:.0f} MiB; "
-                f"measurement cost {self.measurement_cost_s:.1f} s"
+                f"search over by step {self.finished_step}; measurement cost {self.measurement_cost_s:.1f} s"
             )
         return "\n".join(lines)
 
@@ -245,6 +390,10 @@ class PrefetchTuner(Callback):
             rate = 1.0 / t.interval_s if t.interval_s > 0 else float("inf")
             rows.append(f"{s.num_workers},{s.prefetch_factor or 0},{int(s.pin_memory)},{1000 * t.interval_s:.3f},{rate:.3f}")
         return "\n".join(rows) + "\n"
+
+    def trials_svg(self) -> str:
+        """Throughput (batches/s) against the settings tried, in order, as an SVG document."""
+        return trials_svg(self.search.trials if self.search else [], self.chosen)
 
 
 __all__ = ["PrefetchTuner"]

@@ -14,7 +14,7 @@ import contextlib
 import multiprocessing
 import pickle
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
@@ -65,8 +65,10 @@ def check_rebuildable(loader: Any, workers: bool = True) -> None:
                 ) from None
 
 
-def rebuild_loader(loader: DataLoader, settings: LoaderSettings, plan: Iterable | None = None) -> DataLoader:
-    """A copy of ``loader`` with ``settings``.
+def rebuild_loader(
+    loader: DataLoader, settings: LoaderSettings, plan: Iterable | None = None, collate_fn: Callable | None = None
+) -> DataLoader:
+    """A copy of ``loader`` with ``settings`` (and ``collate_fn`` when given, e.g. one wrapping the user's).
 
     ``plan`` replaces the index source: for a batched map-style loader an iterable of
     index lists (the batches still to serve), for ``batch_size=None`` an iterable of
@@ -75,7 +77,7 @@ def rebuild_loader(loader: DataLoader, settings: LoaderSettings, plan: Iterable 
     """
     check_rebuildable(loader, workers=settings.num_workers > 0)
     common: dict[str, Any] = dict(
-        collate_fn=loader.collate_fn,
+        collate_fn=collate_fn if collate_fn is not None else loader.collate_fn,
         worker_init_fn=loader.worker_init_fn,
         timeout=loader.timeout if settings.num_workers else 0,
         generator=loader.generator,

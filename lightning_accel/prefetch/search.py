@@ -4,10 +4,12 @@ In the spirit of tf.data AUTOTUNE: a candidate is judged by the measured time be
 batches its loader delivers (``interval_s``), against the time a training step takes
 (``step_s``). Since worker processes run ahead of the step, the wait they leave is
 about ``max(0, interval_s - step_s)``; without workers nothing overlaps and the wait is
-``interval_s`` itself. The search doubles ``num_workers`` (from 2, or twice the
-start) while that wait shrinks, then tries the midpoint between the best and the first worse count, then a
-deeper ``prefetch_factor``; it stops as soon as the predicted wait is negligible or the
-gains flatten. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
+``interval_s`` itself. The search doubles ``num_workers`` (2, 4, 8, ... or from twice
+the start), starting at the first count that a model of the start's measurement calls
+enough (item time / step time, as if workers overlapped perfectly), while that wait
+shrinks; then it tries the midpoints between the best and the counts measured on either
+side of it (or, after a jump, halfway down), then a deeper ``prefetch_factor``; it
+stops as soon as the predicted wait is negligible or the gains flatten. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
 measurement: pinning only helps a CUDA copy, and persistence only saves the worker
 start-up at each epoch boundary. The object is pure: it never touches a loader or a
 clock, so the policy is tested against a simulated loader with a known optimum.
@@ -69,6 +71,7 @@ class PrefetchSearch:
     negligible: float = 0.05
     min_gain: float = 0.1
     max_trials: int = 12
+    guess: bool = True  # start the doubling where the model says (False: at 2, or twice the start)
     trials: list[Trial] = field(default_factory=list)
     _queue: list[LoaderSettings] = field(default_factory=list)
     _phase: str = "start"
@@ -116,8 +119,8 @@ class PrefetchSearch:
             return None
         if self._phase == "start":
             self._phase = "double"
-            first = self._settings(max(2, 2 * self.start.num_workers))
-            if first != self.start and self._fits(first):
+            first = self._first_candidate()
+            if first is not None:
                 return first
         if self._phase == "double":
             proposal = self._next_double()
@@ -138,6 +141,22 @@ class PrefetchSearch:
                 if not self._tried(deeper) and self._fits(deeper):
                     return deeper
         return None
+
+    def _first_candidate(self) -> LoaderSettings | None:
+        """Where the doubling starts: the first count of 2, 4, 8, ... (from twice the start) the model calls enough.
+
+        The model: one worker takes the start's time per batch x its workers for an item,
+        so hiding it behind a step takes ``item / step`` workers if they overlap perfectly
+        (I/O). Counts the budget does not allow are not jumped to; measurement then
+        confirms the guess or the doubling and climbing correct it.
+        """
+        w = max(2, 2 * self.start.num_workers)
+        item_s = self.trials[0].interval_s * max(1, self.start.num_workers)
+        needed = item_s / self.step_s if self.step_s > 0 else w
+        while self.guess and w < needed and self._fits(self._settings(2 * w)):
+            w *= 2
+        first = self._settings(w)
+        return first if first != self.start and self._fits(first) else None
 
     def _worker_trials(self) -> list[Trial]:
         return [t for t in self.trials if t.settings.num_workers > 0]
@@ -171,6 +190,8 @@ class PrefetchSearch:
             out.append(self._settings(nxt))  # doubling stopped on the budget: try what still fits
         if below:
             out.append(self._settings(math.ceil((w + below[-1]) / 2)))
+        elif w // 2 > self.start.num_workers:  # the doubling jumped: fewer may do as well
+            out.append(self._settings(max(1, (w + self.start.num_workers) // 2)))
         return [s for s in out if s.num_workers != w]
 
 

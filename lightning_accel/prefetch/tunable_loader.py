@@ -1,17 +1,30 @@
 """A train loader whose worker settings can change between two batches without losing its place.
 
 For a map-style dataset the epoch's batches are drawn once from the user's (batch)
-sampler; the inner ``DataLoader`` serves them from a plan. A switch builds a new inner
-loader over the batches not yet handed out, so no sample is duplicated or lost: batches
-the old workers had prefetched but not delivered are dropped and served again by the
-new ones. An iterable dataset cannot be resumed part-way, so there a switch takes
-effect at the next epoch. Between switches the inner loader lives on, so
-``persistent_workers`` keeps its workers across epochs.
+sampler; each inner ``DataLoader`` serves a segment of them from a plan. ``prepare``
+builds the next inner loader in the background over the batches from ``k`` = "now +
+lead" on, and starts its workers at once, while the current loader, its plan cut at
+``k``, keeps serving the batches before it: training never pauses, and by the time
+batch ``k`` is asked for the new workers have had ``lead`` steps to fill their buffers.
+Each batch is served by exactly one inner loader, so none is duplicated or lost.
+``switch`` is the cold variant: the old workers stop, new ones serve from the next batch
+(what a tight memory budget needs: no moment with both loaders' buffers). An iterable
+dataset cannot be resumed part-way, so there a change takes effect at the next epoch.
+Between changes the inner loader lives on, so ``persistent_workers`` keeps its workers
+across epochs; a replaced one shuts down on a background thread (joining busy workers
+can take a whole item's latency).
+
+Every inner loader stamps each batch with the (system-wide monotonic) time its worker
+finished it: ``stamps`` holds them for the batches served by the current settings, so
+a caller can measure how fast those workers produce, unblurred by the batches they had
+buffered before the switch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -27,30 +40,101 @@ from lightning_accel.prefetch.settings import LoaderSettings
 
 
 class _Plan:
-    """The index batches (or indices) the inner loader serves next; set before each ``iter``."""
+    """Batches ``items[start:stop]`` (or indices), read lazily: lowering ``stop`` stops the workers early."""
 
-    def __init__(self) -> None:
-        self.items: list = []
+    def __init__(self, items: list | None = None, start: int = 0) -> None:
+        self.reset(items or [], start)
+
+    def reset(self, items: list, start: int = 0) -> None:
+        self.items, self.start, self.stop = items, start, len(items)
 
     def __iter__(self) -> Iterator:
-        return iter(self.items)
+        i = self.start
+        while i < min(self.stop, len(self.items)):  # re-read each time: ``stop`` may move while a loader runs
+            yield self.items[i]
+            i += 1
 
     def __len__(self) -> int:
-        return len(self.items)
+        return max(0, self.stop - self.start)
+
+
+class _Stamped:
+    """``collate_fn`` that also returns when the batch was finished (``time.monotonic`` is system-wide)."""
+
+    def __init__(self, collate_fn: Callable) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: Any) -> tuple[float, Any]:
+        batch = self.collate_fn(items)
+        return time.monotonic(), batch
+
+
+class _Inner:
+    """One inner loader over its own plan, with its iterator once started."""
+
+    def __init__(self, template: DataLoader, settings: LoaderSettings, plan: _Plan | None) -> None:
+        self.settings = settings
+        self.plan = plan
+        self.loader = rebuild_loader(template, settings, plan, collate_fn=_Stamped(template.collate_fn))
+        self.iterator: Any = None
+
+    def start(self) -> Iterator:
+        with more_workers_than_cores():
+            self.iterator = iter(self.loader)  # workers start fetching now
+        return self.iterator
+
+    def start_in_background(self) -> None:
+        """Fork the workers on a thread: forking a process holding a big heap takes ~50 ms per worker."""
+
+        def start() -> None:
+            try:
+                self.start()
+            except BaseException as err:  # re-raised (by starting again) where the loader is needed
+                self._failed = err
+
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=start, name="prefetch-start", daemon=True)
+        self._thread.start()
+
+    def started(self) -> Iterator:
+        """The iterator, once the background start is over (started again here if it failed there)."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        if self.iterator is None:
+            self.start()
+        return self.iterator
+
+    def close(self, background: bool = False) -> None:
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        iterator, self.iterator = self.iterator, None
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is None:
+            return
+        if background:  # the thread keeps the iterator alive until its workers have joined
+            threading.Thread(target=shutdown, name="prefetch-shutdown", daemon=True).start()
+        else:
+            shutdown()
 
 
 class TunableLoader:
-    """Wraps the user's ``DataLoader``; ``switch(settings)`` applies at the next batch (map-style) or epoch."""
+    """Wraps the user's ``DataLoader``; ``prepare`` / ``switch`` change its settings mid-epoch (map-style)."""
 
-    def __init__(self, loader: DataLoader) -> None:
-        check_rebuildable(loader, workers=False)
+    def __init__(self, loader: DataLoader, settings: LoaderSettings | None = None) -> None:
+        """``settings``: serve with these from the first batch (e.g. from a cache) instead of the loader's own."""
+        check_rebuildable(loader, workers=settings is not None and settings.num_workers > 0)
         self.loader = loader
-        self.settings = settings_of(loader)
+        self.settings = settings if settings is not None else settings_of(loader)
         self.switches = 0  # how many times an inner loader was replaced (for tests and reports)
-        self._pending: LoaderSettings | None = None
-        self._plan = _Plan()
-        self._inner: DataLoader | None = None
-        self._iterator: Any = None
+        self.stamps: list[float] = []  # finish times of the batches served under ``settings``
+        self._pending: LoaderSettings | None = None  # for the next epoch (or the next batch, cold)
+        self._inner: _Inner | None = None
+        self._next: _Inner | None = None  # prepared in the background, takes over at ``_next_at``
+        self._next_at = 0
         self._batches: list | None = None  # this epoch's batches while a map-style epoch runs
         self._consumed = 0
         # From now on the user's loader is only a template; free the workers it may keep alive.
@@ -78,59 +162,118 @@ class TunableLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def consumed(self) -> int:
+        """Batches handed out so far this epoch."""
+        return self._consumed
+
+    @property
+    def preparing(self) -> LoaderSettings | None:
+        """Settings prepared in the background that have not taken over yet."""
+        return self._next.settings if self._next is not None else (self._pending if self._pending != self.settings else None)
+
     def switch(self, settings: LoaderSettings) -> None:
         """Use ``settings`` from the next batch (map-style, mid-epoch) or the next epoch (iterable).
 
         Mid-epoch, the new workers start here, so they fetch while the current step
         finishes instead of after it.
         """
-        if settings == self.settings:
-            return
+        self.prepare(settings, lead=0)
+
+    def prepare(self, settings: LoaderSettings, lead: int = 1) -> None:
+        """Start ``settings``' workers now; they serve from ``lead`` batches on (this epoch, map-style).
+
+        Outside a map-style epoch, or when the epoch ends before that, the change takes
+        effect at the next epoch.
+        """
         check_rebuildable(self.loader, workers=settings.num_workers > 0)
+        self._drop_next()
+        if settings == self.settings:
+            self._pending = None
+            return
         self._pending = settings
-        if self._batches is not None:  # a map-style epoch is under way: resume it on new workers now
-            self._apply_pending()
-            self._plan.items = self._batches[self._consumed :]
-            self._iter_inner()
+        if self._batches is None or self._inner is None:
+            return  # between epochs, or an iterable dataset: at the next epoch
+        at = self._consumed + max(0, lead)
+        if at >= len(self._batches):
+            return  # the epoch ends first: at the next epoch
+        self._pending = None
+        self._next, self._next_at = _Inner(self.loader, settings, _Plan(self._batches, at)), at
+        if self._inner.plan is not None:
+            self._inner.plan.stop = at  # the current workers fetch nothing past the hand-over
+        if lead <= 0:
+            self._take_over(overlap=False)
+        else:
+            self._next.start_in_background()
+
+    def _take_over(self, overlap: bool = True) -> None:
+        """The prepared loader serves from here; without ``overlap`` the old workers stop before new ones start."""
+        assert self._next is not None
+        if self._inner is not None:
+            self._inner.close(background=overlap)
+        self._inner, self._next = self._next, None
+        self._inner.started()
+        self.settings = self._inner.settings
+        self.stamps = []
+        self.switches += 1
+
+    def _drop_next(self) -> None:
+        if self._next is not None:
+            self._next.close(background=True)
+            self._next = None
+            if self._inner is not None and self._inner.plan is not None and self._batches is not None:
+                self._inner.plan.stop = len(self._batches)  # the current loader serves the rest again
 
     def _apply_pending(self) -> None:
         if self._pending is not None:
-            self.close()
-            self.settings, self._pending = self._pending, None
-            self.switches += 1
+            if self._pending != self.settings:
+                self.close()
+                self.settings = self._pending
+                self.stamps = []
+                self.switches += 1
+            self._pending = None
 
     def close(self) -> None:
-        """Shut down the inner loader's workers now rather than at garbage collection."""
-        shutdown = getattr(self._iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self._iterator = None
-        self._inner = None
+        """Shut down the inner loaders' workers now rather than at garbage collection."""
+        for inner in (self._inner, self._next):
+            if inner is not None:
+                inner.close()
+        self._inner = self._next = None
 
-    def _iter_inner(self) -> Iterator:
-        if self._inner is None:
-            plan = None if is_iterable(self.loader) else self._plan
-            self._inner = rebuild_loader(self.loader, self.settings, plan)
-        with more_workers_than_cores():
-            self._iterator = iter(self._inner)
-        return self._iterator
+    def _serve(self, iterator: Iterator) -> Iterator:
+        for stamp, batch in iterator:
+            self.stamps.append(stamp)
+            yield batch
 
     def __iter__(self) -> Iterator:
+        if self._next is not None:  # an epoch ended before the hand-over: the next one starts with it
+            self._pending = self._next.settings
+            self._next.close(background=True)
+            self._next = None
         self._apply_pending()
         if is_iterable(self.loader):
-            yield from self._iter_inner()
+            if self._inner is None:
+                self._inner = _Inner(self.loader, self.settings, None)
+            yield from self._serve(self._inner.start())
             return
         source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
         self._batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
         self._consumed = 0
-        self._plan.items = self._batches
-        self._iter_inner()
+        if self._inner is None or self._inner.plan is None:
+            self._inner = _Inner(self.loader, self.settings, _Plan())
+        assert self._inner.plan is not None
+        self._inner.plan.reset(self._batches)  # persistent workers re-read their plan at each epoch
+        self._inner.start()
         try:
             while True:
+                if self._next is not None and self._consumed == self._next_at:
+                    self._take_over()  # batch boundary: the prepared workers serve from here on
+                assert self._inner is not None
                 try:
-                    batch = next(self._iterator)  # switch() may have replaced it since the last batch
+                    stamp, batch = next(self._inner.iterator)
                 except StopIteration:
                     return
+                self.stamps.append(stamp)
                 self._consumed += 1
                 yield batch
         finally:

@@ -26,16 +26,37 @@ def test_wait_matches_the_time_spent_fetching(caplog, sleepy, recorder, make_tra
 
 
 def test_compute_bound_verdict_and_logged_metrics(sleepy, recorder, make_trainer):
-    monitor = DataWaitMonitor()
+    monitor = DataWaitMonitor(log_every_n_steps=3)
     t = make_trainer([monitor])
-    t.fit(recorder(step_s=0.03), DataLoader(sleepy(8), batch_size=2))
+    logged = []
+
+    class Spy(DataWaitMonitor):  # records what the monitor logged, step by step
+        def on_train_batch_end(self, trainer, *args):
+            logged.append(trainer.callback_metrics.get("data_wait_ms"))
+
+    t.callbacks.append(Spy())
+    t.fit(recorder(step_s=0.05), DataLoader(sleepy(16), batch_size=2))  # 8 steps
     stats = monitor.stats()
-    assert stats.step_s >= 0.03 and stats.wait_fraction < 0.1
+    assert stats.step_s >= 0.05 and stats.wait_fraction < 0.1
     assert "compute-bound" in monitor.verdict()
     assert {"data_wait_ms", "data_wait_fraction", "batches_per_s"} <= set(t.callback_metrics)
-    assert t.callback_metrics["data_wait_ms"].item() == pytest.approx(1000 * monitor.meter.waits[-1], rel=1e-4)
+    waits = monitor.meter.waits
+    # Logged at steps 3 and 6 (means of their windows) and at the last step (the window 7-8).
+    assert logged[2].item() == pytest.approx(1000 * sum(waits[0:3]) / 3, rel=1e-4)
+    assert logged[3].item() == logged[2].item()  # nothing logged in between
+    assert logged[5].item() == pytest.approx(1000 * sum(waits[3:6]) / 3, rel=1e-4)
+    assert t.callback_metrics["data_wait_ms"].item() == pytest.approx(1000 * sum(waits[6:8]) / 2, rel=1e-4)
+
+
+def test_logs_follow_the_trainers_interval_by_default(sleepy, recorder, make_trainer):
+    monitor = DataWaitMonitor()
+    t = make_trainer([monitor], log_every_n_steps=2)
+    t.fit(recorder(), DataLoader(sleepy(5), batch_size=1))  # logged at steps 2, 4 and 5 (the end)
+    assert t.callback_metrics["data_wait_ms"].item() == pytest.approx(1000 * monitor.meter.waits[4], rel=1e-4)
 
 
 def test_bad_threshold_is_rejected():
     with pytest.raises(ValueError, match=r"data_bound_fraction=1.5 must lie strictly between 0 and 1"):
         DataWaitMonitor(data_bound_fraction=1.5)
+    with pytest.raises(ValueError, match=r"log_every_n_steps=0 must be a positive integer; pass None"):
+        DataWaitMonitor(log_every_n_steps=0)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import time
 
 import pytest
-from torch.utils.data import BatchSampler, DataLoader
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, get_worker_info
 
 from lightning_accel.callbacks import PrefetchTuner
 from lightning_accel.prefetch import LoaderSettings
+from lightning_accel.prefetch.cache import load as cache_load
 
 
 def test_data_bound_run_gets_workers_and_every_sample_once(sleepy, recorder, make_trainer, tmp_path, caplog):
@@ -22,8 +25,11 @@ def test_data_bound_run_gets_workers_and_every_sample_once(sleepy, recorder, mak
         make_trainer([tuner]).fit(model, loader)
     assert sorted(model.indices) == list(range(64))  # the switch mid-epoch lost and repeated nothing
     assert tuner.chosen is not None and tuner.chosen.num_workers >= 2
-    assert tuner.loader.switches == 1 and tuner.loader.settings == tuner.chosen
     trials = tuner.search.trials
+    # Online: training ran on each candidate in turn, then on the best if the last tried was not it.
+    assert tuner.loader.switches == len(trials) - 1 + (trials[-1].settings != tuner.chosen)
+    assert tuner.loader.settings == tuner.chosen
+    assert tuner.finished_step <= tuner.max_search_steps
     assert trials[0].settings == LoaderSettings(0)  # the start, measured like every candidate
     assert all(t.settings.num_workers <= 4 for t in trials)
     # 40 ms per item without workers: the start waits about that; the chosen loader much less.
@@ -59,7 +65,7 @@ def test_cache_file_that_is_garbage_is_ignored(tmp_path):
 
 def test_compute_bound_run_keeps_the_users_loader(sleepy, recorder, make_trainer):
     tuner = PrefetchTuner(warmup_steps=1, trial_steps=2)
-    model = recorder(step_s=0.02)
+    model = recorder(step_s=0.2)  # a wide margin: loader overhead under load must stay < 10% of a step
     make_trainer([tuner]).fit(model, DataLoader(sleepy(10), batch_size=1))
     assert tuner.chosen is None and "compute-bound" in tuner.reason and tuner.search is None
     assert tuner.loader.switches == 0 and sorted(model.indices) == list(range(10))
@@ -105,3 +111,41 @@ def test_unpicklable_dataset_for_spawned_workers_warns_and_trains_on(sleepy, rec
 def test_bad_arguments_are_rejected_up_front(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrefetchTuner(**kwargs)
+
+
+class SlowerInWorkers(Dataset):
+    """Item ``i`` is ``(i, x)``: 20 ms in the main process, 400 ms in a worker (workers only hurt)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02 if get_worker_info() is None else 0.4)
+        return torch.tensor(i), torch.full((4,), float(i))
+
+
+def test_candidates_that_wait_longer_are_dropped_and_the_start_comes_back(recorder, make_trainer, tmp_path):
+    path = tmp_path / "tuned.json"
+    tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, cache_path=str(path))
+    model = recorder()
+    make_trainer([tuner]).fit(model, DataLoader(SlowerInWorkers(), batch_size=1))
+    trials = tuner.search.trials
+    assert [t.settings.num_workers for t in trials] == [0, 2]  # measured online, then judged worse
+    assert trials[1].interval_s > 0.1 > trials[0].interval_s  # 400 ms over 2 workers vs 20 ms in line
+    assert tuner.chosen is None and tuner.reason.startswith("kept your loader: no candidate of 1 waited less")
+    assert tuner.loader.settings == LoaderSettings(0) and tuner.loader.switches == 2  # there and back
+    assert sorted(model.indices) == list(range(40))
+    # The cost is the extra waiting on the worse candidate, about one item in a worker per batch it served.
+    assert 0 < tuner.measurement_cost_s < 3.0
+    assert LoaderSettings(**next(iter(json.loads(path.read_text()).values()))) == LoaderSettings(0)
+
+
+def test_training_that_ends_mid_search_reports_and_caches_the_best_so_far(sleepy, recorder, make_trainer, tmp_path):
+    path = tmp_path / "tuned.json"
+    tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, cache_path=str(path))
+    model = recorder(step_s=0.002)
+    make_trainer([tuner], max_steps=12).fit(model, DataLoader(sleepy(64, latency_s=0.03), batch_size=1))
+    assert "training ended before the search did" in tuner.reason
+    assert tuner.chosen is not None and tuner.chosen.num_workers == 2  # 2 workers measured, the rest not
+    assert tuner.finished_step == 12 and len(model.indices) == 12 == len(set(model.indices))
+    assert cache_load(path, tuner._cache_key) == tuner.chosen  # the next run starts from there

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 
 import pytest
 import torch
@@ -145,3 +146,65 @@ def test_probe_spans_whole_rounds_of_workers():
     from lightning_accel.prefetch.probe import probe_batches
 
     assert [probe_batches(LoaderSettings(w), 4) for w in (0, 1, 2, 4, 8)] == [4, 4, 5, 5, 9]
+
+
+class SlowIndices(Indices):
+    """Item ``i`` is ``i`` after 30 ms of (sleeping) I/O."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.03)
+        return torch.tensor(i)
+
+
+def slow_loader(n: int = 24) -> DataLoader:
+    return DataLoader(SlowIndices(n), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+
+def test_prepare_starts_workers_in_the_background_and_hands_over_at_the_boundary():
+    reference = served(TunableLoader(slow_loader()))
+    loader = TunableLoader(slow_loader())
+    seen, asked_for_handover = [], None
+    for k, batch in enumerate(loader):
+        seen += [int(i) for i in batch]
+        if k == 1:  # 2 batches handed out: the new workers serve from batch 2 + 4 = 6 on
+            loader.prepare(LoaderSettings(2, 2), lead=4)
+            assert loader.settings == LoaderSettings(0) and loader.preparing == LoaderSettings(2, 2)
+        if k in (2, 3, 4):
+            assert loader.settings == LoaderSettings(0)  # the old loader still serves its batches
+        if k == 5:
+            assert loader.settings == LoaderSettings(0)
+            asked_for_handover = time.monotonic()  # the loop asks for batch 6 right after this
+        if k == 6:
+            assert loader.settings == LoaderSettings(2, 2) and loader.switches == 1
+            # Its workers finished batch 6 while the old loader was still serving batches 2-5 in
+            # line (240 ms); started at the hand-over instead, it would be ready 60 ms after it.
+            assert loader.stamps[0] < asked_for_handover
+    assert seen == reference  # nothing lost, repeated or reordered across the hand-over
+    assert len(loader.stamps) == len(reference) // 2 - 6  # stamps count the new settings' batches only
+    loader.close()
+
+
+def test_prepare_that_the_epoch_does_not_reach_applies_at_the_next_epoch():
+    loader = TunableLoader(slow_loader(12))  # 6 batches
+    first = []
+    for k, batch in enumerate(loader):
+        first += [int(i) for i in batch]
+        if k == 3:
+            loader.prepare(LoaderSettings(2, 2), lead=5)  # batch 9 does not exist
+    assert sorted(first) == list(range(12)) and loader.settings == LoaderSettings(0)
+    # An epoch cut short (max_steps, limit_train_batches) before a hand-over that was under way.
+    for k, _ in enumerate(loader):
+        assert loader.settings == LoaderSettings(2, 2)
+        if k == 1:
+            loader.prepare(LoaderSettings(1, 2), lead=2)
+            break
+    assert sorted(served(loader)) == list(range(12)) and loader.settings == LoaderSettings(1, 2)
+    assert loader.switches == 2
+    loader.close()
+
+
+def test_starting_settings_serve_from_the_first_batch():
+    loader = TunableLoader(slow_loader(8), LoaderSettings(2, 2))
+    assert sorted(served(loader)) == list(range(8)) and loader.switches == 0
+    assert loader.settings == LoaderSettings(2, 2) and len(loader.stamps) == 4
+    loader.close()
