@@ -17,6 +17,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
+from lightning_accel.data.loaders import seeded_loader
 
 __all__ = ["ArrayDataModule", "ArrayPairs"]
 
@@ -174,15 +175,13 @@ class ArrayDataModule(L.LightningDataModule):
         self.train_set = Subset(dataset, np.sort(order[self.num_val :]).tolist())
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
+        return seeded_loader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
-            generator=generator,
+            seed=self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -13,6 +13,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from lightning_accel.data.loaders import seeded_loader
 
 __all__ = ["SHAPE_KINDS", "ShapesDataModule", "render_shapes"]
 
@@ -158,15 +159,13 @@ class ShapesDataModule(L.LightningDataModule):
             self.test_set = self._split("test", self.test_samples)
 
     def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
+        return seeded_loader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
-            generator=generator,
+            seed=self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
+from lightning_accel.data.loaders import seeded_loader
+
 __all__ = [
     "SyntheticArrays",
     "SyntheticDataModule",
@@ -287,8 +289,8 @@ class SyntheticDataModule(L.LightningDataModule):
         )
         if self.iterable:
             return DataLoader(SyntheticStream(subset, chunk=self.batch_size), **common)
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(subset, shuffle=shuffle, generator=generator, **common)
+        return seeded_loader(subset, batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
+                             num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(range(self.num_samples), shuffle=True)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accel.data.corpus import stdlib_corpus
+from lightning_accel.data.loaders import seeded_loader
 
 __all__ = ["ByteTokenizer", "ByteWindows", "TextDataModule"]
 
@@ -188,16 +189,13 @@ class TextDataModule(L.LightningDataModule):
         self.test_set = ByteWindows(data[val_end:], self.block_size)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        # A seeded generator makes the shuffled order a function of `seed` alone.
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(
+        return seeded_loader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,
-            generator=generator,
+            seed=self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:

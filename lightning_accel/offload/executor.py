@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_accel.offload.host_store import HostStore
-from lightning_accel.offload.plan import OffloadPlan, Unit
+from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
 
