@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lightning_accel.atomic import atomic_write_text
 from lightning_accel.config.errors import UserError
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 
@@ -78,9 +78,7 @@ def _resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
 def _write_status(output_dir: Path, status: dict[str, Any]) -> None:
     if rank_zero_only.rank != 0:  # DDP ranks share the run directory; rank 0 speaks for the run
         return
-    tmp = output_dir / "run.json.tmp"
-    tmp.write_text(json.dumps(status, indent=2, default=str))
-    os.replace(tmp, output_dir / "run.json")
+    atomic_write_text(output_dir / "run.json", json.dumps(status, indent=2, default=str))
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

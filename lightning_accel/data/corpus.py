@@ -13,8 +13,9 @@ import os
 import platform
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from lightning_accel.atomic import atomic_write
 
 __all__ = ["default_cache_dir", "stdlib_corpus"]
 
@@ -94,17 +95,5 @@ def stdlib_corpus(cache_dir: str | Path | None = None, max_bytes: int = 8_000_00
             f"Python standard library '{root}' is not a directory; pass data.source=file data.path=<a UTF-8 text file>"
         )
     data = _build(root, max_bytes)
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=target.name + ".", suffix=".tmp")
-    try:
-        # mkstemp makes the file 0600; a shared $LIGHTNING_ACCEL_CACHE needs it readable.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    # readable by others: a shared $LIGHTNING_ACCEL_CACHE serves several users
+    return atomic_write(target, lambda f: f.write(data), mode=0o644)

@@ -13,6 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from lightning_accel.atomic import atomic_write_text
 from lightning_accel.prefetch.settings import LoaderSettings
 
 
@@ -43,6 +44,4 @@ def store(path: str | os.PathLike, key: str, settings: LoaderSettings) -> None:
         entries = {}
     entries[key] = settings.as_kwargs()
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(file.suffix + ".tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    tmp.replace(file)  # atomic: two ranks writing at once leave one whole file
+    atomic_write_text(file, json.dumps(entries, indent=1, sort_keys=True))  # two ranks at once leave one whole file

@@ -9,15 +9,14 @@ one, never half of one.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
+
+from lightning_accel.atomic import atomic_write
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -32,15 +31,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             )
         if "://" in str(path):  # remote filesystems: no atomic rename to rely on
             return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, lambda f: torch.save(checkpoint, f))
