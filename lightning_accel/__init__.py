@@ -2,13 +2,14 @@
 too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry
-(idempotently), so ``Trainer(strategy="l2l_offload")`` or ``"gpipe"`` works after ``import lightning_accel``.
+(idempotently), so ``Trainer(strategy="l2l_offload")``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
 """
 
 from lightning_accel._registry import register_all as _register_all
 from lightning_accel.callbacks import DataWaitMonitor, DevicePrefetcher, OffloadMonitor, PrefetchTuner
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.gpipe import GPipeStrategy
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataWaitMonitor",
     "DevicePrefetcher",
+    "DistributedGPipeStrategy",
     "GPipeStrategy",
     "L2LOffloadStrategy",
     "OffloadMonitor",

@@ -4,6 +4,8 @@ Part 1, speed (2 processes x 1 thread, gloo): one training step of a 16-block ML
 - on one process (the baseline),
 - on 2 ranks with raw ``torch.distributed.pipelining`` (stages cut by hand, ScheduleGPipe),
 - on 2 ranks with our :class:`lightning_accel.pipeline.distributed.RankPipeline` on the same stages,
+- on 2 ranks with :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` inside a
+  Lightning ``Trainer`` (the same ranks, found through the environment as under torchrun),
 each against the ideal speed-up S*M/(M+S-1) of S equal stages and M micro-batches.
 ``--plot DIR`` records our pipeline's last step and draws it (SVG and Chrome trace).
 
@@ -96,6 +98,56 @@ def _raw_stage(net: MLP, rank: int, half: int) -> nn.Module:
     return nn.Sequential(*net.blocks[half:], net.post)
 
 
+def _lightning_seconds(args: argparse.Namespace) -> float:
+    """Seconds per step of ``Trainer.fit`` with DistributedGPipeStrategy on the same stages, after 2 warm-up steps.
+
+    The clock runs from the start of the first timed batch to the end of the last (both
+    behind a barrier, as for the others): Lightning's loop, hooks, logging and optimizer
+    step are in it; the data is one pre-built batch, as for the others.
+    """
+    import lightning.pytorch as pl
+
+    from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+    class Task(pl.LightningModule):
+        def __init__(self, net: MLP) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.mse_loss(self.net(x), y)
+            self.log("train/loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Clock(pl.Callback):
+        start = end = 0.0
+
+        def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+            if trainer.global_step == 2:
+                dist.barrier()
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+            if trainer.global_step == 2 + args.steps:
+                dist.barrier()
+                self.end = time.perf_counter()
+
+    net, x, y = _model(args.depth, args.hidden, args.batch)
+    clock = Clock()
+    half = args.depth // 2
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(args.chunks, "gpipe", [half, args.depth - half]),
+        max_steps=2 + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[clock],
+    )
+    trainer.fit(Task(net), torch.utils.data.DataLoader([(x, y)] * (2 + args.steps), batch_size=None))
+    return (clock.end - clock.start) / args.steps
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One of the 2 ranks: time raw pipelining, then ours, on the same stages; rank 0 prints seconds per step."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -133,6 +185,7 @@ def _worker(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name in (("raw", "ours") if r % 2 == 0 else ("ours", "raw")):
             results[name] = min(results[name], _time_steps(steps[name], args.steps, dist.barrier))
+        results["lightning"] = min(results.get("lightning", float("inf")), _lightning_seconds(args))
     if args.plot:
         steps["ours"]()  # one more step, recorded, then every rank's events to rank 0
         gathered: list[Any] = [None, None]
@@ -147,7 +200,7 @@ def _worker(args: argparse.Namespace) -> None:
                 json.dump(to_chrome_trace(events), f)
             print(f"BUBBLE {measured_bubble(events):.6f}", flush=True)
     if rank == 0:
-        print(f"RESULT raw={results['raw']:.6f} ours={results['ours']:.6f}", flush=True)
+        print(f"RESULT raw={results['raw']:.6f} ours={results['ours']:.6f} lightning={results['lightning']:.6f}", flush=True)
     dist.destroy_process_group()
 
 
@@ -255,6 +308,8 @@ def main(argv: list[str]) -> int:
             ["1 process (no pipeline)", one, 1.0, 1.0 / ideal, two["raw"] / one],
             ["raw torch.distributed.pipelining", two["raw"], one / two["raw"], one / two["raw"] / ideal, 1.0],
             ["lightning_accel RankPipeline", two["ours"], one / two["ours"], one / two["ours"] / ideal, two["raw"] / two["ours"]],
+            ["lightning_accel GPipeStrategy (2 processes)", two["lightning"], one / two["lightning"],
+             one / two["lightning"] / ideal, two["raw"] / two["lightning"]],
             ["ideal S*M/(M+S-1)", one / ideal, ideal, 1.0, "-"],
         ],
     ))

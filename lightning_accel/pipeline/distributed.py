@@ -13,8 +13,9 @@ into one error naming this rank, its stage and the neighbouring ranks, so every 
 exits within the timeout instead of hanging. Batches whose shape differs from the first
 step's (the stages fixed their activation shapes then) are refused before any exchange.
 
-Not wired into :class:`GPipeStrategy` yet: this is the mechanism, driven directly (see
-``lightning-accel bench pipeline`` and ``tests/pipeline/test_distributed.py``).
+:class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
+inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
+``tests/pipeline/test_distributed.py`` drive it directly.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ class RankPipeline:
     """This rank's stages of ``net`` and the schedule that drives them.
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
-    ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss, a mean
-    over the micro-batch.
+    ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
+    over the micro-batch (``scale_grads=True``: gradients are divided by ``chunks``, so they
+    equal those of the batch mean), or a sum (``scale_grads=False``).
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class RankPipeline:
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         record: bool = False,
+        scale_grads: bool = True,
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         stages = len(stage_indices(0, self.world_size, schedule)) * self.world_size
@@ -184,12 +187,13 @@ class RankPipeline:
         self.stages = [
             PipelineStage(m, s, stages, self.device, group=group) for m, s in zip(self.modules, self.indices)
         ]
+        kwargs = {"n_microbatches": chunks, "loss_fn": loss_fn, "scale_grads": scale_grads}
         if schedule == "gpipe":
-            self.schedule: Any = ScheduleGPipe(self.stages[0], n_microbatches=chunks, loss_fn=loss_fn)
+            self.schedule: Any = ScheduleGPipe(self.stages[0], **kwargs)
         elif schedule == "1f1b":
-            self.schedule = Schedule1F1B(self.stages[0], n_microbatches=chunks, loss_fn=loss_fn)
+            self.schedule = Schedule1F1B(self.stages[0], **kwargs)
         else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches=chunks, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **kwargs)
 
     @property
     def holds_first(self) -> bool:

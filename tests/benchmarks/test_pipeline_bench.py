@@ -16,6 +16,7 @@ def test_shrunk_benchmark_prints_every_row_and_draws_the_timeline(capsys, tmp_pa
     assert main(args) == 0
     out = capsys.readouterr().out
     for name in ("1 process (no pipeline)", "raw torch.distributed.pipelining", "lightning_accel RankPipeline",
+                 "lightning_accel GPipeStrategy (2 processes)",
                  "ideal S*M/(M+S-1)", "M=1, checkpoint=never", "M=1, checkpoint=always", "M=4, checkpoint=always"):
         assert name in out
     rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
