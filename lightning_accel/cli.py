@@ -81,7 +81,7 @@ def cmd_ls() -> int:
         cfg = compose_recipe(name, with_hydra=True)
         choices = cfg.hydra.runtime.choices
         net = cfg.model.get("net") or {}
-        model = f"{choices.get('model')}:{net.get('preset', '')}".rstrip(":")
+        model = f"{choices.get('model')}:{net.get('preset', '')}".rstrip(":") + _param_count(net)
         accel = f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
         techniques = ",".join(cfg.recipe.techniques) or "-"
         rows.append((name, model, accel, techniques, str(cfg.recipe.purpose)))
@@ -89,6 +89,23 @@ def cmd_ls() -> int:
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
     return 0
+
+
+def _param_count(net_cfg: object) -> str:
+    """`` (5.4B)``: the network's size, built on the meta device (no memory, no time)."""
+    import torch
+    from hydra.utils import instantiate
+
+    try:
+        with torch.device("meta"):
+            net = instantiate(net_cfg, _convert_="all")
+        count = sum(p.numel() for p in net.parameters())
+    except Exception:  # a user network that cannot be built this way: leave the size out
+        return ""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f" ({count / scale:.1f}{unit})"
+    return f" ({count})"
 
 
 def cmd_cp(recipe: str, dest: str) -> int:
