@@ -1,16 +1,19 @@
 """lightning_accel: Lightning plugins and Hydra recipes for models too large, too deep or
 too data-hungry for one accelerator.
 
-Importing the package registers our strategy names with Lightning's StrategyRegistry
-(idempotently), so ``Trainer(strategy="l2l_offload")``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
+Importing the package registers our strategy names with Lightning's StrategyRegistry and
+the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
 """
 
 from lightning_accel._registry import register_all as _register_all
+from lightning_accel.accelerators import XLAPJRTAccelerator
+from lightning_accel.accelerators import register_accelerators as _register_accelerators
 from lightning_accel.callbacks import DataWaitMonitor, DevicePrefetcher, OffloadMonitor, PrefetchTuner
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
 
 __version__ = "0.1.0"
 
@@ -23,7 +26,10 @@ __all__ = [
     "OffloadMonitor",
     "OffloadPrecision",
     "PrefetchTuner",
+    "XLAPJRTAccelerator",
+    "XLAPJRTStrategy",
     "__version__",
 ]
 
 _register_all()
+_register_accelerators()

@@ -153,9 +153,15 @@ def check_launchable(cfg: DictConfig, recipe: str) -> None:
             )
     if accelerator in ("tpu", "xla"):
         raise UserError(
-            f"recipe '{recipe}' needs an XLA device (trainer.accelerator={accelerator}), which Lightning starts only on a "
-            "TPU host; run it on a TPU VM, or override accelerator=cpu"
+            f"recipe '{recipe}' asks for Lightning's TPU accelerator (trainer.accelerator={accelerator}), which starts only "
+            "on a TPU host; run it on a TPU VM, or override accelerator=xla (our xla_pjrt: TPU, CUDA or PJRT_DEVICE=CPU)"
         )
+    if accelerator == "xla_pjrt":
+        from lightning_accel.accelerators import xla_problem
+
+        problem = xla_problem()
+        if problem is not None:
+            raise UserError(f"recipe '{recipe}': {problem}")
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, "last") and not Path(str(ckpt_path)).is_file():
         raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file, ckpt_path=last, or leave it unset")

@@ -63,6 +63,12 @@ def _devices(devices: DeviceSpec) -> list[torch.device]:
     if isinstance(devices, str) or not devices:
         raise ValueError(f"devices must be an int or a list with one device per stage, got {devices!r}; e.g. devices=['cpu', 'cpu']")
     out = [torch.device(d) for d in devices]
+    if any(d.type == "xla" for d in out):
+        raise ValueError(
+            f"GPipeStrategy does not run on XLA devices (devices={[str(d) for d in out]}): its re-materialization uses "
+            "torch.utils.checkpoint, which torch_xla replaces with its own, and it has no per-step graph boundary yet; "
+            "HINT: on a TPU use strategy='xla_pjrt', or pipeline on CUDA or CPU devices"
+        )
     count = torch.cuda.device_count()
     missing = [str(d) for d in out if d.type == "cuda" and (d.index or 0) >= count]
     if missing:

@@ -121,6 +121,21 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         )
 
     @override
+    def setup_environment(self) -> None:
+        # before the accelerator sets up the device: refuse XLA with the reason, not a device error
+        from lightning.pytorch.accelerators import XLAAccelerator
+
+        from lightning_accel.accelerators import XLAPJRTAccelerator
+
+        if isinstance(self.accelerator, (XLAAccelerator, XLAPJRTAccelerator)) or self.root_device.type == "xla":
+            raise ValueError(
+                "L2LOffloadStrategy does not run on XLA devices: it streams one block at a time between host and device "
+                "inside the step, and on XLA each such copy ends the traced graph (a recompile or host round trip per block). "
+                "HINT: on a TPU use strategy='xla_pjrt' with precision='bf16-true', or run L2L on CUDA or the CPU"
+            )
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         self._compute_dtype()  # refuse an unsupported precision before anything moves
         super().setup(trainer)

@@ -283,3 +283,10 @@ def test_zoo_resnet_with_deferred_batch_norm_on_three_stages():
     torch.testing.assert_close(stem.running_mean, ref.running_mean, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(stem.running_var, ref.running_var, rtol=1e-10, atol=1e-12)
     assert all(int(m.num_batches_tracked) == STEPS for m in piped.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+def test_xla_devices_are_refused_with_the_reason() -> None:
+    from lightning_accel.strategies.gpipe import _devices
+
+    with pytest.raises(ValueError, match=r"GPipeStrategy does not run on XLA devices.*HINT: on a TPU use strategy='xla_pjrt'"):
+        _devices(["xla:0", "xla:1"])

@@ -235,3 +235,9 @@ def test_cuda_bf16_offload_trains_with_flat_peak_memory() -> None:
         assert trainer.strategy.offload_stats.peak_resident_blocks <= 2
         assert all(p.device.type == "cpu" for p in model.net.blocks.parameters())
     assert peaks[0] == peaks[1]
+
+
+def test_xla_devices_are_refused_with_the_reason() -> None:
+    # torch.device("xla:0") needs no torch_xla; the refusal comes before anything touches it
+    with pytest.raises(ValueError, match=r"L2LOffloadStrategy does not run on XLA devices.*HINT: on a TPU use strategy='xla_pjrt'"):
+        _fit(Regressor(), _regression_data(), L2LOffloadStrategy(device="xla:0"))
