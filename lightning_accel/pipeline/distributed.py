@@ -10,8 +10,16 @@ mean loss matches plain training.
 Failure: a neighbour that dies makes the transport raise (gloo closes the connection;
 a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
 into one error naming this rank, its stage and the neighbouring ranks, so every rank
-exits within the timeout instead of hanging. Batches whose shape differs from the first
-step's (the stages fixed their activation shapes then) are refused before any exchange.
+exits within the timeout instead of hanging.
+
+Shapes: a stage fixes its activation shapes at its first step. A batch of another shape
+(a smaller last batch) gets stages and a schedule of its own, built on first use and kept
+per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
+every rank can compute (the batch's shapes), and without one a new shape is refused.
+
+Evaluation does not micro-batch: :meth:`RankPipeline.forward` runs the stages in order,
+each rank receiving its input from the previous stage's rank and sending its output on,
+with a small header (dtype, shape) before each tensor so the shape may change per batch.
 
 :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
 inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
@@ -35,6 +43,33 @@ from lightning_accel.pipeline.schedule import check_schedule
 from lightning_accel.pipeline.timeline import Event
 
 __all__ = ["RankPipeline", "StageModule", "stage_indices"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
+_MAX_DIMS = 8
+
+
+def _send(x: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
+    """Send ``x`` to global rank ``dst``, after a header (dtype, ndim, shape) so the receiver can allocate it."""
+    if x.ndim > _MAX_DIMS or x.dtype not in _DTYPES:
+        raise ValueError(
+            f"a stage output of dtype {x.dtype} and {x.ndim} dims cannot cross ranks in evaluation; "
+            f"stages must pass one tensor of at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
+        )
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=x.device)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.ndim
+    header[2 : 2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    dist.send(header, dst, group=group)
+    dist.send(x.contiguous(), dst, group=group)
+
+
+def _recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
+    """Receive the tensor :func:`_send` sent from global rank ``src``."""
+    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
+    x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x
 
 
 class _Mark(torch.autograd.Function):
@@ -168,6 +203,7 @@ class RankPipeline:
         scale_grads: bool = True,
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
         stages = len(stage_indices(0, self.world_size, schedule)) * self.world_size
         check_schedule(schedule, chunks, stages)
         block_net = require_block_network(net, "the multi-process GPipe pipeline")
@@ -184,16 +220,45 @@ class RankPipeline:
         self._shapes: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None
         for m in self.modules:
             m.recorder = self.recorder
-        self.stages = [
-            PipelineStage(m, s, stages, self.device, group=group) for m, s in zip(self.modules, self.indices)
+        self.loss_fn, self._inferring = loss_fn, False
+        self._schedule_kwargs = {"n_microbatches": chunks, "loss_fn": self._loss, "scale_grads": scale_grads}
+        self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
+        self.schedule: Any = self._build_schedule()
+
+    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
+        if self._inferring and torch.is_floating_point(output):
+            # torch's shape inference: it runs the loss on micro-batch 0 once more, only for the shapes of the
+            # gradients it sends back; a stand-in keeps the user's loss (and its side effects) to one call per micro-batch
+            return output.sum()
+        return self.loss_fn(output, target)
+
+    def _build_schedule(self) -> Any:
+        """Fresh stages over this rank's modules, and the schedule driving them (stages fix their shapes at their first step)."""
+        stages = [
+            PipelineStage(m, s, len(self.balance), self.device, group=self.group)
+            for m, s in zip(self.modules, self.indices)
         ]
-        kwargs = {"n_microbatches": chunks, "loss_fn": loss_fn, "scale_grads": scale_grads}
-        if schedule == "gpipe":
-            self.schedule: Any = ScheduleGPipe(self.stages[0], **kwargs)
-        elif schedule == "1f1b":
-            self.schedule = Schedule1F1B(self.stages[0], **kwargs)
+        if self.schedule_name == "gpipe":
+            schedule: Any = ScheduleGPipe(stages[0], **self._schedule_kwargs)
+        elif self.schedule_name == "1f1b":
+            schedule = Schedule1F1B(stages[0], **self._schedule_kwargs)
         else:
-            self.schedule = ScheduleInterleaved1F1B(self.stages, **kwargs)
+            schedule = ScheduleInterleaved1F1B(stages, **self._schedule_kwargs)
+        initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
+        if initialize is not None:
+
+            def inferring(*args: Any, **kwargs: Any) -> Any:
+                self._inferring = True
+                try:
+                    return initialize(*args, **kwargs)
+                finally:
+                    self._inferring = False
+
+            schedule._initialize_pp_stages = inferring
+        return schedule
+
+    def _global(self, rank: int) -> int:
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     @property
     def holds_first(self) -> bool:
@@ -206,8 +271,13 @@ class RankPipeline:
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
 
-    def step(self, inputs: Tensor | None = None, target: Tensor | None = None) -> Tensor | None:
-        """Forward and backward of one batch; returns the batch loss (mean of the micro-batch losses) on the last stage's rank."""
+    def step(self, inputs: Tensor | None = None, target: Tensor | None = None, shape: Any = None) -> Tensor | None:
+        """Forward and backward of one batch; returns the batch loss (mean of the micro-batch losses) on the last stage's rank.
+
+        ``shape``: a hashable key, equal on every rank, that changes when the batch shapes do
+        (the batch's tensor shapes); a new key gets a schedule of its own. Without it, a batch
+        shaped unlike the first one is refused.
+        """
         if inputs is not None and inputs.size(0) % self.chunks:
             raise ValueError(
                 f"the batch size {inputs.size(0)} is not divisible by chunks={self.chunks}; the multi-process "
@@ -215,20 +285,28 @@ class RankPipeline:
                 "batch size that is a multiple of chunks)"
             )
         shapes = (None if inputs is None else tuple(inputs.shape), None if target is None else tuple(target.shape))
-        if self._shapes is None:
-            self._shapes = shapes
+        if shape is not None:
+            if not self._by_shape:
+                self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
+            elif shape not in self._by_shape:
+                self._by_shape[shape] = self._build_schedule()
+            schedule = self._by_shape[shape]
+        elif self._shapes is None:
+            self._shapes, schedule = shapes, self.schedule
         elif shapes != self._shapes:
             raise ValueError(
                 f"batch shapes (inputs, target) {shapes} differ from the first step's {self._shapes}; the stages fixed "
                 "their activation shapes at the first step and every rank must send the same. HINT: drop_last=True on "
                 "the DataLoader, and pad or crop inputs to one shape"
             )
+        else:
+            schedule = self.schedule
         losses: list[Tensor] = []
         if self.recorder is not None:
             self.recorder.reset()
         args = (inputs.to(self.device),) if self.holds_first and inputs is not None else ()
         try:
-            self.schedule.step(
+            schedule.step(
                 *args,
                 target=target.to(self.device) if self.holds_last and target is not None else None,
                 losses=losses if self.holds_last else None,
@@ -241,6 +319,28 @@ class RankPipeline:
                 "out; its own log has the first error"
             ) from err
         return torch.stack(losses).mean() if losses else None
+
+    @torch.no_grad()
+    def forward(self, inputs: Tensor | None = None) -> Tensor | None:
+        """Evaluation: the whole batch through every stage in order, no micro-batches, no gradients.
+
+        ``inputs`` on the first stage's rank; returns the last stage's output on its rank
+        (``None`` elsewhere). Ranks take turns, so only one computes at a time.
+        """
+        x = inputs.to(self.device) if self.holds_first and inputs is not None else None
+        count = len(self.balance)
+        for s in range(count):
+            if s not in self.indices:
+                continue
+            prev = (s - 1) % self.world_size
+            if s > 0 and prev != self.rank:
+                x = _recv(self._global(prev), self.device, self.group)
+            assert x is not None
+            x = self.modules[self.indices.index(s)]._run(x)  # _run: not recorded on the timeline
+            nxt = (s + 1) % self.world_size
+            if s < count - 1 and nxt != self.rank:
+                _send(x, self._global(nxt), self.group)
+        return x if self.holds_last else None
 
     def events(self) -> list[Event]:
         """This rank's timeline of the last step (``record=True``); gather the ranks' lists for the whole picture."""

@@ -29,17 +29,37 @@ then zeroes gradients and calls ``backward``. So the step's gradients are set as
 until ``backward``, which adds them (divided by ``accumulate_grad_batches``, as
 Lightning's own backward would) and runs the ``on_before_backward`` /
 ``on_after_backward`` hooks; Lightning's ``optimizer_step`` steps each rank's stage.
-Every rank holds the whole LightningModule; only its stage's parameters get gradients,
-so the optimizer (which skips parameters without gradients) updates only them. Clipping
-by norm (``gradient_clip_val``) uses the norm over every stage (squared norms summed
-across ranks), so it clips as plain training does. Mixed precision with a loss scaler
-(``16-mixed``) is refused: the scaler would have to scale the loss inside the schedule.
+Clipping by norm (``gradient_clip_val``) uses the norm over every stage (squared norms
+summed across ranks), so it clips as plain training does. Mixed precision with a loss
+scaler (``16-mixed``) is refused: the scaler would have to scale the loss inside the schedule.
 
-Checkpoints and evaluation: before saving and before validation, test and predict,
-every parameter and buffer is broadcast from the rank whose stage trains it, so rank 0
-saves the user's parameter names with current values (loadable into a plain model) and
-evaluation runs the whole, current model on every rank. Optimizer state is gathered the
-same way (each rank holds the state of its own parameters, under the same indices).
+Memory: each rank keeps only its own stages. At setup, rank 0 sends every other rank the
+starting weights of that rank's stages, then each rank moves the other stages' modules
+to the ``meta`` device (names and shapes stay, storage is freed) and the optimizer is
+given only this rank's parameters, so gradients and optimizer state are split too.
+Anything outside the block network (a LightningModule's own parameters) stays on every
+rank, is trained by the last rank (which runs ``training_step``) and is broadcast from
+it before evaluation and saving. After ``fit`` the module stays split: on each rank it
+holds that rank's stages (``trainer.validate``/``test`` and ``trainer.save_checkpoint``
+still work on it); load the checkpoint for the whole model. What is not split: every
+rank builds the whole model on the CPU before setup (rank 0 sends from it), so the model
+must fit in one host's memory, though not in one device's.
+
+Batches: a batch of another shape (a smaller last batch) gets a schedule of its own;
+one whose size is not a multiple of ``chunks`` is skipped, with one warning, as
+``drop_last=True`` would (equal micro-batches are what make the loss match plain training).
+The user's ``training_step`` runs once per micro-batch: torch's shape inference, which
+would run the loss on micro-batch 0 again, gets a stand-in loss.
+
+Checkpoints: rank 0 gathers every stage's parameters and buffers under the user's names
+(loadable into a plain model), and every rank's optimizer state under the indices plain
+training would use; loading hands each rank its own part.
+
+Evaluation (validation, test, predict) runs the batch through the stages in order (no
+micro-batches): the first rank feeds its stage what the user's step passes to the
+network, the last rank runs the user's step on the last stage's output and broadcasts
+what it logged (a torchmetrics ``Metric``: its state, so every rank holds the same metric
+and computes it without syncing) and, for predict, what the step returned.
 """
 
 from __future__ import annotations
@@ -52,7 +72,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -64,11 +87,17 @@ from typing_extensions import override
 from lightning_accel.models.blocks import require_block_network
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 from lightning_accel.pipeline.schedule import check_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
+
+
+def _to_device(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for every tensor but the freed (meta) ones."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 class _NetInput(Exception):
@@ -92,6 +121,25 @@ def _patched(obj: nn.Module, name: str, fn: Callable[..., Any]) -> Iterator[None
             object.__delattr__(obj, name)
         else:
             object.__setattr__(obj, name, own)
+
+
+def _shapes(batch: Any) -> tuple:
+    """The shapes of a batch's tensors: the same on every rank (every rank loads the same batch)."""
+    found: list[tuple[int, ...]] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(tuple(t.shape)))
+    return tuple(found)
+
+
+def _metric_state(metric: Metric) -> dict[str, Any]:
+    """A metric's accumulated state, on the CPU: what another rank needs to compute the same value."""
+    state = {n: apply_to_collection(getattr(metric, n), Tensor, lambda t: t.detach().cpu()) for n in metric._defaults}
+    return {"state": state, "updates": metric._update_count}
+
+
+def _load_metric_state(metric: Metric, saved: dict[str, Any], device: torch.device) -> None:
+    for name, value in saved["state"].items():
+        setattr(metric, name, apply_to_collection(value, Tensor, lambda t: t.to(device)))
+    metric._update_count, metric._computed = saved["updates"], None
 
 
 def _loggable(value: Any) -> Any:
@@ -127,7 +175,7 @@ class DistributedGPipeStrategy(DDPStrategy):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
-        chunks: micro-batches per batch (M); the batch size must be a multiple of it.
+        chunks: micro-batches per batch (M); a batch whose size is not a multiple of it is skipped with a warning.
         schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (fewer
             activations alive) or ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
             needs ``chunks`` >= stages).
@@ -166,6 +214,11 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.balance = balance if isinstance(balance, str) else list(balance)
         self.pipeline: RankPipeline | None = None
         self._owners: list[int] = []  # per entry of _tensors(): the rank whose stage trains it
+        self._shared: list[bool] = []  # per entry of _tensors(): outside the stages, so on every rank
+        # per optimizer: the whole model's optimizer's param indices per group, and this rank's among them
+        self._opt_index: list[tuple[list[list[int]], list[int]]] = []
+        self._warned_ragged = False
+        self._sync_on_compute: dict[int, bool] = {}
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._step_loss: Callable[[Tensor, Tensor], Tensor] | None = None
 
@@ -190,6 +243,8 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # DDPStrategy.setup would move the whole model to the device and broadcast all of it;
+        # here each rank only ever places its own stages there
         module = trainer.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             if not module.automatic_optimization:
@@ -197,59 +252,143 @@ class DistributedGPipeStrategy(DDPStrategy):
                     "DistributedGPipeStrategy needs automatic optimization: the pipeline schedule runs forward and "
                     "backward itself. HINT: remove `self.automatic_optimization = False`"
                 )
-        super().setup(trainer)
-        # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
                 "DistributedGPipeStrategy cannot use a loss scaler (precision='16-mixed'): the schedule runs backward "
                 "itself. HINT: use precision='bf16-mixed', 'bf16-true', '32-true' or '64-true'"
             )
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self._split()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._keep_own_parameters()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
-    def configure_ddp(self) -> None:
-        """No DDP wrapper: start every rank from rank 0's weights, then build this rank's stage."""
-        self._broadcast_from([0] * len(self._tensors()))
-        net = self._net()
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        _to_device(self.lightning_module, self.root_device)  # the meta stages (other ranks') stay meta
+
+    def _balance(self, block_net: Any, stages: int) -> list[int]:
+        if not isinstance(self.balance, str):
+            return list(self.balance)
+        if stages > len(block_net.blocks):
+            raise ValueError(
+                f"{self.world_size} ranks run {stages} stages but {type(block_net).__name__} has "
+                f"{len(block_net.blocks)} blocks; use at most {len(block_net.blocks)} stages (trainer devices)"
+            )
+        return balance_by_cost(block_bytes(list(block_net.blocks)), stages)
+
+    def _split(self) -> None:
+        """Build this rank's stages; on first use give them rank 0's weights and free the other stages."""
+        module, net = self.lightning_module, self._net()
+        assert module is not None
         block_net = require_block_network(net, "DistributedGPipeStrategy")
         ranks = self.world_size
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks
         check_schedule(self.schedule, self.chunks, stages)
-        if isinstance(self.balance, str):
-            if stages > len(block_net.blocks):
-                raise ValueError(
-                    f"{ranks} ranks run {stages} stages but {type(net).__name__} has {len(block_net.blocks)} blocks; "
-                    f"use at most {len(block_net.blocks)} stages (trainer devices)"
-                )
-            balance = balance_by_cost(block_bytes(list(block_net.blocks)), stages)
-        else:
-            balance = self.balance
+        layout = getattr(module, _LAYOUT, None)  # set when an earlier fit split this module
+        balance = self._balance(block_net, stages) if layout is None else list(layout[2])
+        if layout is not None and layout != (ranks, self.schedule == "interleaved_1f1b", tuple(balance)):
+            raise ValueError(
+                f"this module was split for {layout[0]} ranks with balance {list(layout[2])} by an earlier run; it "
+                f"cannot be split again for {ranks} ranks and schedule {self.schedule!r}. HINT: build a fresh model "
+                "and load the checkpoint into it"
+            )
+        if not isinstance(self.balance, str) and layout is not None and list(self.balance) != balance:
+            raise ValueError(f"balance {self.balance} differs from {balance}, the split of this module by an earlier run")
+        if len(balance) != stages:  # before any weights move
+            raise ValueError(
+                f"schedule {self.schedule!r} on {ranks} ranks runs {stages} stages but balance has {len(balance)} "
+                f"({balance}); give {stages} entries"
+            )
+        check_balance(balance, len(block_net.blocks), stages)
+        # each parameter and buffer belongs to the rank of its stage; what no stage holds
+        # (anything outside the network) is used by training_step, which runs on the last rank
+        stage_of: dict[int, int] = {}
+        for s, count in enumerate(balance):
+            start = sum(balance[:s])
+            modules = [block_net.blocks[i] for i in range(start, start + count)]
+            modules += [block_net.pre] * (s == 0) + [block_net.post] * (s == len(balance) - 1)
+            for m in modules:
+                for t in [*m.parameters(), *m.buffers()]:
+                    stage_of.setdefault(id(t), s)
+        tensors = self._tensors()
+        self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]
+        self._shared = [id(t) not in stage_of for t in tensors]  # resident on every rank
+        if layout is None:
+            self._send_initial_weights(tensors)
         self.pipeline = RankPipeline(
             net, balance, self.chunks, self._loss_fn, schedule=self.schedule, device=self.root_device,
             scale_grads=self.loss_reduction == "mean",
         )
-        # each parameter and buffer belongs to the rank of its stage; what no stage holds
-        # (anything outside the network) is used by training_step, which runs on the last rank
-        stage_of = {}
-        for s, count in enumerate(self.pipeline.balance):
-            start = sum(self.pipeline.balance[:s])
-            modules = [block_net.blocks[i] for i in range(start, start + count)]
-            modules += [block_net.pre] * (s == 0) + [block_net.post] * (s == len(self.pipeline.balance) - 1)
-            for m in modules:
-                for t in [*m.parameters(), *m.buffers()]:
-                    stage_of.setdefault(id(t), s)
-        last = len(self.pipeline.balance) - 1
-        self._owners = [stage_of.get(id(t), last) % ranks for t in self._tensors()]
+        if layout is None:
+            start = lambda s: sum(balance[:s])  # noqa: E731
+            mine = self.pipeline.indices
+            others = [block_net.pre] * (0 not in mine) + [block_net.post] * (len(balance) - 1 not in mine)
+            others += [
+                b for i, b in enumerate(block_net.blocks)
+                if not any(start(s) <= i < start(s) + balance[s] for s in mine)
+            ]
+            for m in others:
+                m.to("meta")  # frees the storage; names, shapes and dtypes stay for checkpoints
+            object.__setattr__(module, _LAYOUT, (ranks, self.schedule == "interleaved_1f1b", tuple(balance)))
+        self.model_to_device()
 
-    def _broadcast_from(self, owners: Sequence[int]) -> None:
+    def _send_initial_weights(self, tensors: Sequence[Tensor]) -> None:
+        """Every rank starts from rank 0's weights: each stage's tensors go from rank 0 to their rank only."""
         with torch.no_grad():
-            for tensor, owner in zip(self._tensors(), owners):
-                dist.broadcast(tensor.data, src=owner)
+            for t, owner, shared in zip(tensors, self._owners, self._shared):
+                if shared:
+                    buf = t.data.to(self.root_device)
+                    dist.broadcast(buf, src=0)
+                    t.data.copy_(buf)
+                elif owner != 0 and self.global_rank in (0, owner):
+                    buf = t.data.to(self.root_device)
+                    if self.global_rank == 0:
+                        dist.send(buf, dst=owner)
+                    else:
+                        dist.recv(buf, src=0)
+                        t.data.copy_(buf)
+
+    def _keep_own_parameters(self) -> None:
+        """Give each optimizer only this rank's parameters; remember their indices in the whole model's optimizer."""
+        assert self.lightning_module is not None
+        owner = {id(t): (o, sh) for t, o, sh in zip(self._tensors(), self._owners, self._shared)}
+        self._opt_index = []
+        for optimizer in self.optimizers:
+            full, kept, offset = [], [], 0
+            for group in optimizer.param_groups:
+                params = group["params"]
+                full.append(list(range(offset, offset + len(params))))
+                mine = [owner.get(id(p), (self.world_size - 1, True))[0] == self.global_rank for p in params]
+                kept.extend(offset + j for j, m in enumerate(mine) if m)
+                offset += len(params)
+                for p, m in zip(params, mine):
+                    if not m:
+                        optimizer.state.pop(p, None)  # an optimizer that made state eagerly
+                group["params"] = [p for p, m in zip(params, mine) if m]
+            self._opt_index.append((full, kept))
+
+    def _broadcast_shared(self) -> None:
+        """Tensors outside the block network are on every rank, trained by the last: copy them from it."""
+        with torch.no_grad():
+            for tensor, owner, shared in zip(self._tensors(), self._owners, self._shared):
+                if shared:  # through the device: after teardown the module is on the CPU, which nccl cannot send
+                    buf = tensor.data.to(self.root_device)
+                    dist.broadcast(buf, src=owner)
+                    tensor.data.copy_(buf)
 
     def sync_weights(self) -> None:
-        """Give every rank every stage's current parameters and buffers (all ranks must call this)."""
+        """Give every rank the current values of what lives outside the stages (all ranks must call this)."""
         if self._owners and dist.is_initialized():  # also after fit: trainer.save_checkpoint(...)
-            self._broadcast_from(self._owners)
+            self._broadcast_shared()
 
     # -- one training step --------------------------------------------------------------------
 
@@ -257,8 +396,8 @@ class DistributedGPipeStrategy(DDPStrategy):
         assert self._step_loss is not None
         return self._step_loss(output, index)
 
-    def _net_input(self, batch: Any, rest: tuple, kwargs: dict) -> Tensor:
-        """Run ``training_step`` until it calls the network; return what it fed it."""
+    def _net_input(self, batch: Any, rest: tuple, kwargs: dict, hook: str = "training_step") -> Tensor:
+        """Run the user's ``hook`` (``training_step``, ``validation_step``, ...) until it calls the network; return what it fed it."""
         module, net = self.lightning_module, self._net()
         assert module is not None
 
@@ -267,12 +406,12 @@ class DistributedGPipeStrategy(DDPStrategy):
 
         try:
             with _patched(net, "forward", capture), _patched(module, "log", lambda *a, **k: None):
-                module.training_step(batch, *rest, **kwargs)
+                getattr(module, hook)(batch, *rest, **kwargs)
         except _NetInput as found:
             return found.inputs
         raise ValueError(
-            f"training_step never called the network ({type(net).__name__}); the first pipeline stage runs on what "
-            "training_step passes to it. HINT: compute the loss from self.net(x) (or self(x)) in training_step"
+            f"{hook} never called the network ({type(net).__name__}); the first pipeline stage runs on what "
+            f"{hook} passes to it. HINT: compute the loss from self.net(x) (or self(x)) in {hook}"
         )
 
     @override
@@ -281,11 +420,15 @@ class DistributedGPipeStrategy(DDPStrategy):
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         size = batch_size(batch)
-        if size % self.chunks:
-            raise ValueError(
-                f"the batch size {size} is not divisible by chunks={self.chunks}; every micro-batch must have the same "
-                "size. HINT: a DataLoader batch_size that is a multiple of chunks, and drop_last=True"
-            )
+        if size % self.chunks:  # every rank sees the same batch, so every rank skips it
+            if not self._warned_ragged:
+                rank_zero_warn(
+                    f"DistributedGPipeStrategy skips batches whose size is not a multiple of chunks={self.chunks} "
+                    f"(got {size}; micro-batches must be equal for the loss to match plain training). "
+                    "HINT: a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
+                )
+                self._warned_ragged = True
+            return None
         micro = scatter(batch, self.chunks)
         sizes = [batch_size(mb) for mb in micro]
         outputs: list[Any] = [None] * self.chunks
@@ -294,7 +437,7 @@ class DistributedGPipeStrategy(DDPStrategy):
 
         def step_loss(output: Tensor, index: Tensor) -> Tensor:
             i = int(index.reshape(-1)[0])
-            logs[i] = []  # torch runs micro-batch 0 twice on the first step (shape inference): keep the last
+            logs[i] = []  # should torch run a micro-batch's loss twice, keep the last
 
             def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
                 logs[i].append((name, _loggable(value), kw))
@@ -314,7 +457,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            pipe.step(inputs, target)
+            pipe.step(inputs, target, shape=_shapes(batch))  # a smaller last batch gets a schedule of its own
         self._pending = [p.grad for p in params]
         for p, g in zip(params, earlier):
             p.grad = g
@@ -356,43 +499,177 @@ class DistributedGPipeStrategy(DDPStrategy):
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))
 
-    # -- checkpoints and evaluation -----------------------------------------------------------
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict, return_output: bool = False) -> Any:
+        """The batch through the stages in order; the user's ``hook`` on the last rank, its logs replayed on every rank."""
+        module, pipe = self.lightning_module, self.pipeline
+        assert module is not None and pipe is not None
+        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        inputs = self._net_input(batch, rest, dict(kwargs), hook) if pipe.holds_first else None
+        output = pipe.forward(inputs)
+        payload: list[Any] = [[], None]
+        out = None
+        if pipe.holds_last:
+            paths = {id(m): n for n, m in module.named_modules()}
+            records, real_log = payload[0], module.log
+
+            def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
+                real_log(name, value, *a, **kw)
+                if isinstance(value, Metric):
+                    if id(value) not in paths:
+                        raise ValueError(
+                            f"{hook} logged {name!r}, a Metric that is not a submodule of the LightningModule; the "
+                            "pipeline's other ranks cannot log the same one. HINT: assign it as an attribute in __init__"
+                        )
+                    records.append((name, ("metric", paths[id(value)], _metric_state(value)), a, kw))
+                else:
+                    records.append((name, _loggable(value), a, kw))
+
+            with _patched(self._net(), "forward", lambda *_, **__: output), _patched(module, "log", log):
+                out = getattr(module, hook)(batch, *rest, **kwargs)
+            if return_output:
+                payload[1] = apply_to_collection(out, Tensor, lambda t: t.detach().cpu())
+        dist.broadcast_object_list(payload, src=self.world_size - 1)
+        if pipe.holds_last:
+            return out
+        for name, value, a, kw in payload[0]:
+            if isinstance(value, tuple) and value[:1] == ("metric",):
+                metric = module.get_submodule(value[1])
+                _load_metric_state(metric, value[2], self.root_device)  # type: ignore[arg-type]
+                value = metric
+            elif isinstance(value, Tensor):
+                value = value.to(self.root_device)
+            module.log(name, value, *a, **kw)
+        return payload[1]
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_weights()
-        return super().lightning_module_state_dict()
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.val_step_context():
+            return self._eval_step("validation_step", args, kwargs)
 
     @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        state = optimizer.state_dict()
-        if not self._owners or not dist.is_initialized():
-            return state
-        mine = {i: {k: v.cpu() if isinstance(v, Tensor) else v for k, v in s.items()} for i, s in state["state"].items()}
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
-        return {**state, "state": {i: s for part in every for i, s in part.items()}}
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.test_step_context():
+            return self._eval_step("test_step", args, kwargs)
 
     @override
-    def on_train_end(self) -> None:
-        self.sync_weights()  # after fit, the module on every rank holds the whole trained model
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval_step("predict_step", args, kwargs, return_output=True)
+
+    def _metrics_local(self) -> None:
+        """Every rank holds the same metric state (broadcast per step): compute it without summing across ranks."""
+        assert self.lightning_module is not None
+        for m in self.lightning_module.modules():
+            if isinstance(m, Metric):
+                self._sync_on_compute.setdefault(id(m), m.sync_on_compute)
+                m.sync_on_compute = False
 
     @override
     def on_validation_start(self) -> None:
         self.sync_weights()
+        self._metrics_local()
 
     @override
     def on_test_start(self) -> None:
         self.sync_weights()
+        self._metrics_local()
 
     @override
     def on_predict_start(self) -> None:
         self.sync_weights()
 
+    # -- checkpoints --------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Every stage's tensors under the user's names, gathered on rank 0 (other ranks get their own part)."""
+        assert self.lightning_module is not None
+        self.sync_weights()
+        state = self.lightning_module.state_dict()
+        if not self._owners or not dist.is_initialized():
+            return state
+        mine = {n: t.detach().cpu() for n, t in state.items() if not t.is_meta}
+        every: list[Any] = [None] * self.world_size if self.global_rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(mine, every, dst=0)
+        if self.global_rank != 0:
+            return mine
+        merged: dict[str, Any] = {}
+        for part in every:
+            merged.update(part)  # what all ranks hold (outside the stages) is equal after sync_weights
+        missing = [n for n in state if n not in merged]
+        if missing:
+            raise RuntimeError(f"no rank holds {missing[:3]}: the stages do not cover the model")
+        return {n: merged[n] for n in state}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        freed = {n for n, t in module.state_dict().items() if t.is_meta}
+        if not freed:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        state = {n: t for n, t in checkpoint["state_dict"].items() if n not in freed}
+        result = module.load_state_dict(state, strict=False)
+        missing = [n for n in result.missing_keys if n not in freed]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"the checkpoint does not match this rank's part of the model: missing {missing[:5]}, unexpected "
+                f"{result.unexpected_keys[:5]}. HINT: load_model_state_dict(..., strict=False) to ignore them"
+            )
+        return None
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole model's optimizer state: each rank's part under the indices plain training would give it."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        state = optimizer.state_dict()
+        index = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
+        if index is None or index >= len(self._opt_index) or not dist.is_initialized():
+            return state
+        full, kept = self._opt_index[index]
+        mine = {kept[i]: apply_to_collection(s, Tensor, lambda t: t.cpu()) for i, s in state["state"].items()}
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        groups = [{**g, "params": ids} for g, ids in zip(state["param_groups"], full)]
+        return {"state": {i: s for part in every for i, s in sorted(part.items())}, "param_groups": groups}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each rank takes its own parameters' state from the whole model's optimizer state."""
+        for index, (optimizer, whole) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
+            if index >= len(self._opt_index):
+                optimizer.load_state_dict(whole)
+                continue
+            full, kept = self._opt_index[index]
+            local = {g: i for i, g in enumerate(kept)}
+            groups, offset = [], 0
+            for group, ids in zip(whole["param_groups"], full):
+                count = sum(g in local for g in ids)
+                groups.append({**group, "params": list(range(offset, offset + count))})
+                offset += count
+            state = {local[g]: s for g, s in whole["state"].items() if g in local}
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            _optimizers_to_device([optimizer], self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        self.sync_weights()  # after fit, each rank holds its stages and current values of everything else
+
     @override
     def teardown(self) -> None:
-        # _owners stays: trainer.save_checkpoint after fit still gathers the stages
+        # _owners and _opt_index stay: trainer.save_checkpoint after fit still gathers the stages
         self.pipeline, self._pending, self._step_loss = None, [], None
-        super().teardown()
+        module = self.lightning_module
+        if module is not None:
+            for m in module.modules():
+                if isinstance(m, Metric) and id(m) in self._sync_on_compute:
+                    m.sync_on_compute = self._sync_on_compute[id(m)]
+            self._sync_on_compute = {}
+            _to_device(module, torch.device("cpu"))
+            with _patched(module, "cpu", lambda: module):  # Lightning's teardown would copy the meta stages
+                super().teardown()
+        else:
+            super().teardown()

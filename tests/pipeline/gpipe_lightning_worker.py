@@ -1,11 +1,14 @@
 """A user script training with ``DistributedGPipeStrategy`` on 2 CPU processes (gloo).
 
-Run as ``python gpipe_lightning_worker.py OUT_DIR SCHEDULES STEPS``: Lightning's subprocess
+Run as ``python gpipe_lightning_worker.py OUT_DIR SCHEDULES EPOCHS``: Lightning's subprocess
 launcher re-runs this script for rank 1, exactly as for DDP. SCHEDULES is a
 comma-separated list, one ``Trainer.fit`` each in the same processes (start-up paid
 once). Per schedule, rank 0 saves ``{schedule}.ckpt`` (through ``trainer.save_checkpoint``)
-and ``{schedule}-rank0.pt``: the loss each step returned, what ``train/loss`` logged, and
-its in-memory weights after fit.
+and every rank ``{schedule}-rank{r}.pt``: the loss each step returned, what ``train/loss``
+logged, the parameters resident on that rank after fit (the rest are on the meta device),
+the parameters its optimizer holds with the sizes of their state, and ``val/loss``,
+``val/ppl`` from the validation at the end of fit and from ``trainer.validate`` after it.
+``1f1b`` trains on 36 sequences: its fifth batch has 4, not 8.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import torch
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpipe_models import CLIP, gpt_loader, gpt_task  # noqa: E402
+from gpipe_models import CLIP, gpt_loader, gpt_task, val_loader  # noqa: E402
 
-CASES = {  # schedule: (chunks, balance)
-    "gpipe": (4, [2, 2]),
-    "1f1b": (2, [3, 1]),
-    "interleaved_1f1b": (4, [1, 1, 1, 1]),
+CASES = {  # schedule: (chunks, balance, training sequences)
+    "gpipe": (4, [2, 2], 32),
+    "1f1b": (2, [3, 1], 36),
+    "interleaved_1f1b": (4, [1, 1, 1, 1], 32),
 }
 
 
@@ -38,31 +41,46 @@ class Losses(pl.Callback):
         self.logged.append(float(trainer.callback_metrics["train/loss"]))
 
 
-def fit(out: str, schedule: str, steps: int, name: str, ckpt_path: str | None = None) -> None:
-    chunks, balance = CASES[schedule]
+def _val(trainer: pl.Trainer) -> dict[str, float]:
+    return {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ppl")}
+
+
+def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None = None) -> None:
+    chunks, balance, n = CASES[schedule]
     losses = Losses()
     task = gpt_task()
     strategy = DistributedGPipeStrategy(chunks=chunks, schedule=schedule, balance=balance, timeout=60)
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
+        max_epochs=epochs, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
         gradient_clip_val=CLIP,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
     )
-    trainer.fit(task, gpt_loader(), ckpt_path=ckpt_path)
+    # validation at the end of the epoch (and the sanity check before training) runs through the pipeline
+    trainer.fit(task, gpt_loader(n=n), val_loader(), ckpt_path=ckpt_path)
+    in_fit = _val(trainer)
     trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
-    if trainer.is_global_zero:
-        weights = {n: p.detach().clone() for n, p in task.named_parameters()}
-        torch.save({"returned": losses.returned, "logged": losses.logged, "weights": weights},
-                   os.path.join(out, f"{name}-rank0.pt"))
+    names = {id(p): n for n, p in task.named_parameters()}
+    resident = {n: p.detach().clone() for n, p in task.named_parameters() if not p.is_meta}
+    optimizer = trainer.optimizers[0]
+    in_optimizer = {
+        names[id(p)]: {k: v.numel() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
+        for group in optimizer.param_groups for p in group["params"]
+    }
+    trainer.validate(task, val_loader(), verbose=False)  # a second setup, on the module fit left split
+    torch.save(
+        {"returned": losses.returned, "logged": losses.logged, "resident": resident, "optimizer": in_optimizer,
+         "val_in_fit": in_fit, "val_after": _val(trainer)},
+        os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),
+    )
 
 
 def main() -> None:
-    out, schedules, steps = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+    out, schedules, epochs = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     torch.set_num_threads(1)
     for schedule in schedules:
-        fit(out, schedule, steps, schedule)
+        fit(out, schedule, epochs, schedule)
         if schedule == "gpipe":
-            fit(out, schedule, 2 * steps, "gpipe-resumed", ckpt_path=os.path.join(out, "gpipe.ckpt"))
+            fit(out, schedule, 2 * epochs, "gpipe-resumed", ckpt_path=os.path.join(out, "gpipe.ckpt"))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,31 @@ def gpt_task() -> LanguageModelTask:
     return LanguageModelTask(net, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
 
 
-def gpt_loader(as_lightning_distributes_it: bool = False) -> DataLoader:
-    """32 sequences in batches of 8. Under a distributed strategy Lightning shuffles the training
+def gpt_loader(as_lightning_distributes_it: bool = False, n: int = 32, seed: int = 3) -> DataLoader:
+    """``n`` sequences in batches of 8 (the last one smaller when 8 does not divide ``n``). Under a distributed strategy Lightning shuffles the training
     data with a ``DistributedSampler`` (seed 0); the pipeline strategy gives it one replica, so
     ``as_lightning_distributes_it=True`` is the order every pipeline rank sees."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 32, (32, 8), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 32, (n, 8), generator=g)
     data = TensorDataset(x, torch.roll(x, -1, dims=1))
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True) if as_lightning_distributes_it else None
     return DataLoader(data, batch_size=8, sampler=sampler)
+
+
+def val_loader() -> DataLoader:
+    """20 held-out sequences in batches of 8, 8 and 4: evaluation sees a smaller last batch."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 32, (20, 8), generator=g)
+    return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=8)
+
+
+def stage_names(task: LanguageModelTask, balance: list[int], ranks: int) -> list[set[str]]:
+    """The parameter names each rank's stages hold (stage ``s`` on rank ``s % ranks``): pre with the first, post with the last."""
+    net, names = task.net, [set() for _ in range(ranks)]
+    for s, count in enumerate(balance):
+        start = sum(balance[:s])
+        modules = [(f"blocks.{i}", net.blocks[i]) for i in range(start, start + count)]
+        modules += [("pre", net.pre)] * (s == 0) + [("post", net.post)] * (s == len(balance) - 1)
+        for prefix, m in modules:
+            names[s % ranks] |= {f"net.{prefix}.{n}" for n, _ in m.named_parameters()}
+    return names

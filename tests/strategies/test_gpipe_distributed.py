@@ -19,9 +19,9 @@ from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrateg
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
-from gpipe_models import CLIP, gpt_loader, gpt_task  # noqa: E402
+from gpipe_lightning_worker import CASES  # noqa: E402
+from gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader  # noqa: E402
 
-STEPS = 4  # one epoch: the resumed run starts the next epoch, as plain training does
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
 
@@ -33,18 +33,20 @@ class Losses(pl.Callback):
         self.returned.append(float(outputs["loss"]))
 
 
-def _plain_fit(steps: int, ckpt_path=None, save=None):
-    """Plain single-process Lightning: the same model, data, optimizer and precision."""
+def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
+    """Plain single-process Lightning: the same model, data (validated at each epoch's end, as the worker does),
+    optimizer and precision; then its validation."""
     task, losses = gpt_task(), Losses()
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, precision="64-true", logger=False, enable_checkpointing=False,
+        max_epochs=epochs, accelerator="cpu", devices=1, precision="64-true", logger=False, enable_checkpointing=False,
         gradient_clip_val=CLIP,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
     )
-    trainer.fit(task, gpt_loader(as_lightning_distributes_it=True), ckpt_path=ckpt_path)
+    trainer.fit(task, gpt_loader(as_lightning_distributes_it=True, n=n), val_loader(), ckpt_path=ckpt_path)
     if save:
         trainer.save_checkpoint(save)
-    return losses.returned, {n: p.detach().clone() for n, p in task.named_parameters()}
+    val = trainer.validate(task, val_loader(), verbose=False)[0]
+    return losses.returned, {n: p.detach().clone() for n, p in task.named_parameters()}, val
 
 
 def _launch(out: Path, timeout: float = 90.0) -> subprocess.CompletedProcess:
@@ -54,7 +56,7 @@ def _launch(out: Path, timeout: float = 90.0) -> subprocess.CompletedProcess:
         env.pop(var, None)  # a fresh launch, not a rank of some outer job
     env["PYTHONPATH"] = os.pathsep.join([str(PIPELINE_TESTS.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
-        [sys.executable, str(PIPELINE_TESTS / "gpipe_lightning_worker.py"), str(out), ",".join(SCHEDULES), str(STEPS)],
+        [sys.executable, str(PIPELINE_TESTS / "gpipe_lightning_worker.py"), str(out), ",".join(SCHEDULES), "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -68,10 +70,10 @@ def _launch(out: Path, timeout: float = 90.0) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """STEPS plain steps, then plain Lightning resuming from its own checkpoint for STEPS more."""
+    """Per training-set size, one plain epoch; then plain Lightning resuming from its own checkpoint for another."""
     ckpt = tmp_path_factory.mktemp("plain") / "plain.ckpt"
-    losses, weights = _plain_fit(STEPS, save=ckpt)
-    return losses, weights, _plain_fit(2 * STEPS, ckpt_path=ckpt)
+    runs = {32: _plain_fit(1, save=ckpt), 36: _plain_fit(1, n=36)}  # 36: a fifth batch of 4
+    return runs, _plain_fit(2, ckpt_path=ckpt)
 
 
 @pytest.fixture(scope="module")
@@ -82,37 +84,74 @@ def two_ranks(tmp_path_factory):
     return out
 
 
+def _ranks(out: Path, name: str) -> list[dict]:
+    return [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_two_processes_train_like_plain_lightning(two_ranks, reference, schedule):
-    ref_losses, ref_weights, _ = reference
-    rank0 = torch.load(two_ranks / f"{schedule}-rank0.pt", weights_only=False)
+    chunks, balance, n = CASES[schedule]
+    ref_losses, ref_weights, ref_val = reference[0][n]
+    ranks = _ranks(two_ranks, schedule)
     # the loss every step returned on rank 0, and what training_step logged there, came from the last stage
-    torch.testing.assert_close(rank0["returned"], ref_losses, rtol=1e-12, atol=0)
-    torch.testing.assert_close(rank0["logged"], ref_losses, rtol=1e-12, atol=0)
+    # (1f1b: 36 sequences, the fifth batch has 4 and got a schedule of its own)
+    torch.testing.assert_close(ranks[0]["returned"], ref_losses, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ranks[0]["logged"], ref_losses, rtol=1e-12, atol=0)
+    # validation through the pipeline (batches of 8, 8, 4), in fit and in trainer.validate after it, on every rank
+    for rank in ranks:
+        for val in (rank["val_in_fit"], rank["val_after"]):
+            torch.testing.assert_close(val, {k: float(v) for k, v in ref_val.items()}, rtol=1e-10, atol=0)
     # the checkpoint holds the user's names and every stage's trained weights: load it into a plain model
     checkpoint = torch.load(two_ranks / f"{schedule}.ckpt", weights_only=False)
     plain = gpt_task().double()  # the 64-true run saved float64
     plain.load_state_dict(checkpoint["state_dict"], strict=True)
     for name, weight in ref_weights.items():
         torch.testing.assert_close(dict(plain.named_parameters())[name], weight, rtol=1e-10, atol=1e-12, msg=name)
-        torch.testing.assert_close(rank0["weights"][name], weight, rtol=1e-10, atol=1e-12, msg=name)
-    # the optimizer state of both stages, gathered: AdamW has a step for every parameter
+    # the optimizer state of both stages, gathered under plain training's indices: AdamW has a step for every parameter
     state = checkpoint["optimizer_states"][0]["state"]
     assert sorted(state) == list(range(len(ref_weights)))
-    assert all(int(s["step"]) == STEPS for s in state.values())
-    assert checkpoint["global_step"] == STEPS
+    assert all(int(s["step"]) == len(ref_losses) for s in state.values())
+    assert checkpoint["global_step"] == len(ref_losses)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_ranks, reference, schedule):
+    """Rank r keeps exactly the parameters of its stages (pre with the first, post with the last), with the trained
+    values; the others are on the meta device. The ranks' bytes add up to the model's, and each optimizer holds only
+    its rank's parameters, with AdamW's two moments the size of each."""
+    _, balance, n = CASES[schedule]
+    ref_weights = reference[0][n][1]
+    ranks = _ranks(two_ranks, schedule)
+    expected = stage_names(gpt_task(), balance, 2)
+    assert all(expected) and not expected[0] & expected[1] and expected[0] | expected[1] == set(ref_weights)
+    nbytes = lambda names: sum(ref_weights[k].numel() * ref_weights[k].element_size() for k in names)  # noqa: E731
+    for r, rank in enumerate(ranks):
+        assert set(rank["resident"]) == expected[r], f"rank {r}"
+        for name, weight in rank["resident"].items():
+            torch.testing.assert_close(weight, ref_weights[name], rtol=1e-10, atol=1e-12, msg=name)
+        resident_bytes = sum(t.numel() * t.element_size() for t in rank["resident"].values())
+        assert resident_bytes == nbytes(expected[r]) < nbytes(ref_weights)
+        assert set(rank["optimizer"]) == expected[r], f"rank {r}'s optimizer"
+        for name, sizes in rank["optimizer"].items():
+            assert sizes["exp_avg"] == sizes["exp_avg_sq"] == ref_weights[name].numel(), name
+    assert sum(sum(t.numel() for t in rank["resident"].values()) for rank in ranks) == sum(
+        t.numel() for t in ref_weights.values()
+    )
 
 
 def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference):
-    """The pipeline resuming from its checkpoint, and plain Lightning resuming from that same checkpoint,
-    both continue exactly as plain Lightning resuming from its own."""
-    _, _, (ref_losses, ref_weights) = reference
-    resumed = torch.load(two_ranks / "gpipe-resumed-rank0.pt", weights_only=False)
-    plain_losses, plain_weights = _plain_fit(2 * STEPS, ckpt_path=two_ranks / "gpipe.ckpt")
-    for losses, weights in ((resumed["returned"], resumed["weights"]), (plain_losses, plain_weights)):
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-12, atol=0)
-        for name, weight in ref_weights.items():
-            torch.testing.assert_close(weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
+    """The pipeline resuming from its checkpoint (each rank taking its stages' weights and optimizer state), and plain
+    Lightning resuming from that same checkpoint, both continue exactly as plain Lightning resuming from its own."""
+    _, (ref_losses, ref_weights, _) = reference
+    resumed = _ranks(two_ranks, "gpipe-resumed")
+    plain_losses, plain_weights, _ = _plain_fit(2, ckpt_path=two_ranks / "gpipe.ckpt")
+    torch.testing.assert_close(resumed[0]["returned"], ref_losses, rtol=1e-12, atol=0)
+    torch.testing.assert_close(plain_losses, ref_losses, rtol=1e-12, atol=0)
+    weights = {**resumed[0]["resident"], **resumed[1]["resident"]}
+    assert set(weights) == set(ref_weights)
+    for name, weight in ref_weights.items():
+        torch.testing.assert_close(weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(plain_weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_logged_values_reduce_over_micro_batches_like_the_loss():
@@ -157,32 +196,97 @@ class SumRegressor(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net, self.reduction = MLP(5, 3, hidden=8, depth=2), reduction
+        self.samples = 0  # side effects after the network call: samples the loss was computed on
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y, reduction=self.reduction)
+        out = self.net(x)
+        self.samples += x.size(0)
+        loss = torch.nn.functional.mse_loss(out, y, reduction=self.reduction)
         self.log("train/loss", loss)
         return loss
 
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def _fit_both(data, strategy_kwargs, max_steps=-1, accumulate=1, reduction="mean", drop_last_for_plain=False):
+    """The same SumRegressor trained by plain Lightning and by the pipeline strategy on one rank."""
+    runs = []
+    for strategy in ("auto", DistributedGPipeStrategy(loss_reduction=reduction, **strategy_kwargs)):
+        model = SumRegressor(reduction)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=strategy, max_steps=max_steps, max_epochs=None if max_steps > 0 else 1,
+            accumulate_grad_batches=accumulate, precision="64-true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        )
+        drop_last = drop_last_for_plain and strategy == "auto"
+        trainer.fit(model, DataLoader(data, batch_size=8, drop_last=drop_last))
+        runs.append((model, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    return runs
+
+
+def _regression_data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g))
 
 
 @pytest.mark.parametrize(("reduction", "accumulate"), [("sum", 1), ("mean", 2)])
 def test_one_rank_sum_losses_and_gradient_accumulation_match_plain_lightning(one_rank, reduction, accumulate):
     """In this process (a group of 1): the schedule's micro-batches, its 1/M scaling (or none for a
     summed loss) and the gradients held back until Lightning's backward, against plain Lightning."""
-    g = torch.Generator().manual_seed(2)
-    data = TensorDataset(torch.randn(32, 5, generator=g), torch.randn(32, 3, generator=g))
-    weights = []
-    for strategy in ("auto", DistributedGPipeStrategy(chunks=4, loss_reduction=reduction)):
-        model = SumRegressor(reduction)
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, strategy=strategy, max_steps=3, accumulate_grad_batches=accumulate,
-            precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, use_distributed_sampler=False,
+    (plain, weights), (piped, piped_weights) = _fit_both(
+        _regression_data(32), {"chunks": 4}, max_steps=3, accumulate=accumulate, reduction=reduction
+    )
+    for name, weight in weights.items():
+        torch.testing.assert_close(piped_weights[name], weight, rtol=1e-12, atol=1e-14, msg=name)
+    # training_step ran once per micro-batch: torch's shape inference on the first step did not run it again
+    assert piped.samples == plain.samples == 3 * accumulate * 8
+
+
+def test_one_rank_smaller_last_batch_gets_its_own_schedule(one_rank):
+    """36 samples in batches of 8: the last has 4, still a multiple of chunks=4, and trains like plain Lightning."""
+    (plain, weights), (piped, piped_weights) = _fit_both(_regression_data(36), {"chunks": 4})
+    for name, weight in weights.items():
+        torch.testing.assert_close(piped_weights[name], weight, rtol=1e-12, atol=1e-14, msg=name)
+    assert piped.samples == plain.samples == 36
+
+
+def test_one_rank_last_batch_not_divisible_by_chunks_is_skipped_with_a_warning(one_rank):
+    """34 samples: the last batch of 2 cannot make 4 equal micro-batches; it is skipped (one warning), as if dropped."""
+    with pytest.warns(UserWarning, match=r"skips batches whose size is not a multiple of chunks=4 \(got 2"):
+        (plain, weights), (piped, piped_weights) = _fit_both(_regression_data(34), {"chunks": 4}, drop_last_for_plain=True)
+    for name, weight in weights.items():
+        torch.testing.assert_close(piped_weights[name], weight, rtol=1e-12, atol=1e-14, msg=name)
+    assert piped.samples == plain.samples == 32
+
+
+def test_a_module_split_by_one_fit_refuses_another_split(one_rank):
+    """After fit the module stays split; a later run must use the same layout, or build a fresh model."""
+    model = SumRegressor("mean")
+    assert len(model.net.blocks) == 2
+    trainer_kwargs = dict(
+        accelerator="cpu", devices=1, max_steps=1, precision="64-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )
+    loader = DataLoader(_regression_data(8), batch_size=8)
+    pl.Trainer(strategy=DistributedGPipeStrategy(chunks=2, balance=[2]), **trainer_kwargs).fit(model, loader)
+    with pytest.raises(ValueError, match=r"split for 1 ranks with balance \[2\] by an earlier run.*HINT: build a fresh"):
+        pl.Trainer(strategy=DistributedGPipeStrategy(chunks=2, schedule="interleaved_1f1b"), **trainer_kwargs).fit(
+            model, loader
         )
-        trainer.fit(model, DataLoader(data, batch_size=8))
-        weights.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    for name, weight in weights[0].items():
-        torch.testing.assert_close(weights[1][name], weight, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_one_rank_predict_runs_the_stages_in_order(one_rank):
+    """predict through the pipeline's evaluation path returns what plain Lightning's predict returns."""
+    (plain, _), (piped, _) = _fit_both(_regression_data(16), {"chunks": 2})
+    loader = DataLoader(_regression_data(12), batch_size=8)  # batches of 8 and 4
+    kwargs = dict(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False,
+                  use_distributed_sampler=False)
+    expected = pl.Trainer(**kwargs).predict(plain, loader)
+    got = pl.Trainer(strategy=DistributedGPipeStrategy(chunks=2), **kwargs).predict(piped, loader)
+    assert [p.shape for p in got] == [(8, 3), (4, 3)]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
