@@ -40,6 +40,10 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     )
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("LIGHTNING_ACCEL_RECIPE", None)  # set only in DDP ranks re-launched by Lightning
+    # An in-process Lightning process group (some strategy tests) leaves these behind; a
+    # child that inherits LOCAL_RANK believes it was launched and never starts its peers.
+    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
     return env
 
 

@@ -182,11 +182,16 @@ def test_is_a_parallel_strategy_lightning_launches_like_ddp():
 @pytest.fixture
 def one_rank():
     """Lightning's process group of 1 in this process, destroyed afterwards (other tests make their own)."""
+    import os
+
     import torch.distributed as dist
 
+    saved = dict(os.environ)  # Lightning sets MASTER_PORT, LOCAL_RANK, WORLD_SIZE, ... for the group
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 class SumRegressor(pl.LightningModule):
