@@ -12,6 +12,9 @@ CPU there is no copy to overlap; the callback leaves the loader alone and says s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -42,14 +45,11 @@ class DevicePrefetcher(Callback):
             self.message = f"DevicePrefetcher: no CUDA device (training on {device.type}); batches are not copied ahead"
             rank_zero_info(self.message)
             return
-        why_not = swap_train_loader(trainer, lambda loader: CudaPrefetchIterable(loader, device))
-        if why_not is not None:
-            self.message = f"DevicePrefetcher: {why_not}; batches are copied by Lightning as usual"
-            rank_zero_warn(self.message)
-            return
-        self.active = True
-        self.message = f"DevicePrefetcher: copying batch i+1 to {device} on a side stream while batch i computes"
-        rank_zero_info(self.message)
+        self._install(
+            trainer,
+            lambda loader: CudaPrefetchIterable(loader, device),
+            f"DevicePrefetcher: copying batch i+1 to {device} on a side stream while batch i computes",
+        )
 
     def _use_xla_loader(self, trainer: pl.Trainer, device: torch.device) -> None:
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
@@ -60,11 +60,19 @@ class DevicePrefetcher(Callback):
             self.message = "DevicePrefetcher: the train loader is already torch_xla's MpDeviceLoader; nothing to do"
             rank_zero_info(self.message)
             return
-        why_not = swap_train_loader(trainer, lambda loader: MpDeviceLoader(loader, device))
+        self._install(
+            trainer,
+            lambda loader: MpDeviceLoader(loader, device),
+            f"DevicePrefetcher: torch_xla's MpDeviceLoader copies the next batches to {device} in the background",
+        )
+
+    def _install(self, trainer: pl.Trainer, wrap: Callable[[Any], Any], done: str) -> None:
+        """Wrap the train loader with ``wrap``, or keep it and say why not."""
+        why_not = swap_train_loader(trainer, wrap)
         if why_not is not None:
             self.message = f"DevicePrefetcher: {why_not}; batches are copied by Lightning as usual"
             rank_zero_warn(self.message)
             return
         self.active = True
-        self.message = f"DevicePrefetcher: torch_xla's MpDeviceLoader copies the next batches to {device} in the background"
+        self.message = done
         rank_zero_info(self.message)
