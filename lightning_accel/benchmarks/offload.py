@@ -101,8 +101,8 @@ def _cpu_table(args: argparse.Namespace) -> str:
     run = dict(accelerator="cpu", batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup)
     contenders = {
         "plain Lightning": ("auto", None),
-        "l2l_offload": (L2LOffloadStrategy, {}),
-        "l2l_offload, no overlapped step": (L2LOffloadStrategy, {"overlap_step": False}),
+        "l2l_offload (defaults)": (L2LOffloadStrategy, {}),
+        "l2l_offload, host step overlapped": (L2LOffloadStrategy, {"overlap_step": True}),
         "l2l_offload, no checkpointing": (L2LOffloadStrategy, {"checkpoint_blocks": False}),
     }
     # Rounds interleave the contenders (A B C D A B C D ...) so a noisy neighbour hits all

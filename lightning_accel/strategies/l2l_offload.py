@@ -61,7 +61,10 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             activations and weights (device memory independent of depth; about one extra
             forward of compute).
         overlap_step: step each block on the host as soon as its gradients arrive, while
-            the backward pass continues (off automatically under clipping / fp16).
+            the backward pass continues (off automatically under clipping / fp16). None
+            (default): on when the device is an accelerator; off on the CPU, where the
+            "host" step would compete with the "device" compute for the same cores
+            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``).
         device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
     """
 
@@ -73,7 +76,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         prefetch_blocks: int = 1,
         offload_resident: bool = False,
         checkpoint_blocks: bool = True,
-        overlap_step: bool = True,
+        overlap_step: bool | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
@@ -201,7 +204,8 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         executor = self._executor
         assert executor is not None
 
-        overlap = self.overlap_step and self._can_overlap(optimizer)
+        wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
+        overlap = wanted and self._can_overlap(optimizer)
 
         def closure_then_host_grads() -> Any:
             executor.step_blocks_during_backward(functools.partial(_step_subset, optimizer) if overlap else None)

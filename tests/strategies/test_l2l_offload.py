@@ -94,7 +94,7 @@ def test_custom_model_matches_plain_training(trainer_kwargs: dict[str, Any]) -> 
     plain, offloaded = _pair(Regressor)
     initial = {k: v.clone() for k, v in plain.state_dict().items()}
     _fit(plain, _regression_data(), **trainer_kwargs)
-    trainer = _fit(offloaded, _regression_data(), L2LOffloadStrategy(blocks=["Block"]), **trainer_kwargs)
+    trainer = _fit(offloaded, _regression_data(), L2LOffloadStrategy(blocks=["Block"], overlap_step=True), **trainer_kwargs)
     _assert_same_weights(plain, offloaded)
     # the host step overlaps the backward unless clipping needs every gradient first
     stepped = trainer.strategy.offload_stats.blocks_stepped_in_backward
@@ -120,6 +120,8 @@ def test_registered_name_and_offload_of_the_resident_unit() -> None:
     trainer = _fit(offloaded, _regression_data(), "l2l_offload")
     assert isinstance(trainer.strategy, L2LOffloadStrategy)
     _assert_same_weights(plain, offloaded)
+    # on a CPU "device" the host step would compete with the compute: no overlap by default
+    assert trainer.strategy.offload_stats.blocks_stepped_in_backward == 0
     plain, offloaded = _pair(Regressor)
     _fit(plain, _regression_data())
     _fit(offloaded, _regression_data(), L2LOffloadStrategy(offload_resident=True))
