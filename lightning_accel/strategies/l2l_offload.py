@@ -38,6 +38,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
@@ -106,10 +107,6 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             return self._last_stats
         return self._executor.stats
 
-    @property
-    def executor(self) -> L2LExecutor | None:
-        return self._executor
-
     def _compute_dtype(self) -> torch.dtype:
         plugin = self.precision_plugin
         if isinstance(plugin, OffloadPrecision):
@@ -160,6 +157,12 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             _check_fits(plan, device, compute_dtype)
         self._executor = L2LExecutor(self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks)
         self._executor.attach()
+        copies = (
+            "the device is the host in fp32, so blocks compute on their masters (no copies)"
+            if self._executor.streamer.alias
+            else f"device copies in {compute_dtype} on {device}"
+        )
+        rank_zero_info(f"L2LOffloadStrategy: {plan.describe()}; {copies}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -63,6 +63,3 @@ class OffloadPrecision(MixedPrecision):
     @override
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"OffloadPrecision({self.precision!r})"
-
-    def describe(self) -> dict[str, Any]:
-        return {"precision": self.precision, "compute_dtype": str(self.compute_dtype), "device": self.device}
