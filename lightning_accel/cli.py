@@ -49,10 +49,8 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
 
     hydra_flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
-    if any(f in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve") for f in hydra_flags):
-        check = False  # Hydra's inspection flags: let Hydra answer, nothing runs
-    else:
-        check = True
+    # Hydra's inspection flags: let Hydra answer, nothing runs, nothing to check
+    check = not any(f in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve") for f in hydra_flags)
     path = resolve_recipe(recipe)
     if check and not os.environ.get(RECIPE_ENV):  # a re-launched DDP rank was checked by rank 0
         # Sweep overrides (a=1,2) cannot be composed as one config: check the rest.

@@ -10,7 +10,6 @@ finished and where its checkpoint, logs and metrics are.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _write_status(output_dir, status)
         raise
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
-    if "val/loss" in metrics and "val/ppl" not in metrics and cfg.model.get("_target_", "").endswith("LanguageModelTask"):
-        metrics["val/ppl"] = math.exp(metrics["val/loss"])
-    checkpoint = next((cb for cb in trainer.checkpoint_callbacks), None)
+    checkpoint = trainer.checkpoint_callback
     status.update(
         status="completed",
         seconds=round(time.perf_counter() - started, 1),
