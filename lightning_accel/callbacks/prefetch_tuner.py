@@ -30,7 +30,6 @@ at the next epoch.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -42,6 +41,7 @@ from typing_extensions import override
 from lightning_accel.bench import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.prefetch import cache
+from lightning_accel.prefetch.handover import handover_lead
 from lightning_accel.prefetch.loader_rebuild import RebuildError, is_iterable
 from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
@@ -63,9 +63,11 @@ class PrefetchTuner(Callback):
         max_workers: worker processes per rank at most; ``None``: 4 x cores / ranks on this machine.
         memory_budget_bytes: bytes of buffered batches per rank at most
             (workers x prefetch_factor x batch bytes); ``None``: half the free RAM / shared memory.
-        warmup_steps: steps ignored before measuring (loader start-up).
-        trial_steps: steps measured at most to decide whether training is data-bound; two are
-            enough when each waited longer for its batch than it computed (clearly data-bound).
+        warmup_steps: steps ignored before measuring (worker start-up; a loader without
+            workers has none, so there its first step counts).
+        trial_steps: steps measured at most to decide whether training is data-bound; one is
+            enough when it waited over 3x as long for its batch as it computed, two when each
+            waited longer (clearly data-bound).
         max_search_steps: the search must be decided by this step; it starts after step
             ``warmup_steps + trial_steps``, which must come before it, and tries no candidate
             it could not judge in time.
@@ -167,9 +169,9 @@ class PrefetchTuner(Callback):
             return
         self.meter.step_ended()
         if self.search is None:
-            if len(self.meter) >= self.warmup_steps + self.trial_steps or self._clearly_data_bound():
+            if len(self.meter) >= self._skip + self.trial_steps or self._clearly_data_bound():
                 self._batch_bytes = batch_nbytes(batch)
-                self._start_search(self.meter.stats(skip=self.warmup_steps))
+                self._start_search(self.meter.stats(skip=self._skip))
         else:
             self._advance()
         if self._done:
@@ -186,10 +188,18 @@ class PrefetchTuner(Callback):
                         step=trainer.global_step,
                     )
 
+    @property
+    def _skip(self) -> int:
+        """Steps not measured: the warm-up covers worker start-up, which a loader without workers does not have."""
+        assert self.loader is not None
+        return self.warmup_steps if self.loader.settings.num_workers > 0 else 0  # read before any switch
+
     def _clearly_data_bound(self) -> bool:
-        """Two steps or more (after the warm-up), and each waited longer than it computed: no need for more."""
-        waits, steps = self.meter.waits[self.warmup_steps : len(self.meter)], self.meter.steps[self.warmup_steps :]
-        return len(steps) >= 2 and all(w > s for w, s in zip(waits, steps))
+        """No need to measure more: one step that waited over 3x its compute, or two that each waited longer."""
+        skip = self._skip
+        waits, steps = self.meter.waits[skip : len(self.meter)], self.meter.steps[skip:]
+        pairs = list(zip(waits, steps))
+        return (len(pairs) >= 1 and all(w > 3 * s for w, s in pairs)) or (len(pairs) >= 2 and all(w > s for w, s in pairs))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -231,31 +241,27 @@ class PrefetchTuner(Callback):
         self._next_candidate()
 
     def _lead(self, candidate: LoaderSettings) -> int:
-        """Batches the current loader still serves while the candidate's workers fill up.
-
-        About one item's latency (what a worker needs for its first batch) over the
-        current time per step, longer when more workers than cores start at once and
-        share them; 0 (a cold switch) when both loaders' buffers would not fit the memory
-        budget at once.
-        """
+        """Batches the current loader still serves while the candidate's workers fill up
+        (:func:`~lightning_accel.prefetch.handover.handover_lead`); 0, a cold switch, when
+        both loaders' buffers would not fit the memory budget at once."""
         assert self.loader is not None and self.search is not None
         current = self.loader.settings
         both = (current.buffered_batches + candidate.buffered_batches) * self.search.batch_bytes
         if both > self._budget.memory_bytes:
             return 0
         trial = next((t for t in reversed(self.search.trials) if t.settings == current), None)
-        step_s = self.search.step_s
-        if current.num_workers == 0 or trial is None:
-            item_s = trial.interval_s if trial is not None else step_s
-            period = item_s + step_s
-        else:
-            item_s = trial.interval_s * current.num_workers  # each worker takes w intervals per batch
-            period = max(step_s, trial.interval_s)
-        period = max(period, 1e-6)
-        crowd = max(1.0, candidate.num_workers / (os.cpu_count() or 1))
-        # Each step of lead trades a slow batch from the current loader for a fast one later,
-        # which pays while the new workers would not be ready anyway.
-        return max(1, min(self.max_lead, math.floor(1.1 * item_s * crowd / period)))
+        # This process did the loading only without workers: only then is its CPU share the item's.
+        measured = self.measured
+        share = measured.wait_cpu_share if measured is not None and self._start.num_workers == 0 and current == self._start else 1.0
+        return handover_lead(
+            current.num_workers,
+            trial.interval_s if trial is not None else None,
+            candidate.num_workers,
+            self.search.step_s,
+            os.cpu_count() or 1,
+            cpu_share=share,
+            max_lead=self.max_lead,
+        )
 
     def _next_candidate(self) -> None:
         assert self.loader is not None and self.search is not None

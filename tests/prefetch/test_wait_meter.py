@@ -35,3 +35,19 @@ def test_waits_and_steps_from_a_simulated_loop():
 def test_empty_meter_reports_zero_steps():
     stats = WaitMeter().stats()
     assert stats.steps == 0 and stats.throughput == 0.0 and stats.wait_fraction == 0.0
+
+
+def test_cpu_share_of_the_waits_from_a_simulated_cpu_clock():
+    clock, cpu = Clock(), Clock()
+    meter = WaitMeter(clock=clock, cpu_clock=cpu)
+    meter.start()
+    for wait, busy in [(0.5, 0.05), (0.5, 0.15)]:  # waits of 0.5 s, 10% and 30% of them on the CPU
+        clock.t += wait
+        cpu.t += busy
+        meter.batch_arrived()
+        clock.t += 0.1
+        cpu.t += 0.1  # the step's own CPU time is not the wait's
+        meter.step_ended()
+    assert meter.wait_cpus == pytest.approx([0.05, 0.15])
+    stats = meter.stats()
+    assert stats.wait_cpu_s == pytest.approx(0.1) and stats.wait_cpu_share == pytest.approx(0.2)
