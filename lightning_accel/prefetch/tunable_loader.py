@@ -36,6 +36,7 @@ from lightning_accel.prefetch.loader_rebuild import (
     rebuild_loader,
     settings_of,
 )
+from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
 
 
@@ -137,6 +138,7 @@ class TunableLoader:
         self._next_at = 0
         self._batches: list | None = None  # this epoch's batches while a map-style epoch runs
         self._consumed = 0
+        self.reaper = Reaper()  # frees served batches off the training thread
         # From now on the user's loader is only a template; free the workers it may keep alive.
         if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
             loader._iterator._shutdown_workers()
@@ -239,10 +241,12 @@ class TunableLoader:
             if inner is not None:
                 inner.close()
         self._inner = self._next = None
+        self.reaper.close()
 
     def _serve(self, iterator: Iterator) -> Iterator:
         for stamp, batch in iterator:
             self.stamps.append(stamp)
+            self.reaper.served(batch)
             yield batch
 
     def __iter__(self) -> Iterator:
@@ -275,6 +279,7 @@ class TunableLoader:
                     return
                 self.stamps.append(stamp)
                 self._consumed += 1
+                self.reaper.served(batch)
                 yield batch
         finally:
             self._batches = None
