@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue #8: every CUDA path and the offload / prefetch / pipeline benchmarks on one GPU machine.
+#
+#   scripts/gpu-verify.sh pack   # here (no GPU): copy the pure-Python packages the GPU image
+#                                # lacks (hydra-core, omegaconf, antlr4) into .gpu-site/ (git-ignored)
+#   scripts/gpu-verify.sh run    # there: tests with CUDA, then the benchmarks; a table last
+#
+# With the device tool: run(command="scripts/gpu-verify.sh run", carry=[".gpu-site"]).
+# Full logs land in $OUT (or ./gpu-results): versions.txt, tests-cuda.log, tests-all.log,
+# bench-offload.txt, bench-prefetch.txt, bench-pipeline.txt, summary.txt.
+# The package itself is used from the working tree (PYTHONPATH): the GPU image's torch
+# (2.11 + CUDA) stays, and nothing is fetched there.
+set -uo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+
+pack() {
+    local site
+    site=$(python -c 'import hydra, os; print(os.path.dirname(os.path.dirname(hydra.__file__)))') || {
+        echo "pack needs hydra-core importable here: activate the dev venv (.venv/bin/activate)" >&2; exit 2; }
+    rm -rf .gpu-site && mkdir -p .gpu-site
+    for pkg in hydra omegaconf antlr4; do cp -r "$site/$pkg" .gpu-site/; done
+    du -sh .gpu-site
+}
+
+run() {
+    local out="${OUT:-$repo/gpu-results}"
+    mkdir -p "$out"
+    export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+    [ -d .gpu-site ] && export PYTHONPATH="$PYTHONPATH:$repo/.gpu-site"
+    export PYTHONUNBUFFERED=1 LIGHTNING_ACCEL_CACHE="${TMPDIR:-/tmp}/la-cache" LIGHTNING_ACCEL_OUTPUTS="${TMPDIR:-/tmp}/la-outputs"
+    python3 - > "$out/versions.txt" <<'PY' || { cat "$out/versions.txt"; echo "no CUDA device: nothing to verify" >&2; exit 2; }
+import datetime, subprocess, torch, lightning, hydra
+assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip()
+print(f"date {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+print(f"gpu {smi}")
+print(f"torch {torch.__version__} (cuda {torch.version.cuda}), lightning {lightning.__version__}, hydra {hydra.__version__}")
+PY
+    cat "$out/versions.txt"
+    local status=()
+    step() {  # name, log, command...
+        local name=$1 log=$2; shift 2
+        echo "+ $*" | tee "$out/$log"
+        local start=$SECONDS
+        if "$@" >> "$out/$log" 2>&1; then status+=("$name|ok|$((SECONDS - start)) s|$log");
+        else status+=("$name|FAILED (rc $?)|$((SECONDS - start)) s|$log"); fi
+        tail -n 25 "$out/$log"
+    }
+    step "GPU-only tests (-m cuda)" tests-cuda.log python3 -m pytest -m cuda -ra -q tests
+    step "whole suite, CUDA visible" tests-all.log python3 -m pytest -ra -q -m "not xla" -p no:cacheprovider tests
+    step "bench offload" bench-offload.txt python3 -m lightning_accel.cli bench offload
+    step "bench prefetch" bench-prefetch.txt python3 -m lightning_accel.cli bench prefetch --steps 60
+    step "bench pipeline (memory vs M)" bench-pipeline.txt python3 -m lightning_accel.cli bench pipeline --memory-only
+    {
+        cat "$out/versions.txt"
+        printf '%-32s %-14s %-8s %s\n' step result time log
+        for row in "${status[@]}"; do IFS='|' read -r a b c d <<< "$row"; printf '%-32s %-14s %-8s %s\n' "$a" "$b" "$c" "$d"; done
+    } > "$out/summary.txt"
+    echo; cat "$out/summary.txt"
+    ! grep -q FAILED "$out/summary.txt"
+}
+
+case "${1:-}" in
+    pack) pack ;;
+    run) run ;;
+    *) echo "usage: $0 pack|run  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
+esac
