@@ -8,7 +8,7 @@ from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.distributed import RankPipeline, StageModule, stage_indices
 from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, gather, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_times
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.schedule import (
     bubble_fraction,
@@ -41,7 +41,7 @@ __all__ = [
     "ideal_speedup",
     "measured_bubble",
     "one_f_one_b_order",
-    "profile_times",
+    "profile_block_times",
     "reduce_outputs",
     "scatter",
     "simulate",

@@ -17,6 +17,17 @@ Shapes: a stage fixes its activation shapes at its first step. A batch of anothe
 per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
 every rank can compute (the batch's shapes), and without one a new shape is refused.
 
+Data parallel across pipeline replicas (DP x PP): ``world_size = pp * dp`` ranks on a
+device mesh of dims ``("pp", "dp")`` (:func:`pipeline_mesh`), ``pp`` outermost: global rank
+``pp_rank * dp + dp_rank`` (:func:`mesh_coordinates`). Each replica's ``pp`` ranks form one
+pipeline (a :class:`RankPipeline` on the mesh's ``pp`` group); after its backward,
+:func:`average_gradients` averages each stage's gradients over the ``dp`` group, the ranks
+holding the same stage in the other replicas. Why ``pp`` outermost (as torchtitan and
+Megatron order their meshes): the gradient all-reduce moves a whole stage's gradients at every
+step, the pipeline only the activations at the stage boundaries, so the ``dp`` ranks are
+the adjacent ones (one host's local ranks are consecutive: its fast links), and a pipeline
+may cross hosts.
+
 Evaluation does not micro-batch: :meth:`RankPipeline.forward` runs the stages in order,
 each rank receiving its input from the previous stage's rank and sending its output on,
 with a small header (dtype, shape) before each tensor so the shape may change per batch.
@@ -35,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_accel.models.blocks import require_block_network
@@ -42,7 +54,7 @@ from lightning_accel.pipeline.partition import check_balance
 from lightning_accel.pipeline.schedule import check_schedule
 from lightning_accel.pipeline.timeline import Event
 
-__all__ = ["RankPipeline", "StageModule", "stage_indices"]
+__all__ = ["RankPipeline", "StageModule", "average_gradients", "mesh_coordinates", "pipeline_mesh", "stage_indices"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
 _MAX_DIMS = 8
@@ -181,13 +193,61 @@ def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
     return [rank, rank + world_size] if schedule == "interleaved_1f1b" else [rank]
 
 
+def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
+    """``(pp_rank, dp_rank)`` of global rank ``rank`` on the ``("pp", "dp")`` mesh of ``world_size`` ranks, ``pp`` per pipeline."""
+    if pp < 1 or world_size % pp:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of {pp} pipeline ranks; HINT: run a multiple of {pp} processes"
+        )
+    dp = world_size // pp
+    return rank // dp, rank % dp
+
+
+def pipeline_mesh(device_type: str, world_size: int, pp: int) -> DeviceMesh:
+    """The ``("pp", "dp")`` device mesh of the default process group: ``pp`` ranks per pipeline, ``world_size // pp`` replicas."""
+    mesh_coordinates(0, world_size, pp)  # the check
+    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+
+
+@torch.no_grad()
+def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None, bucket_bytes: int = 25 * 2**20) -> None:
+    """Replace each gradient by its mean over ``group`` (the data-parallel replicas), as ``DistributedDataParallel`` does.
+
+    Gradients go in flat buckets of one dtype and device, at most ``bucket_bytes`` each (one
+    all-reduce per bucket, not per tensor). Every rank of ``group`` must pass the same
+    parameters, with a gradient on the same ones (the same stage, in every replica).
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], int]] = {}
+    buckets: list[list[Tensor]] = []
+    for g in (p.grad for p in params if p.grad is not None):
+        bucket, nbytes = open_buckets.get((g.dtype, g.device), ([], 0))
+        if not bucket or nbytes + g.nbytes > bucket_bytes:
+            bucket, nbytes = [], 0
+            buckets.append(bucket)
+        bucket.append(g)
+        open_buckets[(g.dtype, g.device)] = (bucket, nbytes + g.nbytes)
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)  # SUM, then divide: gloo has no AVG
+        flat.div_(size)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 class RankPipeline:
     """This rank's stages of ``net`` and the schedule that drives them.
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
     ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
     over the micro-batch (``scale_grads=True``: gradients are divided by ``chunks``, so they
-    equal those of the batch mean), or a sum (``scale_grads=False``).
+    equal those of the batch mean), or a sum (``scale_grads=False``). ``group``: the ranks
+    of this pipeline (the mesh's ``pp`` group; ``None``: every rank), whose size is the
+    ``world_size`` above.
     """
 
     def __init__(
@@ -312,9 +372,10 @@ class RankPipeline:
                 losses=losses if self.holds_last else None,
             )
         except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
-            neighbours = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
+            near = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
+            neighbours = [self._global(r) for r in near]  # global ranks: what the other ranks' logs name
             raise RuntimeError(
-                f"pipeline step failed on rank {self.rank} (stages {self.indices}) while exchanging with rank(s) "
+                f"pipeline step failed on rank {self._global(self.rank)} (stages {self.indices}) while exchanging with rank(s) "
                 f"{neighbours}: {type(err).__name__}: {err}. HINT: a neighbouring rank probably died or timed "
                 "out; its own log has the first error"
             ) from err

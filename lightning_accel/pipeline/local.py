@@ -3,8 +3,23 @@
 The user's modules are not wrapped: each block keeps its place and name in the model
 (so checkpoints keep the user's parameter names and load into the unpipelined model),
 and gets an instance-level ``forward`` that moves its inputs to its stage's device and,
-for micro-batches before ``checkpoint_stop``, re-materializes its activations in the
-backward pass (``torch.utils.checkpoint``) instead of storing them. Modules outside
+for micro-batches before ``checkpoint_stop``, re-materializes activations in the
+backward pass (``torch.utils.checkpoint``) instead of storing them.
+
+Re-materialization covers a whole stage per micro-batch, as in torchgpipe: when a
+stage's first block is called, all of the stage's blocks run inside one checkpoint, so
+only the stage's input is kept per micro-batch, and backward recomputes one micro-batch
+of one stage at a time. The activation peak then shrinks with M; checkpointing block by
+block would keep every block boundary of the whole batch. The stage run chains the
+blocks (block ``k + 1`` gets block ``k``'s output), which the executor does not assume:
+it watches the model's own forward, block by block, and chains a stage only once it has
+seen each of its blocks called with exactly the previous block's output (the same tensor
+object) and nothing else; until then, and for models that do something between blocks,
+each block is its own checkpoint. The later calls of a chained stage's blocks return the
+outputs the stage run made (they are the checkpoint's outputs, so gradients through any
+use of them are exact).
+
+Modules outside
 the blocks run on the stage of the block registered before them (the first stage when
 none is), which attaches an embedding to the first stage and a head to the last. The
 model's output is moved back to the first device, where the batch and its targets live.
@@ -14,14 +29,18 @@ BatchNorm layers never update their running statistics during recomputation; wit
 micro-batch.
 
 On CUDA the host issues micro-batch ``i + 1``'s first stage while later devices still
-run micro-batch ``i`` (kernel launches and device-to-device copies are asynchronous), so
-the stages overlap on the devices' own streams; on CPU the micro-batches run one after
-another and only the arithmetic of GPipe (memory, exact gradients) applies.
+run micro-batch ``i`` (kernel launches are asynchronous), so the stages overlap on the
+devices' own streams, and copies between stages run on per-device copy streams
+(:mod:`lightning_accel.pipeline.streams`) so they overlap compute too; on CPU the
+micro-batches run one after another and only the arithmetic of GPipe (memory, exact
+gradients) applies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -33,6 +52,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_accel.models.block_policy import Block
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.partition import stage_of_block
+from lightning_accel.pipeline.streams import StageCopier
 
 __all__ = ["CHECKPOINT_MODES", "LocalPipeline", "checkpoint_stop"]
 
@@ -48,18 +68,6 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
     if mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {mode!r}")
     return {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, Tensor):
-        return value if value.device == device else value.to(device, non_blocking=True)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_to(v, device) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _to(v, device)) for k, v in value.items())
-    return value
 
 
 def _direct_tensors(module: nn.Module) -> list[Tensor]:
@@ -97,6 +105,15 @@ class LocalPipeline:
         self._patched: list[nn.Module] = []
         self.deferred_batch_norm = deferred_batch_norm
         self._batch_norm: DeferredBatchNorm | None = None
+        self.copy = StageCopier(self.devices)
+        stage_of = stage_of_block(self.balance)
+        self._stage_of = stage_of
+        # links[k]: block k (not first in its stage) was seen called with exactly block k-1's output: True,
+        # with anything else: False (for good), not seen yet: None
+        self._links: list[bool | None] = [None] * len(self.blocks)
+        self._last_output: tuple[int, weakref.ref] | None = None  # (block, its latest output), to see links
+        self._pending: dict[int, tuple[Tensor, Tensor]] = {}  # block -> (expected input, output) of a stage run
+        self._originals: dict[int, Callable[..., Any]] = {}  # block -> its class's forward, bound
 
     @property
     def stages(self) -> int:
@@ -146,7 +163,7 @@ class LocalPipeline:
                 module._apply(lambda t, d=device: t.to(d), recurse=False)  # its own tensors only
                 self._handles.append(module.register_forward_pre_hook(self._mover(device), with_kwargs=True))
         first = self.devices[0]
-        self._handles.append(self.net.register_forward_hook(lambda _m, _a, out: _to(out, first)))
+        self._handles.append(self.net.register_forward_hook(lambda _m, _a, out: self.copy(out, first)))
         # a training forward inside microbatch(i) is a micro-batch of this batch; one outside it is a recomputation,
         # which must not update BatchNorm running statistics a second time
         self._batch_norm = DeferredBatchNorm(self.net, lambda: self._current is not None, self.deferred_batch_norm)
@@ -175,22 +192,80 @@ class LocalPipeline:
             yield
         finally:
             self._current = previous
+            self._pending.clear()  # a stage run's outputs that the forward never asked for
+            self._last_output = None
+
+    def stage_chained(self, stage: int) -> bool:
+        """Whether ``stage`` is re-materialized as one checkpoint (its blocks were seen to chain)."""
+        ks = [k for k, s in enumerate(self._stage_of) if s == stage]
+        return all(self._links[k] for k in ks[1:])
+
+    def _observe(self, k: int, args: tuple, kwargs: dict, output: Any) -> None:
+        """Record whether block ``k`` was called with exactly block ``k - 1``'s output (and nothing else)."""
+        if k > 0 and self._stage_of[k - 1] == self._stage_of[k] and self._links[k] is not False:
+            last = self._last_output
+            previous = last[1]() if last is not None and last[0] == k - 1 else None
+            self._links[k] = previous is not None and not kwargs and len(args) == 1 and args[0] is previous
+        self._last_output = (k, weakref.ref(output)) if isinstance(output, Tensor) else None
+
+    def _stage_run(self, first: int) -> Callable[..., tuple[Tensor, ...]]:
+        """The forward of the stage that starts at block ``first``, returning every block's output."""
+        last = max(k for k, s in enumerate(self._stage_of) if s == self._stage_of[first])
+        forwards = [self._originals[k] for k in range(first, last + 1)]
+
+        def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+            outputs = [forwards[0](*args, **kwargs)]
+            for forward in forwards[1:]:
+                outputs.append(forward(outputs[-1]))
+            return tuple(outputs)
+
+        return run
 
     def _mover(self, device: torch.device) -> Any:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return _to(args, device), _to(kwargs, device)
+            return self.copy(args, device), self.copy(kwargs, device)
 
         return hook
 
     def _patch_block(self, block: nn.Module, device: torch.device) -> None:
         original = block.forward  # the class's bound forward
+        k = next(i for i, b in enumerate(self.blocks) if b.module is block)
+        self._originals[k] = original
+        stage = self._stage_of[k]
+        first = k == 0 or self._stage_of[k - 1] != stage
 
         def staged_forward(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = _to(args, device), _to(kwargs, device)
             current = self._current
-            if current is not None and current < self.checkpoint_stop and torch.is_grad_enabled():
-                return checkpoint(original, *args, use_reentrant=False, **kwargs)
-            return original(*args, **kwargs)
+            if current is None:  # evaluation, or recomputation in backward
+                return original(*self.copy(args, device), **self.copy(kwargs, device))
+            if k in self._pending:  # a later block of a stage run: hand back what the run computed
+                expected, output = self._pending.pop(k)
+                if not kwargs and len(args) == 1 and args[0] is expected:
+                    self._last_output = (k, weakref.ref(output))
+                    return output
+                self._pending.clear()
+                self._links[k] = False
+                warnings.warn(
+                    f"pipeline stage {stage}: block {self.blocks[k].name!r} was called with something other than the "
+                    "previous block's output, after earlier batches chained them; its stage is re-materialized block "
+                    "by block from now on (correct, slower; deferred BatchNorm statistics of this batch may include "
+                    "the discarded run)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            moved_args, moved_kwargs = self.copy(args, device), self.copy(kwargs, device)
+            if current < self.checkpoint_stop and torch.is_grad_enabled():
+                if first and self.stage_chained(stage) and k + 1 < len(self.blocks) and self._stage_of[k + 1] == stage:
+                    outputs = checkpoint(self._stage_run(k), *moved_args, use_reentrant=False, **moved_kwargs)
+                    for j in range(1, len(outputs)):
+                        self._pending[k + j] = (outputs[j - 1], outputs[j])
+                    self._last_output = (k, weakref.ref(outputs[0]))
+                    return outputs[0]
+                output = checkpoint(original, *moved_args, use_reentrant=False, **moved_kwargs)
+            else:
+                output = original(*moved_args, **moved_kwargs)
+            self._observe(k, args, kwargs, output)
+            return output
 
         block.forward = staged_forward  # type: ignore[method-assign]  # instance attribute: names and state_dict untouched
         self._patched.append(block)

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Balance", "balance_by_cost", "block_bytes", "check_balance", "profile_times", "stage_of_block"]
+__all__ = [
+    "Balance",
+    "balance_by_cost",
+    "block_bytes",
+    "check_balance",
+    "profile_block_times",
+    "stage_of_block",
+]
 
 Balance = Union[Sequence[int], str]
 
@@ -81,32 +88,116 @@ def block_bytes(blocks: Sequence[nn.Module]) -> list[int]:
     ]
 
 
-def profile_times(blocks: Sequence[Callable[[Tensor], Tensor]], sample: Tensor, repeat: int = 2) -> list[float]:
-    """Seconds each block takes for forward and backward on ``sample`` (fed block to block).
+class _Captured(BaseException):
+    """Stops the sample forward once every block's input is captured (a BaseException, so a user's
+    ``except Exception`` around the forward cannot swallow it)."""
 
-    The ``"by_time"`` cost: the best of ``repeat`` runs per block, so a one-off stall
-    (allocation, a noisy neighbour) does not move a stage boundary.
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _leaves(value: Any) -> Any:
+    """``value`` with every tensor detached (floating ones requiring grad, as a stage's input does)."""
+    if isinstance(value, Tensor):
+        return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_leaves(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_leaves(v) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _leaves(v)) for k, v in value.items())
+    return value
+
+
+def _block_inputs(blocks: Sequence[nn.Module], forward: Callable[[], object]) -> list[tuple[tuple, dict]]:
+    """The ``(args, kwargs)`` each block is first called with while ``forward()`` runs, without grad,
+    stopped as the last block is about to run (so the loss and what follows it never run)."""
+    inputs: dict[int, tuple[tuple, dict]] = {}
+
+    def capture(k: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs.setdefault(k, (args, kwargs))
+            if k == len(blocks) - 1:
+                raise _Captured
+
+        return hook
+
+    handles = [b.register_forward_pre_hook(capture(k), with_kwargs=True) for k, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            forward()
+    except _Captured:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [k for k in range(len(blocks)) if k not in inputs]
+    if missing:
+        raise ValueError(
+            f"balance='by_time' ran the model on a sample but block(s) {missing} of {len(blocks)} were never called; "
+            "every block must run on every batch to be timed. HINT: pass an explicit balance (blocks per stage) "
+            "or balance='by_size'"
+        )
+    return [inputs[k] for k in range(len(blocks))]
+
+
+def _synchronize(tensors: Sequence[Tensor]) -> None:
+    for index in sorted({t.device.index or 0 for t in tensors if t.is_cuda}):
+        torch.cuda.synchronize(index)
+
+
+def profile_block_times(
+    net: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], object], repeat: int = 5
+) -> list[float]:
+    """Seconds of forward + backward of each block on the input it gets when ``forward()`` runs ``net`` on a sample.
+
+    The ``"by_time"`` cost, for any model whose blocks the block policy found: ``forward``
+    runs the model once on a sample (``lambda: net(x)``, or a ``training_step`` on one
+    micro-batch); it is stopped just before the last block, so neither the loss nor what
+    follows it (logging) runs. Each block is then timed alone from its captured input,
+    forward and backward (as a stage runs it), the best of ``repeat`` rounds over all
+    blocks, so a stall (a noisy neighbour) does not move a stage boundary. Call it under
+    the autocast context training uses, so the times are those of training.
+
+    Leaves no trace: ``net``'s buffers (BatchNorm statistics), every parameter's ``.grad``
+    and the RNG state are what they were.
     """
-    times: list[float] = []
-    x = sample
-    for block in blocks:
-        best = float("inf")
-        for _ in range(repeat):
-            inp = x.detach().requires_grad_(x.is_floating_point())
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            start = time.perf_counter()
-            out = block(inp)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
-            if out.is_cuda:
-                torch.cuda.synchronize(out.device)
-            best = min(best, time.perf_counter() - start)
-        times.append(best)
-        x = out.detach()
-    for block in blocks:
-        if isinstance(block, nn.Module):
-            block.zero_grad(set_to_none=True)  # profiling must leave no gradients behind
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    tensors = [*net.parameters(), *net.buffers()]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    grads = {p: p.grad for p in net.parameters()}
+    buffers = [(b, b.detach().clone()) for b in net.buffers()]
+    for p in grads:
+        p.grad = None  # backward below would accumulate into the user's gradients in place
+    times = [float("inf")] * len(blocks)
+    try:
+        with torch.random.fork_rng(devices=cuda):  # dropout in the sample runs must not shift training's masks
+            inputs = _block_inputs(blocks, forward)
+            for _ in range(repeat):  # round by round, so a stall that lasts a while costs each block one round
+                for k, (block, (args, kwargs)) in enumerate(zip(blocks, inputs)):
+                    a, kw = _leaves(args), _leaves(kwargs)
+                    _synchronize([*_tensors(a), *_tensors(kw)])
+                    start = time.perf_counter()
+                    out = [t for t in _tensors(block(*a, **kw)) if t.requires_grad]
+                    if out:
+                        torch.autograd.backward(out, [torch.ones_like(t) for t in out])
+                    _synchronize(out)
+                    times[k] = min(times[k], time.perf_counter() - start)
+                    del a, kw, out  # freed here, not inside the next block's measurement
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads.items():
+            p.grad = g
     return times
 
 

@@ -17,7 +17,13 @@ backward and the ``on_before_backward`` hooks.
 Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload)
 are split into stages (``balance``) and placed on ``devices`` by
 :class:`lightning_accel.pipeline.LocalPipeline`, which wraps no module, so checkpoints
-keep the user's parameter names.
+keep the user's parameter names. ``balance="by_time"`` needs a sample, and the one that
+costs nothing and is surely representative is the first training batch: the model stays
+whole on the first device through setup (and any sanity check), and the first
+``training_step`` times every block on its first micro-batch
+(:func:`lightning_accel.pipeline.partition.profile_block_times`, which leaves weights,
+gradients, BatchNorm statistics and the RNG untouched), splits, and places, before any
+gradient is computed. Optimizer state restored from a checkpoint follows its parameters.
 """
 
 from __future__ import annotations
@@ -30,18 +36,21 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
-from lightning_accel.models.block_policy import BlockPolicy, find_blocks
+from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 
 DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
+
+BALANCE_MODES = ("by_size", "by_time")
 
 
 def _devices(devices: DeviceSpec) -> list[torch.device]:
@@ -85,13 +94,14 @@ class GPipeStrategy(SingleDeviceStrategy):
     Args:
         chunks: micro-batches per batch (M). More cuts the pipeline bubble and the
             activation memory of one micro-batch, at more per-micro-batch overhead.
-        balance: blocks per stage as a list, or ``"by_size"`` (parameter and buffer bytes,
-            one stage per device).
+        balance: blocks per stage as a list, ``"by_size"`` (parameter and buffer bytes, one
+            stage per device) or ``"by_time"`` (forward + backward seconds of each block,
+            measured on the first training batch's first micro-batch, one stage per device).
         devices: one device per stage: a list (``["cuda:0", "cuda:1"]``, ``["cpu", "cpu"]``),
             an int (that many CUDA devices, or CPU stages where there is no GPU), or
             ``None`` for every visible GPU (the CPU when there is none).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches
-            recompute their activations in backward instead of storing them (memory for time).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches keep
+            only each stage's input and recompute the rest in backward (memory for time).
         blocks: the block policy of :func:`lightning_accel.models.block_policy.find_blocks`.
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from the
@@ -121,11 +131,10 @@ class GPipeStrategy(SingleDeviceStrategy):
             )
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
-        if isinstance(balance, str) and balance != "by_size":
+        if isinstance(balance, str) and balance not in BALANCE_MODES:
             raise ValueError(
-                f"balance must be a list of blocks per stage or 'by_size', got {balance!r}; "
-                "for timings, measure with lightning_accel.pipeline.profile_times and pass "
-                "balance_by_cost(times, stages) as the list"
+                f"balance must be a list of blocks per stage, 'by_size' or 'by_time', got {balance!r}; "
+                "'by_time' measures each block on the first batch, 'by_size' counts its bytes"
             )
         self.devices = _devices(devices)
         if not isinstance(balance, str) and len(list(balance)) > len(self.devices):
@@ -149,16 +158,33 @@ class GPipeStrategy(SingleDeviceStrategy):
         net = getattr(module, "net", None)
         return net if isinstance(net, nn.Module) else module
 
-    def _plan(self, net: nn.Module) -> LocalPipeline:
-        blocks = find_blocks(net, self.blocks)
-        if isinstance(self.balance, str):
-            stages = min(len(self.devices), len(blocks))
-            balance = balance_by_cost(block_bytes([b.module for b in blocks]), stages)
-        else:
-            balance = check_balance(self.balance, len(blocks), len(self.devices))
-        return LocalPipeline(
+    def _place(self, net: nn.Module, blocks: list[Block], balance: list[int], why: str) -> None:
+        self.pipeline = LocalPipeline(
             net, blocks, balance, self.devices, checkpoint_stop(self.checkpoint, self.chunks), self.deferred_batch_norm
         )
+        self.pipeline.place()
+        placed = ", ".join(f"{n} on {d}" for n, d in zip(balance, self.devices))
+        rank_zero_info(
+            f"GPipeStrategy: {len(blocks)} blocks in {len(balance)} stages ({placed}; {why}), "
+            f"chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+        )
+
+    def _place_by_time(self, sample: Any, rest: tuple, kwargs: dict) -> None:
+        """Time every block on ``sample`` (the first micro-batch), split by those times, place."""
+        module = self.lightning_module
+        assert module is not None
+        net = self._net()
+        blocks = find_blocks(net, self.blocks)
+        with self.precision_plugin.train_step_context():
+            times = profile_block_times(
+                net, [b.module for b in blocks], lambda: module.training_step(sample, *rest, **kwargs)
+            )
+        balance = balance_by_cost(times, min(len(self.devices), len(blocks)))
+        self._place(net, blocks, balance, "balance='by_time': " + ", ".join(f"{t * 1e3:.2f}" for t in times)
+                    + " ms per block, forward + backward on the first micro-batch")
+        for optimizer in self.optimizers:
+            if optimizer.state:  # restored from a checkpoint while the model was whole: move it with the parameters
+                optimizer.load_state_dict(optimizer.state_dict())
 
     def _warn_batch_norm(self, net: nn.Module) -> None:
         """BatchNorm sees one micro-batch at a time, which plain training does not: say so once, up front."""
@@ -178,20 +204,30 @@ class GPipeStrategy(SingleDeviceStrategy):
         assert self.model is not None
         if self.pipeline is not None:
             self.pipeline.restore()
+        self.pipeline = None
         self.model.to(self.root_device)
         net = self._net()
-        self.pipeline = self._plan(net)
-        self.pipeline.place()
+        blocks = find_blocks(net, self.blocks)  # no blocks: say so now, not at the first batch
+        if self.balance == "by_time" and min(len(self.devices), len(blocks)) > 1:
+            pass  # needs a sample: placed by the first training_step (see the module docstring)
+        elif isinstance(self.balance, str):  # by_size, or by_time with one stage (nothing to measure)
+            balance = balance_by_cost(block_bytes([b.module for b in blocks]), min(len(self.devices), len(blocks)))
+            self._place(net, blocks, balance, f"balance={self.balance!r}")
+        else:
+            self._place(net, blocks, check_balance(self.balance, len(blocks), len(self.devices)), "balance given")
         self._warn_batch_norm(net)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        assert self.lightning_module is not None and self.pipeline is not None
+        assert self.lightning_module is not None
         if args:
             batch, rest = args[0], args[1:]
         else:
             batch, rest = kwargs.pop("batch"), ()
         micro = scatter(batch, self.chunks)
+        if self.pipeline is None:  # balance="by_time", first batch
+            self._place_by_time(micro[0], rest, kwargs)
+            assert self.pipeline is not None
         outputs = []
         with self.precision_plugin.train_step_context():
             for i, mb in enumerate(micro):

@@ -38,3 +38,17 @@ def test_registered_under_pipeline():
 def test_batch_not_divisible_by_chunks_is_rejected():
     with pytest.raises(SystemExit, match=r"--batch 10 / --chunks 4.*batch divisible by chunks"):
         main(["--batch", "10", "--chunks", "4"])
+
+
+def test_memory_only_table_peak_falls_with_micro_batches(capsys):
+    args = ["--memory-only", "--depth", "8", "--steps", "1", "--memory-chunks", "1,4", "--memory-batch", "256",
+            "--memory-hidden", "64"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "raw torch.distributed.pipelining" not in out  # the 2-process part did not run
+    peak = {line.split("  ")[0].strip(): float(line.split()[-4]) for line in out.splitlines() if "checkpoint=" in line}
+    assert set(peak) == {"M=1, checkpoint=never", "M=1, checkpoint=always", "M=4, checkpoint=always"}
+    # one stage checkpointed per micro-batch: backward recomputes a quarter of the batch at a time
+    assert peak["M=4, checkpoint=always"] < 0.6 * peak["M=1, checkpoint=always"]
+    assert peak["M=4, checkpoint=always"] < 0.6 * peak["M=1, checkpoint=never"]
+    assert out.rstrip().splitlines()[-1].startswith("machine: ")

@@ -94,3 +94,79 @@ def test_tied_weights_across_devices_are_refused_before_moving():
     with pytest.raises(ValueError, match=r"shared by pre.wte \(stage 0, cpu\) and post.lm_head \(stage 1, meta\).*HINT: untie"):
         pipe.place()
     assert all(p.device.type == "cpu" for p in net.parameters())
+
+
+class Between(Net):
+    """Does something between blocks (from ``between`` on): the blocks do not chain, so no stage may be run whole."""
+
+    def __init__(self, between: bool = True) -> None:
+        super().__init__()
+        self.between = between
+
+    def forward(self, x):
+        x = self.stem(x)
+        for layer in self.layers:
+            x = layer(x)
+            if self.between:
+                x = x * 1.0  # a new tensor: the next block's input is not the previous block's output
+        return self.head(x)
+
+
+def _step(pipe, net, x, y, chunks):
+    """One pipelined step; returns the bytes its forward saved for backward."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    net.zero_grad(set_to_none=True)
+    losses, sizes = [], []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for i, (xb, yb) in enumerate(scatter((x, y), chunks)):
+            with pipe.microbatch(i):
+                losses.append(nn.functional.mse_loss(net(xb), yb))
+            sizes.append(xb.size(0))
+    reduce_outputs(losses, sizes).backward()
+    return saved[0]
+
+
+@pytest.mark.parametrize("balance", [[4], [2, 2], [1, 3]])
+def test_a_stage_whose_blocks_chain_keeps_only_its_input_per_micro_batch(balance):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    chained, per_block = Net().double(), Between().double()
+    per_block.load_state_dict(chained.state_dict())
+    ref = copy.deepcopy(chained)
+    nn.functional.mse_loss(ref(x), y).backward()
+    saved = {}
+    for name, net in (("chained", chained), ("per_block", per_block)):
+        pipe = LocalPipeline(net, find_blocks(net), balance, ["cpu"] * len(balance), checkpoint_stop("always", 4))
+        pipe.place()
+        _step(pipe, net, x, y, 4)  # the first micro-batch shows whether the blocks chain
+        saved[name] = _step(pipe, net, x, y, 4)
+        several = [s for s, n in enumerate(balance) if n > 1]  # a one-block stage is one checkpoint either way
+        assert [pipe.stage_chained(s) for s in several] == [name == "chained"] * len(several)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    # block by block every block boundary of the whole batch is kept (8 rows x 8 floats); as stages, one per stage
+    assert saved["per_block"] - saved["chained"] == (4 - len(balance)) * 8 * 8 * 8
+    assert [layer.calls for layer in chained.layers] == [2 * (4 + 4)] * 4  # forward + recomputation, twice
+
+
+def test_blocks_that_stop_chaining_fall_back_block_by_block_with_a_warning_and_exact_gradients():
+    torch.manual_seed(0)
+    net = Between(between=False).double()
+    ref = copy.deepcopy(net)  # no optimizer step below: the weights stay these
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    pipe = LocalPipeline(net, find_blocks(net), [4], ["cpu"], checkpoint_stop("always", 2))
+    pipe.place()
+    _step(pipe, net, x, y, 2)
+    assert pipe.stage_chained(0)
+    net.between = ref.between = True
+    nn.functional.mse_loss(ref(x), y).backward()
+    with pytest.warns(RuntimeWarning, match=r"block 'layers.1' was called with something other than the previous block"):
+        _step(pipe, net, x, y, 2)
+    assert not pipe.stage_chained(0)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -1,3 +1,4 @@
+import copy
 import itertools
 
 import pytest
@@ -8,7 +9,7 @@ from lightning_accel.pipeline.partition import (
     balance_by_cost,
     block_bytes,
     check_balance,
-    profile_times,
+    profile_block_times,
     stage_of_block,
 )
 
@@ -62,12 +63,67 @@ def test_block_bytes_counts_parameters_and_buffers():
     assert block_bytes(blocks) == [20 * 4, 16 * 4 + 8]
 
 
-def test_profile_times_measures_each_block_and_leaves_no_grads():
-    blocks = [nn.Linear(8, 8), nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)])]
-    times = profile_times(blocks, torch.randn(16, 8))
-    assert len(times) == 2 and times[1] > times[0] > 0
-    assert all(p.grad is None for b in blocks for p in b.parameters())
-
-
 def test_stage_of_block():
     assert stage_of_block([2, 1, 3]) == [0, 0, 1, 2, 2, 2]
+
+
+class Work(nn.Module):
+    """tanh(lin(x)) computed ``repeat`` times and averaged: equal bytes and value, ``repeat`` times the cost."""
+
+    def __init__(self, width: int, repeat: int) -> None:
+        super().__init__()
+        self.lin, self.repeat = nn.Linear(width, width), repeat
+
+    def forward(self, x):
+        return sum(torch.tanh(self.lin(x)) for _ in range(self.repeat)) / self.repeat
+
+
+class Sampled(nn.Module):
+    """Embedding (so the blocks' input is not the batch), four blocks, and a head that must not run."""
+
+    def __init__(self, repeats=(1, 64, 1, 1)) -> None:
+        super().__init__()
+        self.pre = nn.Sequential(nn.Embedding(10, 32), nn.BatchNorm1d(6), nn.Dropout(0.5))
+        self.blocks = nn.ModuleList(Work(32, r) for r in repeats)
+        self.post = nn.Linear(32, 2)
+        self.post_calls = 0
+
+    def forward(self, idx):
+        x = self.pre(idx)  # (B, 6, 32)
+        for block in self.blocks:
+            x = block(x)
+        self.post_calls += 1
+        return self.post(x)
+
+
+def test_profile_block_times_measures_each_block_on_its_own_input():
+    torch.manual_seed(0)
+    net = Sampled()
+    idx = torch.randint(0, 10, (16, 6))
+    times = profile_block_times(net, list(net.blocks), lambda: net(idx))
+    assert len(times) == 4 and min(times) > 0
+    assert times[1] > 4 * max(times[0], times[2], times[3])  # 64 passes against 1: a wide margin for noisy machines
+    assert net.post_calls == 0  # stopped before the last block: no head, no loss
+
+
+def test_profile_block_times_leaves_grads_buffers_and_rng_as_they_were():
+    torch.manual_seed(0)
+    net = Sampled()
+    idx = torch.randint(0, 10, (16, 6))
+    net(idx).sum().backward()  # gradients of an earlier micro-batch, as under gradient accumulation
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+    objects = {n: p.grad for n, p in net.named_parameters()}
+    state = copy.deepcopy(net.state_dict())
+    rng = torch.get_rng_state()
+    profile_block_times(net, list(net.blocks), lambda: net(idx))
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, state[name]), name  # BatchNorm statistics and num_batches_tracked included
+    for name, p in net.named_parameters():
+        assert p.grad is objects[name] and torch.equal(p.grad, grads[name]), name
+
+
+def test_profile_block_times_names_blocks_the_sample_never_reached():
+    net = Sampled()
+    with pytest.raises(ValueError, match=r"block\(s\) \[2, 3\] of 4 were never called.*HINT: pass an explicit balance"):
+        profile_block_times(net, list(net.blocks), lambda: net.blocks[1](net.blocks[0](torch.randn(2, 32))))

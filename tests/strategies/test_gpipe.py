@@ -86,15 +86,27 @@ MODELS = {
 }
 
 
-def _fit(task: pl.LightningModule, loader: DataLoader, strategy, steps: int = STEPS, **trainer_kwargs) -> FirstGrads:
+def _fit(task: pl.LightningModule, loader: DataLoader, strategy, steps: int = STEPS, callbacks_extra=(),
+         **trainer_kwargs) -> FirstGrads:
     grads = FirstGrads()
     trainer = pl.Trainer(
         max_steps=steps, strategy=strategy, accelerator="cpu", precision="64-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[grads], **trainer_kwargs,
+        callbacks=[grads, *callbacks_extra], **trainer_kwargs,
     )
     trainer.fit(task, loader)
     return grads
+
+
+class Chained(pl.Callback):
+    """After each batch: whether every stage of several blocks runs as one chain."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_batch_end(self, trainer, *_):
+        pipe = trainer.strategy.pipeline
+        self.seen.append(all(pipe.stage_chained(s) for s, n in enumerate(pipe.balance) if n > 1))
 
 
 _REFERENCE: dict[str, tuple[FirstGrads, dict[str, torch.Tensor], pl.LightningModule]] = {}
@@ -134,7 +146,10 @@ def test_gradients_and_weights_match_plain_training(model, checkpoint, chunks, b
     blocks = task.net.blocks if model == "gpt" else task.layers
     calls = []
     next(blocks[0].children()).register_forward_pre_hook(lambda *_: calls.append(1))  # runs again when re-materialized
-    grads = _fit(task, MODELS[model][1](), strategy)
+    chained = Chained()
+    grads = _fit(task, MODELS[model][1](), strategy, callbacks_extra=[chained])
+    # every stage of several blocks was seen to chain, so it is re-materialized as one checkpoint per micro-batch
+    assert chained.seen == [True] * STEPS
     # each step: one forward per micro-batch, plus one re-materialization per checkpointed micro-batch
     recomputed = {"always": chunks, "except_last": chunks - 1, "never": 0}[checkpoint]
     assert len(calls) == STEPS * (chunks + recomputed)
@@ -177,9 +192,11 @@ def _train_save_resume(initial, make_strategy, ckpt_dir):
     return straight, resumed, path
 
 
-def test_checkpoint_keeps_names_loads_into_plain_model_and_resumes_like_plain_lightning(tmp_path):
+@pytest.mark.parametrize("balance", ["by_size", "by_time"])  # by_time: optimizer state restored before the split
+def test_checkpoint_keeps_names_loads_into_plain_model_and_resumes_like_plain_lightning(tmp_path, balance):
     initial = MODELS["gpt"][0]()
-    straight, resumed, path = _train_save_resume(initial, lambda: GPipeStrategy(chunks=2, devices=2), tmp_path / "pipe")
+    straight, resumed, path = _train_save_resume(
+        initial, lambda: GPipeStrategy(chunks=2, devices=2, balance=balance), tmp_path / "pipe")
     plain_straight, plain_resumed, _ = _train_save_resume(initial, lambda: "auto", tmp_path / "plain")
 
     state = torch.load(path, weights_only=False)["state_dict"]
@@ -224,7 +241,7 @@ def test_no_blocks_names_the_fix():
     [
         ({"chunks": 0}, r"chunks must be a positive int \(micro-batches per batch\), got 0"),
         ({"checkpoint": "sometimes"}, r"checkpoint must be one of always, except_last, never, got 'sometimes'"),
-        ({"balance": "by_guess"}, r"balance must be a list of blocks per stage or 'by_size', got 'by_guess'"),
+        ({"balance": "by_guess"}, r"balance must be a list of blocks per stage, 'by_size' or 'by_time', got 'by_guess'"),
         ({"balance": [1, 1, 2], "devices": ["cpu", "cpu"]}, r"3 stages but only 2 devices.*use fewer stages"),
         ({"devices": 0}, r"devices must be >= 1 \(one per stage\), got 0"),
         ({"devices": "cpu"}, r"devices must be an int or a list with one device per stage, got 'cpu'"),
@@ -235,6 +252,75 @@ def test_no_blocks_names_the_fix():
 def test_bad_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GPipeStrategy(**kwargs)
+
+
+class Work(nn.Module):
+    """tanh(lin(x)) computed ``repeat`` times and averaged: the same value and bytes whatever ``repeat`` is,
+    ``repeat`` times the time."""
+
+    def __init__(self, width: int, repeat: int) -> None:
+        super().__init__()
+        self.lin, self.repeat = nn.Linear(width, width), repeat
+
+    def forward(self, x):
+        return sum(torch.tanh(self.lin(x)) for _ in range(self.repeat)) / self.repeat
+
+
+class SlowLastBlock(Regressor):
+    """Four blocks of equal size; the last one costs 64 times the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Work(12, 1), Work(12, 1), Work(12, 1), Work(12, 64)])
+
+
+class Balances(pl.Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, *_):
+        self.seen.append(trainer.strategy.pipeline.balance)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_balance_by_time_gives_the_slow_block_a_stage_and_trains_like_plain(checkpoint):
+    torch.manual_seed(0)
+    initial = SlowLastBlock()
+    plain, by_size, by_time = copy.deepcopy(initial), copy.deepcopy(initial), copy.deepcopy(initial)
+    ref = _fit(plain, DataLoader(DictData(), batch_size=8), "auto")
+    size_balances, time_balances = Balances(), Balances()
+    _fit(by_size, DataLoader(DictData(), batch_size=8), GPipeStrategy(chunks=2, devices=2, balance="by_size"),
+         callbacks_extra=[size_balances])
+    grads = _fit(by_time, DataLoader(DictData(), batch_size=8),
+                 GPipeStrategy(chunks=2, devices=2, balance="by_time", checkpoint=checkpoint),
+                 callbacks_extra=[time_balances])
+    assert size_balances.seen == [[2, 2]] * STEPS  # equal bytes: an even split
+    # by time the last block outweighs the other three together (64 : 3), so it runs alone; the plan is made once
+    assert time_balances.seen == [[3, 1]] * STEPS
+    for name, g in ref.grads.items():  # measuring on the first batch left no trace in training
+        torch.testing.assert_close(grads.grads[name], g, rtol=1e-10, atol=1e-12, msg=name)
+    for (n, p), (_, q) in zip(plain.named_parameters(), by_time.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_balance_by_time_keeps_dropout_masks_and_batch_norm_statistics_of_plain_training():
+    class Noisy(SlowLastBlock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Sequential(nn.Linear(5, 12), nn.BatchNorm1d(12), nn.Dropout(0.5))  # before the first block
+
+    torch.manual_seed(0)
+    initial = Noisy()
+    plain, piped = copy.deepcopy(initial), copy.deepcopy(initial)
+    torch.manual_seed(1)
+    _fit(plain, DataLoader(DictData(), batch_size=8), "auto", steps=1)
+    torch.manual_seed(1)
+    _fit(piped, DataLoader(DictData(), batch_size=8), GPipeStrategy(chunks=1, devices=2, balance="by_time"), steps=1)
+    for (n, p), (_, q) in zip(plain.named_parameters(), piped.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=n)
+    bn, ref = piped.embed[1], plain.embed[1]
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 1  # the sample forward did not count
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-10, atol=1e-12)
 
 
 class NormedRegressor(Regressor):
