@@ -9,10 +9,24 @@ So this is a :class:`~lightning.pytorch.strategies.DDPStrategy` that never wraps
 model in ``DistributedDataParallel``: ``Trainer(accelerator="cpu", devices=2,
 strategy=DistributedGPipeStrategy(chunks=4))``, registered as ``"gpipe_distributed"``.
 
-One training step, for ``S`` ranks (one stage each, two for ``interleaved_1f1b``):
+Data parallel across pipeline replicas (DP x PP): ``pipeline_parallel_size`` ranks make
+one pipeline (by default ``len(balance)``, halved for ``interleaved_1f1b``, or every rank);
+a world size ``pp * dp`` runs ``dp`` replicas of it on a device mesh of dims ``("pp", "dp")``
+(:func:`lightning_accel.pipeline.distributed.pipeline_mesh`; ``pp`` outermost, so the ranks
+that all-reduce one stage's gradients are adjacent: one host's fast links). The ranks of one
+pipeline see the same batch; each replica its own shard (Lightning's ``DistributedSampler``
+with ``num_replicas=dp``, ``rank=dp_rank``). After the pipeline's backward, each rank
+averages its stage's gradients over its ``dp`` group, as ``DistributedDataParallel`` averages
+over its ranks (not while Lightning accumulates gradients over batches: once, before the
+optimizer step), so training matches plain training on the global batch (``dp`` times the
+DataLoader's). What is logged with ``sync_dist=True`` is reduced over the replicas, and a
+torchmetrics ``Metric`` syncs over them too. A world size that is not a multiple of
+``pipeline_parallel_size`` fails when the ``Trainer`` is built.
 
-- every rank loads the same batch (the sampler has one replica: the ranks are stages of
-  one model, not copies) and runs :class:`lightning_accel.pipeline.RankPipeline`'s
+One training step, for ``S`` ranks in a pipeline (one stage each, two for ``interleaved_1f1b``):
+
+- every rank of the pipeline loads the same batch (the ranks are stages of one model, not
+  copies) and runs :class:`lightning_accel.pipeline.RankPipeline`'s
   schedule, which sends activations forward and gradients back between ranks;
 - the first rank feeds its stage what the user's ``training_step`` passes to the network
   (it runs ``training_step`` until the network is called, and stops there);
@@ -30,11 +44,17 @@ until ``backward``, which adds them (divided by ``accumulate_grad_batches``, as
 Lightning's own backward would) and runs the ``on_before_backward`` /
 ``on_after_backward`` hooks; Lightning's ``optimizer_step`` steps each rank's stage.
 Clipping by norm (``gradient_clip_val``) uses the norm over every stage (squared norms
-summed across ranks), so it clips as plain training does. Mixed precision with a loss
-scaler (``16-mixed``) is refused: the scaler would have to scale the loss inside the schedule.
+summed across the pipeline's ranks, after the replicas' average), so it clips as plain
+training does. Mixed precision with a loss scaler (``16-mixed``, a torch ``GradScaler``): the
+last rank's loss function hands the schedule the scaled loss, so every stage's gradients
+are scaled; Lightning's precision plugin unscales them once per optimizer step, and before
+it decides to step, every rank's found-inf flag is summed over all ranks, so every rank
+skips the step (and lowers the scale) when any stage overflowed: one scaler step per
+batch, the same on every rank, as plain training takes it.
 
 Memory: each rank keeps only its own stages. At setup, rank 0 sends every other rank the
-starting weights of that rank's stages, then each rank moves the other stages' modules
+starting weights of that rank's stages (through the first rank of each pipeline, then over
+the replicas), then each rank moves the other stages' modules
 to the ``meta`` device (names and shapes stay, storage is freed) and the optimizer is
 given only this rank's parameters, so gradients and optimizer state are split too.
 Anything outside the block network (a LightningModule's own parameters) stays on every
@@ -52,8 +72,9 @@ The user's ``training_step`` runs once per micro-batch: torch's shape inference,
 would run the loss on micro-batch 0 again, gets a stand-in loss.
 
 Checkpoints: rank 0 gathers every stage's parameters and buffers under the user's names
-(loadable into a plain model), and every rank's optimizer state under the indices plain
-training would use; loading hands each rank its own part.
+(loadable into a plain model) from its own pipeline's ranks (the replicas hold the same),
+and every rank's optimizer state under the indices plain training would use; loading hands
+each rank its own part, in every replica.
 
 Evaluation (validation, test, predict) runs the batch through the stages in order (no
 micro-batches): the first rank feeds its stage what the user's step passes to the
@@ -85,7 +106,13 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_accel.models.blocks import require_block_network
-from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
+from lightning_accel.pipeline.distributed import (
+    RankPipeline,
+    average_gradients,
+    mesh_coordinates,
+    pipeline_mesh,
+    stage_indices,
+)
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
@@ -182,6 +209,10 @@ class DistributedGPipeStrategy(DDPStrategy):
         balance: blocks per stage (one entry per rank, two per rank for
             ``interleaved_1f1b``), or ``"by_size"``.
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
+        pipeline_parallel_size: ranks per pipeline (pp); the world size must be a multiple,
+            ``world_size // pp`` replicas train data parallel (dp), each on its own shard of the
+            data. Default: ``len(balance)`` (half of it for ``interleaved_1f1b``) when balance is a
+            list, else every rank (one pipeline, dp = 1).
         timeout: how long a rank waits for a neighbour before failing (a dead rank ends every
             rank with an error naming it, never a hang).
         start_method: as for ``DDPStrategy``: ``"popen"`` re-runs your script per rank.
@@ -195,6 +226,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         schedule: str = "gpipe",
         balance: Sequence[int] | str = "by_size",
         loss_reduction: str = "mean",
+        pipeline_parallel_size: int | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
         **kwargs: Any,
@@ -206,29 +238,104 @@ class DistributedGPipeStrategy(DDPStrategy):
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
         if isinstance(balance, str) and balance != "by_size":
-            raise ValueError(f"balance must be a list of blocks per stage or 'by_size', got {balance!r}")
+            raise ValueError(
+                f"balance must be a list of blocks per stage or 'by_size', got {balance!r}; for a split by measured "
+                "time, compute the list before fit: balance_by_cost(profile_block_times(net, blocks, lambda: net(x)), "
+                "stages) from lightning_accel.pipeline.partition (GPipeStrategy does this itself with 'by_time')"
+            )
+        if pipeline_parallel_size is not None and (
+            not isinstance(pipeline_parallel_size, int) or isinstance(pipeline_parallel_size, bool) or pipeline_parallel_size < 1
+        ):
+            raise ValueError(f"pipeline_parallel_size must be a positive int (ranks per pipeline), got {pipeline_parallel_size!r}")
+        per_rank = 2 if schedule == "interleaved_1f1b" else 1
+        if pipeline_parallel_size is not None and not isinstance(balance, str) and len(balance) != per_rank * pipeline_parallel_size:
+            raise ValueError(
+                f"balance {list(balance)} has {len(balance)} stages but pipeline_parallel_size={pipeline_parallel_size} "
+                f"ranks run {per_rank * pipeline_parallel_size} with schedule {schedule!r}; HINT: drop one of the two"
+            )
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)  # type: ignore[arg-type]
         self.chunks, self.schedule, self.loss_reduction = chunks, schedule, loss_reduction
         self.balance = balance if isinstance(balance, str) else list(balance)
+        self._pp_size = pipeline_parallel_size
+        self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
+        self._sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.pipeline: RankPipeline | None = None
         self._owners: list[int] = []  # per entry of _tensors(): the rank whose stage trains it
         self._shared: list[bool] = []  # per entry of _tensors(): outside the stages, so on every rank
         # per optimizer: the whole model's optimizer's param indices per group, and this rank's among them
         self._opt_index: list[tuple[list[list[int]], list[int]]] = []
         self._warned_ragged = False
-        self._sync_on_compute: dict[int, bool] = {}
+        self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._step_loss: Callable[[Tensor, Tensor], Tensor] | None = None
 
     # -- placement ----------------------------------------------------------------------------
 
+    def _pp(self, world_size: int) -> int:
+        if self._pp_size is not None:
+            return self._pp_size
+        per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
+        if not isinstance(self.balance, str) and len(self.balance) % per_rank == 0:
+            return len(self.balance) // per_rank
+        return world_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """Ranks per pipeline (pp)."""
+        return self._pp(self.world_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Pipeline replicas training data parallel (dp)."""
+        return self.world_size // self.pipeline_parallel_size
+
+    def _check_world_size(self, world_size: int) -> None:
+        pp = self._pp(world_size)
+        if world_size % pp:
+            given = "given" if self._pp_size is not None else f"from len(balance)={len(self.balance)}"
+            raise ValueError(
+                f"DistributedGPipeStrategy: world size {world_size} is not a multiple of pipeline_parallel_size={pp} "
+                f"(ranks per pipeline, {given}); HINT: run a multiple of {pp} processes (devices x num_nodes), or set "
+                f"pipeline_parallel_size (and balance) to a divisor of {world_size}"
+            )
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.num_processes:  # the Trainer is being built: fail before any process starts
+            self._check_world_size(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def setup_distributed(self) -> None:
+        self._check_world_size(self.num_nodes * self.num_processes)  # torchrun: before the process group
+        super().setup_distributed()
+        if self._mesh is None:
+            self._mesh = pipeline_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size)
+
+    @property
+    def _coords(self) -> tuple[int, int]:
+        """This rank's ``(pp_rank, dp_rank)`` on the mesh."""
+        return mesh_coordinates(self.global_rank, self.world_size, self.pipeline_parallel_size)
+
+    def _pp_global(self, pp_rank: int) -> int:
+        """The global rank of ``pp_rank`` in this rank's pipeline."""
+        return pp_rank * self.data_parallel_size + self._coords[1]
+
+    @property
+    def _pp_group(self) -> Any:
+        return self._mesh.get_group("pp")
+
+    @property
+    def _dp_group(self) -> Any:
+        return self._mesh.get_group("dp")
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # the ranks are the stages of one model: every rank must see the same batch
-        return {"num_replicas": 1, "rank": 0}
+        # the ranks of one pipeline are the stages of one model: they see the same batch; each replica its own shard
+        return {"num_replicas": self.data_parallel_size, "rank": self._coords[1]}
 
     def _net(self) -> nn.Module:
         module = self.lightning_module
@@ -252,10 +359,11 @@ class DistributedGPipeStrategy(DDPStrategy):
                     "DistributedGPipeStrategy needs automatic optimization: the pipeline schedule runs forward and "
                     "backward itself. HINT: remove `self.automatic_optimization = False`"
                 )
-        if getattr(self.precision_plugin, "scaler", None) is not None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
-                "DistributedGPipeStrategy cannot use a loss scaler (precision='16-mixed'): the schedule runs backward "
-                "itself. HINT: use precision='bf16-mixed', 'bf16-true', '32-true' or '64-true'"
+                f"DistributedGPipeStrategy needs torch's GradScaler to agree on overflows across ranks, got "
+                f"{type(scaler).__name__}. HINT: MixedPrecision('16-mixed', device, scaler=torch.amp.GradScaler(device))"
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -269,6 +377,14 @@ class DistributedGPipeStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if scaler is not None:  # between the plugin's unscale_ and its scaler.step: one verdict for every rank
+            after_closure = type(self.precision_plugin)._after_closure.__get__(self.precision_plugin)
+
+            def agreed(model: pl.LightningModule, optimizer: Optimizer) -> None:
+                self._agree_found_inf(scaler, optimizer)
+                after_closure(model, optimizer)
+
+            self.precision_plugin._after_closure = agreed  # type: ignore[method-assign]
 
     @override
     def model_to_device(self) -> None:
@@ -280,7 +396,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             return list(self.balance)
         if stages > len(block_net.blocks):
             raise ValueError(
-                f"{self.world_size} ranks run {stages} stages but {type(block_net).__name__} has "
+                f"{self.pipeline_parallel_size} ranks per pipeline run {stages} stages but {type(block_net).__name__} has "
                 f"{len(block_net.blocks)} blocks; use at most {len(block_net.blocks)} stages (trainer devices)"
             )
         return balance_by_cost(block_bytes(list(block_net.blocks)), stages)
@@ -290,7 +406,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         module, net = self.lightning_module, self._net()
         assert module is not None
         block_net = require_block_network(net, "DistributedGPipeStrategy")
-        ranks = self.world_size
+        ranks = self.pipeline_parallel_size
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks
         check_schedule(self.schedule, self.chunks, stages)
         layout = getattr(module, _LAYOUT, None)  # set when an earlier fit split this module
@@ -320,13 +436,13 @@ class DistributedGPipeStrategy(DDPStrategy):
                 for t in [*m.parameters(), *m.buffers()]:
                     stage_of.setdefault(id(t), s)
         tensors = self._tensors()
-        self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]
+        self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]  # pp ranks
         self._shared = [id(t) not in stage_of for t in tensors]  # resident on every rank
         if layout is None:
             self._send_initial_weights(tensors)
         self.pipeline = RankPipeline(
             net, balance, self.chunks, self._loss_fn, schedule=self.schedule, device=self.root_device,
-            scale_grads=self.loss_reduction == "mean",
+            group=self._pp_group, scale_grads=self.loss_reduction == "mean",
         )
         if layout is None:
             start = lambda s: sum(balance[:s])  # noqa: E731
@@ -342,19 +458,31 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.model_to_device()
 
     def _send_initial_weights(self, tensors: Sequence[Tensor]) -> None:
-        """Every rank starts from rank 0's weights: each stage's tensors go from rank 0 to their rank only."""
+        """Every rank starts from rank 0's weights: in each pipeline, each stage's tensors go from its first rank to
+        their rank only; then each stage's rank in replica 0 (which has rank 0's) broadcasts them over the replicas."""
+        pp_rank, dp_rank = self._coords
+        first, pp_group, dp_group = self._pp_global(0), self._pp_group, self._dp_group
+        dp_root = dist.get_global_rank(dp_group, 0)
         with torch.no_grad():
             for t, owner, shared in zip(tensors, self._owners, self._shared):
                 if shared:
                     buf = t.data.to(self.root_device)
-                    dist.broadcast(buf, src=0)
+                    dist.broadcast(buf, src=first, group=pp_group)
                     t.data.copy_(buf)
-                elif owner != 0 and self.global_rank in (0, owner):
+                elif owner != 0 and pp_rank in (0, owner):
                     buf = t.data.to(self.root_device)
-                    if self.global_rank == 0:
-                        dist.send(buf, dst=owner)
+                    if pp_rank == 0:
+                        dist.send(buf, dst=self._pp_global(owner), group=pp_group)
                     else:
-                        dist.recv(buf, src=0)
+                        dist.recv(buf, src=first, group=pp_group)
+                        t.data.copy_(buf)
+            if self.data_parallel_size == 1:
+                return
+            for t, owner, shared in zip(tensors, self._owners, self._shared):
+                if shared or owner == pp_rank:
+                    buf = t.data.to(self.root_device)
+                    dist.broadcast(buf, src=dp_root, group=dp_group)
+                    if dp_rank:
                         t.data.copy_(buf)
 
     def _keep_own_parameters(self) -> None:
@@ -362,12 +490,13 @@ class DistributedGPipeStrategy(DDPStrategy):
         assert self.lightning_module is not None
         owner = {id(t): (o, sh) for t, o, sh in zip(self._tensors(), self._owners, self._shared)}
         self._opt_index = []
+        pp, pp_rank = self.pipeline_parallel_size, self._coords[0]
         for optimizer in self.optimizers:
             full, kept, offset = [], [], 0
             for group in optimizer.param_groups:
                 params = group["params"]
                 full.append(list(range(offset, offset + len(params))))
-                mine = [owner.get(id(p), (self.world_size - 1, True))[0] == self.global_rank for p in params]
+                mine = [owner.get(id(p), (pp - 1, True))[0] == pp_rank for p in params]
                 kept.extend(offset + j for j, m in enumerate(mine) if m)
                 offset += len(params)
                 for p, m in zip(params, mine):
@@ -377,12 +506,12 @@ class DistributedGPipeStrategy(DDPStrategy):
             self._opt_index.append((full, kept))
 
     def _broadcast_shared(self) -> None:
-        """Tensors outside the block network are on every rank, trained by the last: copy them from it."""
+        """Tensors outside the block network are on every rank, trained by the pipeline's last: copy them from it."""
         with torch.no_grad():
             for tensor, owner, shared in zip(self._tensors(), self._owners, self._shared):
                 if shared:  # through the device: after teardown the module is on the CPU, which nccl cannot send
                     buf = tensor.data.to(self.root_device)
-                    dist.broadcast(buf, src=owner)
+                    dist.broadcast(buf, src=self._pp_global(owner), group=self._pp_group)
                     tensor.data.copy_(buf)
 
     def sync_weights(self) -> None:
@@ -434,6 +563,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         outputs: list[Any] = [None] * self.chunks
         logs: list[list[tuple[str, Any, dict]]] = [[] for _ in range(self.chunks)]
         net = self._net()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler.scale(torch.zeros((), device=self.root_device))  # ranks without the loss need the scale too
 
         def step_loss(output: Tensor, index: Tensor) -> Tensor:
             i = int(index.reshape(-1)[0])
@@ -447,7 +579,8 @@ class DistributedGPipeStrategy(DDPStrategy):
             if out is None:
                 raise ValueError("training_step returned None (skip the batch), but the pipeline has already run it")
             outputs[i] = out
-            return out["loss"] if isinstance(out, Mapping) else out
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            return scaler.scale(loss) if scaler is not None else loss  # the schedule's backward: scaled gradients
 
         self._step_loss = step_loss
         inputs = self._net_input(batch, rest, dict(kwargs)) if pipe.holds_first else None
@@ -467,7 +600,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             reduced = reduce_outputs(outputs, sizes, self.loss_reduction)
             loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
             payload = [loss.detach().cpu(), _reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping)]
-        dist.broadcast_object_list(payload, src=self.world_size - 1)
+        dist.broadcast_object_list(payload, src=self._pp_global(self.pipeline_parallel_size - 1), group=self._pp_group)
         loss, records, as_dict = payload
         for name, value, kw in records:
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
@@ -486,15 +619,54 @@ class DistributedGPipeStrategy(DDPStrategy):
             g = g / scale if scale != 1 else g
             p.grad = g if p.grad is None else p.grad + g
         self._pending = []
+        if self._sync_grads and self.data_parallel_size > 1:  # as DDP: the replicas' mean, once per optimizer step
+            assert self.optimizers
+            mine = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+            average_gradients(mine, self._dp_group)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning accumulates gradients over batches: the replicas average them only at the last one."""
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``: over the replicas (a pipeline's ranks log the same value)."""
+        if group is None and self._mesh is not None:
+            group = self._dp_group
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # every rank's vote (early stopping, checkpointing), not the replicas' that ``reduce`` sums
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = self.reduce(flag, group=dist.group.WORLD if dist.is_initialized() else None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    def _agree_found_inf(self, scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
+        """After ``scaler.unscale_(optimizer)``: this rank's found-inf flags become 1 if any rank's stage overflowed."""
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # what scaler.step reads
+        flag = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for f in found.values():
+            flag += f.to(flag.device)
+        dist.all_reduce(flag)  # every rank: the stages of a pipeline, and the replicas
+        for f in found.values():
+            f.copy_((flag > 0).to(f.dtype))
+
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across ranks."""
+        """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks
+        (the replicas hold the same averaged gradients, so summing over them too would count each stage ``dp`` times)."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.root_device)
         for g in grads:
             squares += g.detach().double().pow(2).sum()
-        dist.all_reduce(squares)  # each parameter has a gradient on exactly one rank
+        dist.all_reduce(squares, group=self._pp_group)  # each parameter on one rank of the pipeline
         coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))
@@ -530,7 +702,7 @@ class DistributedGPipeStrategy(DDPStrategy):
                 out = getattr(module, hook)(batch, *rest, **kwargs)
             if return_output:
                 payload[1] = apply_to_collection(out, Tensor, lambda t: t.detach().cpu())
-        dist.broadcast_object_list(payload, src=self.world_size - 1)
+        dist.broadcast_object_list(payload, src=self._pp_global(self.pipeline_parallel_size - 1), group=self._pp_group)
         if pipe.holds_last:
             return out
         for name, value, a, kw in payload[0]:
@@ -559,12 +731,15 @@ class DistributedGPipeStrategy(DDPStrategy):
             return self._eval_step("predict_step", args, kwargs, return_output=True)
 
     def _metrics_local(self) -> None:
-        """Every rank holds the same metric state (broadcast per step): compute it without summing across ranks."""
+        """A pipeline's ranks hold the same metric state (broadcast per step): sync it over the replicas only."""
         assert self.lightning_module is not None
         for m in self.lightning_module.modules():
             if isinstance(m, Metric):
-                self._sync_on_compute.setdefault(id(m), m.sync_on_compute)
-                m.sync_on_compute = False
+                self._sync_on_compute.setdefault(id(m), (m.sync_on_compute, m.process_group))
+                if self.data_parallel_size == 1:
+                    m.sync_on_compute = False
+                else:
+                    m.process_group = self._dp_group
 
     @override
     def on_validation_start(self) -> None:
@@ -584,15 +759,17 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every stage's tensors under the user's names, gathered on rank 0 (other ranks get their own part)."""
+        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part)."""
         assert self.lightning_module is not None
         self.sync_weights()
         state = self.lightning_module.state_dict()
         if not self._owners or not dist.is_initialized():
             return state
         mine = {n: t.detach().cpu() for n, t in state.items() if not t.is_meta}
-        every: list[Any] = [None] * self.world_size if self.global_rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(mine, every, dst=0)
+        if self._coords[1] != 0:  # another replica: the same values as replica 0's, which rank 0 saves
+            return mine
+        every: list[Any] = [None] * self.pipeline_parallel_size if self.global_rank == 0 else None  # type: ignore[assignment]
+        dist.gather_object(mine, every, dst=0, group=self._pp_group)
         if self.global_rank != 0:
             return mine
         merged: dict[str, Any] = {}
@@ -631,8 +808,8 @@ class DistributedGPipeStrategy(DDPStrategy):
             return state
         full, kept = self._opt_index[index]
         mine = {kept[i]: apply_to_collection(s, Tensor, lambda t: t.cpu()) for i, s in state["state"].items()}
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)
+        every: list[Any] = [None] * self.pipeline_parallel_size
+        dist.all_gather_object(every, mine, group=self._pp_group)  # each pipeline its own (the replicas' are equal)
         groups = [{**g, "params": ids} for g, ids in zip(state["param_groups"], full)]
         return {"state": {i: s for part in every for i, s in sorted(part.items())}, "param_groups": groups}
 
@@ -666,7 +843,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if module is not None:
             for m in module.modules():
                 if isinstance(m, Metric) and id(m) in self._sync_on_compute:
-                    m.sync_on_compute = self._sync_on_compute[id(m)]
+                    m.sync_on_compute, m.process_group = self._sync_on_compute[id(m)]
             self._sync_on_compute = {}
             _to_device(module, torch.device("cpu"))
             with _patched(module, "cpu", lambda: module):  # Lightning's teardown would copy the meta stages

@@ -2,7 +2,8 @@
 
 argv: OUT_DIR SCHEDULES MODE: SCHEDULES comma-separated (one launch runs them all, one after
 another, to pay the start-up once); MODE "train" (save this rank's gradients and loss per
-schedule) or "die" (rank 1 exits in the middle of its first forward).
+schedule, and ``averaged.pt``: gradients of three dtypes averaged over both ranks in buckets of
+at most 64 bytes) or "die" (rank 1 exits in the middle of its first forward).
 """
 
 import os
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_accel.models import MLP
-from lightning_accel.pipeline.distributed import RankPipeline
+from lightning_accel.pipeline.distributed import RankPipeline, average_gradients
 
 
 def main() -> None:
@@ -38,6 +39,13 @@ def main() -> None:
             os._exit(4)  # do not wait in destroy_process_group for a dead peer
         grads = {n: p.grad for m in pipe.modules for n, p in zip(m.user_state_dict(), m.parameters())}
         torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()]}, os.path.join(out, f"{schedule}-rank{rank}.pt"))
+    if mode == "train":  # rank r's gradients are r + 1 (and one parameter without a gradient)
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+                  [(3, torch.float32), (20, torch.float64), (5, torch.float32), (2, torch.bfloat16), (4, torch.float64)]]
+        for i, p in enumerate(params[:-1]):
+            p.grad = torch.full_like(p, rank + 1.0) * (i + 1)
+        average_gradients(params, None, bucket_bytes=64)
+        torch.save([p.grad for p in params], os.path.join(out, f"averaged-rank{rank}.pt"))
     dist.destroy_process_group()
 
 

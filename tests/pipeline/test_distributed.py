@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel.models import GPT, MLP
-from lightning_accel.pipeline.distributed import StageModule, stage_indices
+from lightning_accel.pipeline.distributed import StageModule, mesh_coordinates, stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
 
@@ -85,6 +85,13 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
                 assert [a for a in order if a[0] == "F"] == ["F0", "F1", "F2", "F3"]
                 assert sorted(a for a in order if a[0] == "B") == ["B0", "B1", "B2", "B3"]
         assert all(e.end >= e.start for e in events) and 0.0 <= measured_bubble(events) < 1.0
+    # average_gradients (the data-parallel mean): in buckets of one dtype and at most 64 bytes, each gradient the
+    # mean of rank 0's (1 x i) and rank 1's (2 x i); a parameter without a gradient keeps none
+    for r in range(2):
+        averaged = torch.load(tmp_path / f"averaged-rank{r}.pt", weights_only=False)
+        assert averaged[-1] is None
+        for i, (g, dtype) in enumerate(zip(averaged[:-1], [torch.float32, torch.float64, torch.float32, torch.bfloat16])):
+            assert g.dtype == dtype and torch.equal(g, torch.full_like(g, 1.5 * (i + 1))), (r, i)
 
 
 def test_a_rank_dying_mid_step_ends_every_rank_with_an_error_naming_it(tmp_path):
@@ -104,6 +111,14 @@ def test_stage_modules_split_the_network_and_keep_names():
     x = torch.randn(2, 6)
     torch.testing.assert_close(last(first(x)), net(x))
     assert stage_indices(1, 2, "1f1b") == [1] and stage_indices(1, 2, "interleaved_1f1b") == [1, 3]
+
+
+def test_mesh_coordinates_put_the_pipeline_outermost():
+    """Rank = pp_rank * dp + dp_rank, as torch's init_device_mesh((pp, dp)) lays out (checked on 4 ranks elsewhere)."""
+    assert [mesh_coordinates(r, 6, 3) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [mesh_coordinates(r, 2, 2) for r in range(2)] == [(0, 0), (1, 0)]  # one replica: rank = stage
+    with pytest.raises(ValueError, match=r"world size 6 is not a multiple of 4 pipeline ranks; HINT: run a multiple of 4"):
+        mesh_coordinates(0, 6, 4)
 
 
 def test_tied_weights_across_stages_are_refused():
