@@ -10,7 +10,9 @@ from typing_extensions import override
 
 
 class OffloadMonitor(Callback):
-    """Logs ``offload/*`` metrics (bytes per step, copy seconds, overlap, peaks) every
+    """Logs ``offload/*`` metrics (bytes per step, copy seconds, overlap, peaks; with
+    ``offload_activations`` the boundary-activation bytes parked on the host, with
+    ``delayed_update`` the count of host updates deferred one step) every
     ``log_every_n_steps`` and prints ``strategy.offload_stats.summary()`` when fit ends.
 
     Does nothing (and says so once) under a strategy without ``offload_stats``.

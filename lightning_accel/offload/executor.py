@@ -12,6 +12,14 @@ gradient has left, the block is released.
 The caller brackets the backward pass with :meth:`begin_backward` /
 :meth:`end_backward` (the Lightning strategy does it in ``pre_backward`` /
 ``post_backward``) so the wrapper knows which direction to prefetch in.
+
+Two options change what lives where. ``offload_activations`` runs each checkpointed block
+under :class:`~lightning_accel.offload.activations.ActivationOffload`'s hooks, so the
+block inputs it saves wait for the backward in host memory. ``delayed_update`` keeps a
+compute snapshot of every host parameter and lets
+:class:`~lightning_accel.offload.delayed.DelayedUpdate` apply step t's update to the
+masters while step t+1 computes (:meth:`defer_update`, :meth:`start_delayed_update`,
+:meth:`finish_delayed_update`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_accel.offload.activations import ActivationOffload
+from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
@@ -44,21 +54,30 @@ class L2LExecutor:
         compute_dtype: torch.dtype = torch.float32,
         checkpoint_blocks: bool = True,
         alias: bool = True,
+        delayed_update: bool = False,
+        offload_activations: bool = False,
     ) -> None:
+        if offload_activations and not checkpoint_blocks:
+            raise ValueError(
+                "offload_activations=True needs checkpoint_blocks=True: without checkpointing every activation inside "
+                "every block would be saved and sent to the host; set checkpoint_blocks=True or offload_activations=False"
+            )
         self.model = model
         self.plan = plan
         self.device = device
         self.checkpoint_blocks = checkpoint_blocks
         self.stats = OffloadStats()
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
-        self.store = HostStore(units, compute_dtype, pin=device.type == "cuda")
+        self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
         self.streamer = Streamer(self.store, device, self.stats, alias=alias)
+        self.delayed = DelayedUpdate(self.store, self.stats) if delayed_update else None
+        self.activations = ActivationOffload(device, self.stats, self.streamer.copy_stream) if offload_activations else None
         self._backward = False
         self._originals: dict[int, Callable[..., Any]] = {}
         self._hooks: list[Any] = []
         self._unit_of: dict[nn.Parameter, int] = {}
         self._pending_grads: dict[int, int] = {}
-        self._step_h2d = self._step_d2h = 0
+        self._step_h2d = self._step_d2h = self._step_act = 0
         # Host optimizer steps that overlap the backward pass: set per backward by
         # ``step_blocks_during_backward``; one worker thread keeps them in block order.
         self._block_step: Callable[[list[nn.Parameter]], None] | None = None
@@ -100,6 +119,8 @@ class L2LExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.delayed is not None:
+            self.delayed.close()
 
     # -- forward ------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -109,6 +130,10 @@ class L2LExecutor:
 
     def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoint_blocks and torch.is_grad_enabled():
+            if self.activations is not None:
+                # the only tensors saved outside the checkpoint are the block's inputs
+                with self.activations.hooks():
+                    return checkpoint(self._run_block, index, *args, use_reentrant=False, **kwargs)
             return checkpoint(self._run_block, index, *args, use_reentrant=False, **kwargs)
         return self._run_block(index, *args, **kwargs)
 
@@ -205,6 +230,8 @@ class L2LExecutor:
         self._block_step = None
         self._pending_grads.clear()
         self.streamer.finish_grads()
+        if self.activations is not None:
+            self.activations.finish()
         if self.plan.offload_resident:
             self.streamer.release(RESIDENT, self.plan.resident)
 
@@ -221,12 +248,41 @@ class L2LExecutor:
         """Before clipping and the optimizer step: host gradients become ``param.grad``."""
         self.store.install_grads()
 
-    def after_step(self) -> None:
-        """After the optimizer step: refresh low-precision shadows, drop host gradients."""
-        self.store.refresh_shadows()
+    def after_step(self, masters_changed: bool = True) -> None:
+        """After the optimizer step: refresh the shadows (unless the step deferred every host
+        update, leaving the masters as they were), drop host gradients, count the step."""
+        if masters_changed:
+            self.streamer.wait_copies()
+            self.store.refresh_shadows()
         self.store.clear_grads()
         self.stats.steps += 1
         self.stats.h2d_bytes_per_step = self.stats.h2d_bytes - self._step_h2d
         self.stats.d2h_bytes_per_step = self.stats.d2h_bytes - self._step_d2h
+        self.stats.activation_d2h_bytes_per_step = self.stats.activation_d2h_bytes - self._step_act
         self._step_h2d, self._step_d2h = self.stats.h2d_bytes, self.stats.d2h_bytes
+        self._step_act = self.stats.activation_d2h_bytes
+
+    # -- one-step delayed update ---------------------------------------------------------
+    def defer_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """After this step's gradients are final (clipped): take every host gradient off
+        its parameter as the pending update, so ``optimizer.step()`` now steps only the
+        parameters kept on the device. The previous update must have finished."""
+        assert self.delayed is not None, "defer_update needs L2LExecutor(delayed_update=True)"
+        grads, self.store.grads = self.store.grads, {}
+        for param in grads:
+            param.grad = None
+        self.delayed.defer(optimizer, grads)
+
+    def start_delayed_update(self) -> None:
+        """At the start of a step: apply the pending update in the background."""
+        if self.delayed is not None:
+            self.delayed.start()
+
+    def finish_delayed_update(self) -> bool:
+        """Once the step's compute is done (or before anything reads the weights): land the
+        pending update in the masters and the compute snapshots. Returns whether one landed."""
+        if self.delayed is None or not self.delayed.pending:
+            return False
+        self.streamer.wait_copies()  # no copy may still read a snapshot about to change
+        return self.delayed.finish()
 

@@ -6,6 +6,11 @@ bf16/fp16, a pinned low-precision *shadow* of each weight matrix is kept too and
 after every optimizer step: the bus then carries half the bytes, and the conversion
 happens once per step on the host instead of once per copy. Gradients arriving from the
 device are accumulated here in fp32 until the optimizer step.
+
+With ``snapshot=True`` (the one-step delayed update) every parameter gets a shadow of its
+own, fp32 ones included: the device computes on the shadows while the host optimizer
+rewrites the masters, and the shadows catch up once that step is done. It costs one more
+copy of the parameters in host memory (fp32: twice the masters' bytes in all).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from lightning_accel.offload.plan import Unit
 class HostStore:
     """Masters, shadows and gradient buffers for the parameters of offloaded units."""
 
-    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, snapshot: bool = False) -> None:
         self.compute_dtype = compute_dtype
         self.pin = pin
+        self.snapshot = snapshot
         self.master: dict[nn.Parameter, Tensor] = {}
         self.shadow: dict[nn.Parameter, Tensor] = {}
         self.grads: dict[nn.Parameter, Tensor] = {}
@@ -40,7 +46,12 @@ class HostStore:
                 # the compute dtype; vectors (biases, norm scales) stay fp32, as autocast
                 # and the CPU's layer_norm kernels expect.
                 same = compute_dtype == torch.float32 or keep == torch.float64 or master.ndim < 2
-                self.shadow[param] = master if same else self._low(master)
+                if not same:
+                    self.shadow[param] = self._low(master)
+                elif snapshot:
+                    self.shadow[param] = master.clone().pin_memory() if pin else master.clone()
+                else:
+                    self.shadow[param] = master
             for owner, buf_name, _ in unit.buffers:
                 buf = owner._buffers[buf_name]
                 if buf is not None:
@@ -50,10 +61,11 @@ class HostStore:
         low = master.to(self.compute_dtype)
         return low.pin_memory() if self.pin else low
 
-    def refresh_shadows(self) -> None:
-        """Re-derive the low-precision shadows after the masters changed (step, load)."""
-        for param, master in self.master.items():
-            shadow = self.shadow[param]
+    def refresh_shadows(self, params: list[nn.Parameter] | None = None) -> None:
+        """Re-derive the shadows of ``params`` (default: all) after their masters changed
+        (optimizer step, checkpoint load)."""
+        for param in self.master if params is None else params:
+            master, shadow = self.master[param], self.shadow[param]
             if shadow is not master:
                 shadow.copy_(master)
 

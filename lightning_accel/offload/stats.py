@@ -25,6 +25,13 @@ class OffloadStats:
     d2h_bytes_per_step: int = 0
     # blocks whose optimizer step ran on the host while the backward pass went on
     blocks_stepped_in_backward: int = 0
+    # host updates deferred to run one step late, beside the next step's compute (delayed_update)
+    delayed_steps: int = 0
+    # block-boundary activations parked in host memory between forward and backward
+    # (offload_activations): bytes sent to the host, and brought back for the recompute
+    activation_d2h_bytes: int = 0
+    activation_h2d_bytes: int = 0
+    activation_d2h_bytes_per_step: int = 0
 
     @property
     def overlap_fraction(self) -> float:
@@ -39,9 +46,14 @@ class OffloadStats:
 
     def summary(self) -> str:
         gib = 1024**3
-        return (
+        line = (
             f"L2L offload: {self.steps} steps, {self.h2d_bytes_per_step / gib:.3f} GiB host->device and "
             f"{self.d2h_bytes_per_step / gib:.3f} GiB device->host per step, copies {self.copy_seconds:.2f} s "
             f"({self.overlap_fraction:.0%} hidden behind compute), peak {self.peak_resident_blocks} blocks / "
             f"{self.peak_device_bytes / 2**20:.1f} MiB of block weights on the device"
         )
+        if self.activation_d2h_bytes:
+            line += f", {self.activation_d2h_bytes_per_step / gib:.3f} GiB of boundary activations parked on the host per step"
+        if self.delayed_steps:
+            line += f", {self.delayed_steps} host updates applied one step late"
+        return line

@@ -9,7 +9,9 @@ hand their memory out again while a kernel still reads it.
 When the "device" is the host itself and the compute dtype is fp32 (CPU runs, CI), a
 device copy would be a pointless clone: units are then *aliased* (the module computes on
 the masters directly) and only the bookkeeping runs, so the mechanism stays testable
-without a cost that a real device would not have.
+without a cost that a real device would not have. Under the delayed update the store keeps
+a separate compute snapshot (shadow) of every parameter; an aliased unit then computes on
+its shadows (swapped in, not copied) while the host optimizer rewrites the masters.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ class Streamer:
         if index in self.on_device:
             return
         if self.alias:
-            self.on_device[index] = _OnDevice({}, {})
+            # no copy: compute on the host tensors, on the snapshots where the store keeps them
+            snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
+            self.on_device[index] = _OnDevice(snapshots, {})
             self._track_peak()
             return
         started = time.perf_counter()
@@ -100,8 +104,7 @@ class Streamer:
         """Make ``unit`` compute on its device copies, waiting for the copy if needed."""
         self.prefetch(index, unit)
         entry = self.on_device[index]
-        if entry.swapped or self.alias:
-            entry.swapped = True
+        if entry.swapped:
             return
         if entry.ready is not None:
             if not entry.ready.query():
@@ -125,7 +128,7 @@ class Streamer:
         forward may have updated them on the device.
         """
         entry = self.on_device.pop(index, None)
-        if entry is None or self.alias:
+        if entry is None:
             return
         for param in entry.params:
             param.data = self.store.master[param]
@@ -184,6 +187,11 @@ class Streamer:
             end.synchronize()
             self.stats.copy_seconds += start.elapsed_time(end) / 1000.0
         self._timed.clear()
+
+    def wait_copies(self) -> None:
+        """Block until the copy stream is idle (before host tensors it reads are rewritten)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def _track_peak(self) -> None:
         blocks = sum(1 for i in self.on_device if i >= 0)  # the resident unit is index -1

@@ -26,11 +26,25 @@ likewise under fp16 loss scaling, whose overflow check spans all gradients) the 
 host step runs after the backward pass: the overlap is lost and the step time is added
 to the critical path. The overlap also needs a per-parameter optimizer (SGD, Adam(W),
 RMSprop, Adagrad, ...), for which stepping blocks one at a time equals one full step.
+
+With ``delayed_update=True`` (ZeRO-Offload's one-step delayed parameter update) the host
+step overlaps a whole step instead of part of a backward, clipping or not: step t's host
+update runs in a worker thread during step t+1's forward and backward (which waits for it
+only if it takes longer), so step t+1 computes on weights without update t.
+``optimizer_step`` then lets ``optimizer.step()`` update only the parameters kept on the
+device, and hands the host gradients (after Lightning's clipping) to
+:class:`~lightning_accel.offload.delayed.DelayedUpdate`; ``on_validation_start``,
+``lightning_module_state_dict`` (every checkpoint) and ``on_train_end`` land a pending
+update first, so what is validated, saved and left at the end includes every update.
+``offload_activations=True`` parks the checkpointed blocks' saved inputs in host memory
+between forward and backward.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -65,7 +79,33 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             the backward pass continues (off automatically under clipping / fp16). None
             (default): on when the device is an accelerator; off on the CPU, where the
             "host" step would compete with the "device" compute for the same cores
-            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``).
+            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``). With
+            ``delayed_update`` it applies to the warm-up steps only.
+        delayed_update: ZeRO-Offload's one-step delayed parameter update. The host update
+            for step t (computed from step t's gradients, clipped by their own global norm
+            when ``gradient_clip_val`` is set, with step t's learning rate) runs on the host
+            while step t+1's forward and backward run, so step t+1 computes on weights that
+            do not yet include update t: one step stale. The host step overlaps the whole
+            next step (also under clipping; the step waits only for an update longer than
+            itself), at the cost of that staleness and one more copy of the host parameters
+            in host memory (the compute snapshot). Parameters
+            kept on the device (the resident unit unless ``offload_resident``) are updated
+            at once, as usual. A pending update is applied before validation, before every
+            checkpoint is written and at the end of fit (waiting for it there); the step
+            after such a point computes on fully updated weights, as a resumed run does,
+            which keeps resuming exact.
+            Needs a per-parameter optimizer and automatic optimization; not with fp16 loss
+            scaling (an overflow at step t+1 could not cancel update t, already applied).
+        delayed_update_warmup: optimizer steps (counted by ``trainer.global_step``, so a
+            resumed run does not repeat them) that update at once before the delay starts,
+            as ZeRO-Offload does while the early, fast-changing gradients make staleness
+            costly. Default 10; only meaningful with ``delayed_update=True``.
+        offload_activations: keep the block-boundary activations that checkpointing saves
+            for backward (each block's input) in host memory between the forward and the
+            backward pass instead of on the device: device memory no longer grows with depth
+            by one activation per block, at the cost of copying each one out and back once
+            per step (counted in ``offload_stats.activation_*_bytes``). Needs
+            ``checkpoint_blocks=True``. On a CPU device it only costs time.
         device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
     """
 
@@ -78,18 +118,38 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         offload_resident: bool = False,
         checkpoint_blocks: bool = True,
         overlap_step: bool | None = None,
+        delayed_update: bool = False,
+        delayed_update_warmup: int | None = None,
+        offload_activations: bool = False,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         if prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; use 1 to overlap copies with compute")
+        if delayed_update_warmup is not None and not delayed_update:
+            raise ValueError(
+                f"delayed_update_warmup={delayed_update_warmup} has no effect with delayed_update=False; "
+                "HINT: set delayed_update=True, or drop delayed_update_warmup"
+            )
+        if delayed_update_warmup is not None and delayed_update_warmup < 0:
+            raise ValueError(
+                f"delayed_update_warmup must be >= 0, got {delayed_update_warmup}; HINT: 0 delays from the first step"
+            )
+        if offload_activations and not checkpoint_blocks:
+            raise ValueError(
+                "offload_activations=True needs checkpoint_blocks=True (without checkpointing every activation inside "
+                "every block is saved and would cross the bus); HINT: set checkpoint_blocks=True or offload_activations=False"
+            )
         self._device_given = device is not None
         self.blocks = blocks
         self.prefetch_blocks = prefetch_blocks
         self.offload_resident = offload_resident
         self.checkpoint_blocks = checkpoint_blocks
         self.overlap_step = overlap_step
+        self.delayed_update = delayed_update
+        self.delayed_update_warmup = 10 if delayed_update_warmup is None else delayed_update_warmup
+        self.offload_activations = offload_activations
         self._executor: L2LExecutor | None = None
         self._last_stats = OffloadStats()
 
@@ -141,6 +201,31 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         for optimizer in self.optimizers:
             _check_host_optimizer(optimizer)
+        if self.delayed_update:
+            self._check_delayed_update(trainer)
+
+    def _check_delayed_update(self, trainer: Trainer) -> None:
+        """Refuse what the delayed update cannot do, before any step."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "L2LOffloadStrategy(delayed_update=True) cannot run with fp16 loss scaling (OffloadPrecision('16-mixed')): "
+                "an overflow found at step t+1 cannot cancel update t, already applied; "
+                "HINT: use OffloadPrecision('bf16-mixed') or delayed_update=False"
+            )
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"L2LOffloadStrategy(delayed_update=True) needs automatic optimization, but {type(module).__name__} "
+                "sets automatic_optimization=False; HINT: use delayed_update=False with manual optimization"
+            )
+        for optimizer in self.optimizers:
+            # the exact class: a subclass may override step() with a rule across parameters
+            if type(optimizer) not in _PER_PARAMETER:
+                raise ValueError(
+                    f"L2LOffloadStrategy(delayed_update=True) updates the host parameters apart from the device ones, "
+                    f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; HINT: use one of "
+                    f"{', '.join(c.__name__ for c in _PER_PARAMETER)}, or delayed_update=False"
+                )
 
     @override
     def model_to_device(self) -> None:
@@ -155,20 +240,53 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         compute_dtype = self._compute_dtype()
         if device.type == "cuda":
             _check_fits(plan, device, compute_dtype)
-        self._executor = L2LExecutor(self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks)
+        self._executor = L2LExecutor(
+            self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks,
+            delayed_update=self.delayed_update, offload_activations=self.offload_activations,
+        )
         self._executor.attach()
         copies = (
             "the device is the host in fp32, so blocks compute on their masters (no copies)"
             if self._executor.streamer.alias
             else f"device copies in {compute_dtype} on {device}"
         )
-        rank_zero_info(f"L2LOffloadStrategy: {plan.describe()}; {copies}")
+        extras = [
+            *([f"host updates one step late after {self.delayed_update_warmup} warm-up steps"] if self.delayed_update else []),
+            *(["block-boundary activations parked on the host"] if self.offload_activations else []),
+        ]
+        rank_zero_info(f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._executor is not None
         self._executor.begin_step()
+        self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
         return super().training_step(*args, **kwargs)
+
+    def _land_delayed_update(self) -> None:
+        if self._executor is not None:
+            self._executor.finish_delayed_update()
+
+    @override
+    def on_validation_start(self) -> None:
+        # validate (and let ModelCheckpoint save, right after) the weights with every update
+        self._land_delayed_update()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._land_delayed_update()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._land_delayed_update()  # every checkpoint holds every update
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+        self._land_delayed_update()
+        return super().optimizer_state(optimizer)
 
     def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         assert self._executor is not None
@@ -207,6 +325,11 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         executor = self._executor
         assert executor is not None
 
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.delayed_update and trainer is not None and trainer.global_step >= self.delayed_update_warmup:
+            return self._delayed_optimizer_step(optimizer, closure, model, **kwargs)
+        executor.finish_delayed_update()  # (nothing pending unless delaying was just turned off)
+
         wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
         overlap = wanted and self._can_overlap(optimizer)
 
@@ -218,6 +341,26 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
 
         output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         executor.after_step()
+        return output
+
+    def _delayed_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        executor = self._executor
+        assert executor is not None
+
+        def closure_then_host_grads() -> Any:
+            executor.start_delayed_update()  # normally already running since training_step
+            try:
+                result = closure()
+            finally:
+                executor.finish_delayed_update()  # update t-1 lands; this step's compute is over
+            executor.install_grads()  # clipping sees this step's host gradients too
+            return result
+
+        # After clipping, before the update: this step's host gradients become the pending
+        # update, and optimizer.step() updates only the parameters kept on the device.
+        with _after_closure(optimizer, functools.partial(executor.defer_update, optimizer)):
+            output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        executor.after_step(masters_changed=False)
         return output
 
     def _can_overlap(self, optimizer: Optimizer) -> bool:
@@ -254,6 +397,33 @@ _PER_PARAMETER = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
 )
+
+
+@contextmanager
+def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[None, None, None]:
+    """For the ``optimizer.step(closure)`` calls inside: run ``fn()`` after the closure
+    returns and before the update. The precision plugin folds Lightning's
+    ``on_before_optimizer_step`` hooks and gradient clipping into the closure it passes, so
+    ``fn`` sees the final (clipped) gradients; there is no other hook at that point."""
+    own = vars(optimizer).get("step")  # an LR scheduler may have wrapped step on the instance
+    step = optimizer.step
+
+    def step_then(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        def closure_then_fn() -> Any:
+            result = closure() if closure is not None else None
+            fn()
+            return result
+
+        return step(closure=closure_then_fn, **kwargs)
+
+    optimizer.step = step_then  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own  # type: ignore[method-assign]
 
 
 def _step_subset(optimizer: Optimizer, params: list[nn.Parameter]) -> None:

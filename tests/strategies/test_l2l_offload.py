@@ -243,3 +243,247 @@ def test_xla_devices_are_refused_with_the_reason() -> None:
     # torch.device("xla:0") needs no torch_xla; the refusal comes before anything touches it
     with pytest.raises(ValueError, match=r"L2LOffloadStrategy does not run on XLA devices.*HINT: on a TPU use strategy='xla_pjrt'"):
         _fit(Regressor(), _regression_data(), L2LOffloadStrategy(device="xla:0"))
+
+
+# -- one-step delayed update (ZeRO-Offload DPU) and activation offload -------------------
+
+
+class AdamRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01, weight_decay=1e-3)
+
+
+def _sgd_step_lr(params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+def _adam(params: list[nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
+    return torch.optim.Adam(params, lr=0.01, weight_decay=1e-3), None
+
+
+def _delayed_reference(model: nn.Module, data: DataLoader, optimizer: Any, late: set[str], steps: int, warmup: int = 0,
+                       accumulate: int = 1, clip: float | None = None, land_after: tuple[int, ...] = (),
+                       autocast: torch.dtype | None = None) -> None:
+    """ZeRO-Offload's delayed update written out in plain PyTorch, one optimizer (and LR
+    scheduler) per parameter set. Step t's gradient is taken at the current weights; then
+    the ``late`` parameters receive update t-1 and the others update t. Update t of the late
+    ones waits for step t+1, except during the first ``warmup`` steps and after the steps in
+    ``land_after`` (validation, checkpoint); the last one lands at the end. ``autocast``:
+    each forward under CPU autocast in that dtype (entered per forward: autocast caches its
+    weight casts until the context exits)."""
+    params = dict(model.named_parameters())
+    sets = {True: [p for n, p in params.items() if n in late], False: [p for n, p in params.items() if n not in late]}
+    pairs = {k: optimizer(v) if v else None for k, v in sets.items()}
+
+    def apply(is_late: bool, grads: dict[nn.Parameter, torch.Tensor]) -> None:
+        pair = pairs[is_late]
+        if pair is None:
+            return
+        for p in sets[is_late]:
+            p.grad = grads[p]
+        pair[0].step()
+        if pair[1] is not None:
+            pair[1].step()
+
+    batches = [b for _, b in zip(range(steps * accumulate), (b for _ in range(99) for b in data))]
+    pending = None
+    for t in range(steps):
+        grads = {p: torch.zeros_like(p) for p in params.values()}
+        for x, y in batches[t * accumulate:(t + 1) * accumulate]:
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = nn.functional.mse_loss(model(x), y) / accumulate
+            for p, g in zip(params.values(), torch.autograd.grad(loss, list(params.values()))):
+                grads[p] += g
+        if clip is not None:  # by the global norm of step t's gradients, before any of it is applied
+            norm = torch.stack([g.norm() for g in grads.values()]).norm()
+            grads = {p: g * min(1.0, clip / (float(norm) + 1e-6)) for p, g in grads.items()}
+        if pending is not None:
+            apply(True, pending)
+        apply(False, grads)
+        pending = grads
+        if t < warmup or t in land_after:
+            apply(True, pending)
+            pending = None
+    if pending is not None:
+        apply(True, pending)
+
+
+def _double_data(n: int = 64, batch: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=batch)
+
+
+_BLOCKS = {f"stack.{i}.{m}.{w}" for i in range(4) for m in "ab" for w in ("weight", "bias")}
+_ALL = _BLOCKS | {f"{m}.{w}" for m in ("inp", "out") for w in ("weight", "bias")}
+
+_DELAYED_CASES = {
+    # name: (module, reference optimizer, strategy kwargs, trainer kwargs, reference kwargs, dtype)
+    "sgd-all-host": (Regressor, _sgd_step_lr, {"offload_resident": True}, {}, {"late": _ALL}, torch.float64),
+    "sgd-warmup": (Regressor, _sgd_step_lr, {"delayed_update_warmup": 2}, {}, {"late": _BLOCKS, "warmup": 2}, torch.float64),
+    "sgd-warmup-overlapped": (Regressor, _sgd_step_lr, {"delayed_update_warmup": 2, "overlap_step": True}, {},
+                              {"late": _BLOCKS, "warmup": 2}, torch.float64),
+    "adam": (AdamRegressor, _adam, {}, {}, {"late": _BLOCKS}, torch.float64),
+    "adam-fp32": (AdamRegressor, _adam, {"offload_resident": True}, {}, {"late": _ALL}, torch.float32),
+    "accumulate": (Regressor, _sgd_step_lr, {}, {"accumulate_grad_batches": 4}, {"late": _BLOCKS, "accumulate": 4},
+                   torch.float64),
+    "clip": (Regressor, _sgd_step_lr, {}, {"gradient_clip_val": 0.05}, {"late": _BLOCKS, "clip": 0.05}, torch.float64),
+    "activations": (AdamRegressor, _adam, {"offload_activations": True}, {}, {"late": _BLOCKS}, torch.float64),
+    # bf16 device copies (really copied, from bf16 shadows and fp32 snapshots) over fp32 masters
+    "bf16": (Regressor, _sgd_step_lr, {}, {"plugins": [OffloadPrecision("bf16-mixed")]},
+             {"late": _BLOCKS, "autocast": torch.bfloat16}, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(_DELAYED_CASES))
+def test_delayed_update_matches_a_hand_written_delayed_loop(case: str) -> None:
+    module, optimizer, strategy_kwargs, trainer_kwargs, reference_kwargs, dtype = _DELAYED_CASES[case]
+    torch.manual_seed(0)
+    lit = module().to(dtype)
+    reference, undelayed = module().to(dtype), module().to(dtype)
+    reference.load_state_dict(lit.state_dict())
+    undelayed.load_state_dict(lit.state_dict())
+    data = _double_data() if dtype == torch.float64 else _regression_data()
+    steps = 4
+    strategy_kwargs = {"delayed_update_warmup": 0, **strategy_kwargs}
+    trainer = _fit(lit, data, L2LOffloadStrategy(blocks=["Block"], delayed_update=True, **strategy_kwargs),
+                   max_steps=steps, **trainer_kwargs)
+    _delayed_reference(reference, data, optimizer, steps=steps, **reference_kwargs)
+    _assert_same_weights(reference, lit, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    stats = trainer.strategy.offload_stats
+    assert stats.delayed_steps == steps - reference_kwargs.get("warmup", 0)
+    # the delay is real: the same loop updating at once ends elsewhere
+    _delayed_reference(undelayed, data, optimizer, steps=steps, **{**reference_kwargs, "warmup": steps})
+    assert any((a - b).abs().max() > 1e-6 for a, b in zip(undelayed.state_dict().values(), reference.state_dict().values()))
+    if strategy_kwargs.get("offload_activations"):
+        # one (batch 8, width 8) float64 input per block per micro-batch, out and back
+        assert stats.activation_d2h_bytes == stats.activation_h2d_bytes == steps * 4 * 8 * 8 * 8
+
+
+class Validated(Regressor):
+    """Records, at each validation, the weights it validates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated: list[dict[str, torch.Tensor]] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.validated.append({k: v.clone() for k, v in self.state_dict().items()})
+        self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+
+def test_delayed_update_lands_before_validation_and_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(epochs: int, **kwargs: Any) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=L2LOffloadStrategy(delayed_update=True, delayed_update_warmup=2),
+                          max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, **kwargs)
+
+    def models(n: int) -> list[Validated]:
+        torch.manual_seed(0)
+        out = [Validated().double() for _ in range(n)]
+        for m in out[1:]:
+            m.load_state_dict(out[0].state_dict())
+        return out
+
+    data, val = _double_data(), _double_data(16)
+    # A: 2 epochs of 8 steps, validated after each, ModelCheckpoint saving right after validation
+    whole, reference, first_epoch = models(3)
+    trainer(2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "a", save_top_k=-1, every_n_epochs=1)]).fit(whole, data, val)
+    _delayed_reference(reference, data, _sgd_step_lr, _BLOCKS, steps=16, warmup=2, land_after=(7,))
+    _assert_same_weights(reference, whole, atol=1e-12)
+    # validation, and the checkpoint after it, saw every update of the first 8 steps
+    _delayed_reference(first_epoch, data, _sgd_step_lr, _BLOCKS, steps=8, warmup=2)
+    ckpt = tmp_path / "a" / "epoch=0-step=8.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    for name, value in first_epoch.state_dict().items():
+        torch.testing.assert_close(whole.validated[0][name], value, rtol=0, atol=1e-12, msg=name)
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-12, msg=name)
+    # resuming from that checkpoint continues exactly like the uninterrupted run (no second warm-up)
+    resumed, = models(1)
+    trainer(2, enable_checkpointing=False).fit(resumed, data, val, ckpt_path=ckpt)
+    _assert_same_weights(whole, resumed, atol=0)
+    # B: no validation, a checkpoint every 5 steps: each save lands the pending update too
+    saving, reference = models(2)
+    trainer(2, limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=tmp_path / "b", save_top_k=-1, every_n_train_steps=5)]
+            ).fit(saving, data)
+    _delayed_reference(reference, data, _sgd_step_lr, _BLOCKS, steps=16, warmup=2, land_after=(4, 9, 14))
+    _assert_same_weights(reference, saving, atol=1e-12)
+    five, = models(1)
+    _delayed_reference(five, data, _sgd_step_lr, _BLOCKS, steps=5, warmup=2)
+    saved = torch.load(tmp_path / "b" / "epoch=0-step=5.ckpt", weights_only=False)["state_dict"]
+    for name, value in five.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-12, msg=name)
+
+
+def test_activation_offload_matches_plain_training_and_counts_the_boundary_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    plain, offloaded = _pair(lambda: LanguageModelTask(GPT("tiny", n_layer=2, block_size=16)))
+    _fit(plain, _lm_data(), max_steps=4)
+    trainer = _fit(offloaded, _lm_data(), L2LOffloadStrategy(offload_activations=True), max_steps=4,
+                   callbacks=[OffloadMonitor()])
+    _assert_same_weights(plain, offloaded, atol=2e-6)
+    stats = trainer.strategy.offload_stats
+    # each block's input, (batch 8, seq 16, n_embd 128) fp32, goes to the host and comes back once a step
+    boundary = 2 * 8 * 16 * 128 * 4
+    assert stats.activation_d2h_bytes_per_step == boundary
+    assert stats.activation_d2h_bytes == stats.activation_h2d_bytes == 4 * boundary
+    assert stats.as_metrics()["offload/activation_d2h_bytes_per_step"] == boundary
+    assert "0.000 GiB of boundary activations parked on the host per step" in capsys.readouterr().out
+
+
+def test_delayed_update_and_activation_offload_refuse_what_they_cannot_do() -> None:
+    started: list[int] = []
+
+    class Counting(Regressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            started.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(ValueError, match=r"delayed_update_warmup=3 has no effect with delayed_update=False; HINT: set delayed_update=True"):
+        L2LOffloadStrategy(delayed_update_warmup=3)
+    with pytest.raises(ValueError, match=r"delayed_update_warmup must be >= 0, got -1"):
+        L2LOffloadStrategy(delayed_update=True, delayed_update_warmup=-1)
+    with pytest.raises(ValueError, match=r"offload_activations=True needs checkpoint_blocks=True.*HINT: set checkpoint_blocks=True"):
+        L2LOffloadStrategy(offload_activations=True, checkpoint_blocks=False)
+    with pytest.raises(ValueError, match=r"delayed_update=True\) cannot run with fp16 loss scaling.*HINT: use OffloadPrecision\('bf16-mixed'\)"):
+        _fit(Counting(), _regression_data(), L2LOffloadStrategy(delayed_update=True), plugins=[OffloadPrecision("16-mixed")])
+
+    class Manual(Counting):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match=r"needs automatic optimization, but Manual sets automatic_optimization=False"):
+        _fit(Manual(), _regression_data(), L2LOffloadStrategy(delayed_update=True))
+
+    class WholeModelSGD(torch.optim.SGD):
+        """Not in the per-parameter list: e.g. a step that rescales by a norm over all parameters."""
+
+    class Global(Counting):
+        def configure_optimizers(self) -> Any:
+            return WholeModelSGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match=r"one step only for a per-parameter optimizer, not WholeModelSGD; HINT: use one of SGD"):
+        _fit(Global(), _regression_data(), L2LOffloadStrategy(delayed_update=True))
+    assert started == []  # refused before any training step
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_delayed_update_with_activations_on_host_matches_the_delayed_loop() -> None:
+    # the copy-stream paths: pinned snapshots streamed in, activations out and back on CUDA
+    torch.manual_seed(0)
+    lit, reference = Regressor(), Regressor()
+    reference.load_state_dict(lit.state_dict())
+    strategy = L2LOffloadStrategy(blocks=["Block"], delayed_update=True, delayed_update_warmup=0, offload_activations=True)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(lit, _regression_data())
+    _delayed_reference(reference, _regression_data(), _sgd_step_lr, _BLOCKS, steps=4)
+    _assert_same_weights(reference, lit, atol=1e-5)
+    stats = trainer.strategy.offload_stats
+    assert stats.delayed_steps == 4
+    assert stats.activation_d2h_bytes == stats.activation_h2d_bytes == 4 * 4 * 8 * 8 * 4  # steps x blocks x (8, 8) fp32
