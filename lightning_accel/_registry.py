@@ -22,7 +22,7 @@ STRATEGIES: list[tuple[str, type, str]] = [
     ("l2l_offload", L2LOffloadStrategy, "L2L CPU offload: blocks stream layer to layer from host memory"),
     ("gpipe", GPipeStrategy, "GPipe micro-batching: blocks split into stages over devices, batches into micro-batches"),
     ("gpipe_distributed", DistributedGPipeStrategy, "GPipe across processes: one stage per rank on torch.distributed.pipelining, launched like DDP"),
-    ("xla_pjrt", XLAPJRTStrategy, "one torch_xla device on PJRT_DEVICE (TPU, CUDA or CPU); stable step graphs"),
+    ("xla_pjrt", XLAPJRTStrategy, "one torch_xla device, or SPMD data parallel over all of a host's, on PJRT_DEVICE (TPU, CUDA or CPU); stable step graphs"),
 ]
 
 

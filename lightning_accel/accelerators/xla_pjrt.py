@@ -5,11 +5,16 @@ metadata server, so it starts only on a TPU VM. This one asks the PJRT runtime i
 so the same code trains on a TPU, on CUDA GPUs, or on the CPU (``PJRT_DEVICE=CPU``),
 which is how the XLA code paths are tested on machines without accelerators.
 
+``devices=1`` or ``devices=[i]`` is one device (``xla:i``); ``devices=N`` or ``-1`` with N > 1
+is data parallel over all N devices of the host by SPMD (the CPU has
+``CPU_NUM_DEVICES``, default 1), see :mod:`lightning_accel.accelerators.spmd`.
+
 Use it with its strategy: ``Trainer(accelerator="xla_pjrt", strategy="xla_pjrt")``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -19,6 +24,7 @@ from lightning.pytorch.accelerators import Accelerator
 from typing_extensions import override
 
 from lightning_accel.accelerators.runtime import require_xla, xla_problem
+from lightning_accel.accelerators.spmd import plan_placement
 
 
 class XLAPJRTAccelerator(Accelerator):
@@ -43,7 +49,10 @@ class XLAPJRTAccelerator(Accelerator):
     @staticmethod
     @override
     def parse_devices(devices: int | str | list[int]) -> list[int]:
-        """``1``, ``N``, ``-1``/``"auto"`` (all) or a list of indices -> the device indices."""
+        """``1``, ``N``, ``-1``/``"auto"`` (all) or a list of indices -> the device indices.
+
+        Several devices must be all of them: SPMD data parallelism spans the whole host.
+        """
         count = XLAPJRTAccelerator.auto_device_count()
         if isinstance(devices, str):
             text = devices.strip()
@@ -52,12 +61,14 @@ class XLAPJRTAccelerator(Accelerator):
             if devices == -1:
                 devices = count
             if not 1 <= devices <= count:
-                raise ValueError(f"devices={devices} but the PJRT runtime has {count} device(s); {_more_devices_hint()}")
-            return list(range(devices))
-        indices = [int(d) for d in devices]
-        bad = [i for i in indices if not 0 <= i < count]
-        if bad or not indices:
-            raise ValueError(f"devices={indices} names indices outside 0..{count - 1} of the PJRT runtime; {_more_devices_hint()}")
+                raise ValueError(f"devices={devices} but the PJRT runtime has {count} device(s); {_more_devices_hint(devices)}")
+            indices = list(range(devices))
+        else:
+            indices = [int(d) for d in devices]
+            bad = [i for i in indices if not 0 <= i < count]
+            if bad or not indices:
+                raise ValueError(f"devices={indices} names indices outside 0..{count - 1} of the PJRT runtime; {_more_devices_hint(max(indices, default=0) + 1)}")
+        plan_placement(indices, count, _cpu_count_hint(len(indices)))  # several devices: all of them, or a clear refusal
         return indices
 
     @staticmethod
@@ -101,9 +112,14 @@ class XLAPJRTAccelerator(Accelerator):
         accelerator_registry.register(cls.name(), cls, description="torch_xla on the PJRT device named by PJRT_DEVICE")
 
 
-def _more_devices_hint() -> str:
-    import os
-
-    if os.environ.get("PJRT_DEVICE", "").upper() == "CPU":
-        return "the CPU PJRT client has CPU_NUM_DEVICES devices (default 1); set CPU_NUM_DEVICES=N for more"
+def _more_devices_hint(wanted: int) -> str:
+    if _cpu_count_hint(wanted):
+        return f"the CPU PJRT client has CPU_NUM_DEVICES devices (default 1); {_cpu_count_hint(wanted)}"
     return "ask for fewer devices, or devices=-1 for all of them"
+
+
+def _cpu_count_hint(wanted: int) -> str:
+    """How to get ``wanted`` devices on the CPU PJRT client ("" on other PJRT devices)."""
+    if os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+        return ""
+    return f"start the process with CPU_NUM_DEVICES={max(wanted, 1)} (read once, when the PJRT runtime starts)"

@@ -1,4 +1,4 @@
-"""XLAPJRTStrategy: training on one torch_xla device, with stable step graphs.
+"""XLAPJRTStrategy: training on one torch_xla device, or data parallel over all of a host's, with stable step graphs.
 
 Lightning's SingleDeviceXLAStrategy works only with its own ``XLAPrecision`` (fp32 or the
 deprecated ``XLA_USE_BF16``) and ``XLACheckpointIO``; this one takes any checkpoint IO
@@ -7,6 +7,12 @@ way), and ends a graph at every step boundary: after each optimizer step (in the
 precision plugin) and after each validation/test/predict step, so each kind of step is
 one graph, compiled once. It counts the compilations, logs them as
 ``xla/compilations`` and says at the end of training whether they stopped after warm-up.
+
+``devices=[i]`` trains on the PJRT device ``xla:i``. ``devices=N`` with N > 1 (all the
+devices of the host) trains data parallel by SPMD in this one process: each batch is
+split along its first dimension over the devices and the compiler all-reduces the
+gradients (see :mod:`lightning_accel.accelerators.spmd` for why not one process per
+device). The batch size is then the global batch.
 """
 
 from __future__ import annotations
@@ -24,28 +30,35 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
-from lightning_accel.accelerators import register_accelerators
+from lightning_accel.accelerators import register_accelerators, spmd
 from lightning_accel.accelerators.compilations import CompileLog
 from lightning_accel.plugins.precision.xla_pjrt import XLAPJRTPrecision
 
 
 class XLAPJRTStrategy(SingleDeviceStrategy):
-    """Train on one XLA device of the ``xla_pjrt`` accelerator.
+    """Train on one XLA device of the ``xla_pjrt`` accelerator, or data parallel (SPMD) on all of them.
 
     Args:
-        device: index of the PJRT device (``xla:<index>``).
+        device: index of the PJRT device (``xla:<index>``); by default the Trainer's ``devices``
+            decide (``devices=[1]``: ``xla:1``; ``devices=4``: SPMD over 4 devices).
     """
 
     strategy_name = "xla_pjrt"
 
     def __init__(
         self,
-        device: int = 0,
+        device: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(device=torch.device("xla", int(device)), accelerator=accelerator, checkpoint_io=checkpoint_io)
+        index = 0 if device is None else int(device)
+        super().__init__(device=torch.device("xla", index), accelerator=accelerator, checkpoint_io=checkpoint_io)
+        # Lightning's accelerator connector fills in the Trainer's devices when this is empty,
+        # and takes these over the Trainer's when it is not.
+        self.parallel_devices: list[torch.device] | None = None if device is None else [torch.device("xla", index)]
+        self.placement = spmd.Placement(index=index)
+        self.mesh: Any = None  # the SPMD data mesh while training on several devices
         self.compilations = CompileLog()
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
@@ -73,7 +86,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_accel.accelerators.xla_pjrt import XLAPJRTAccelerator
+        from lightning_accel.accelerators.xla_pjrt import XLAPJRTAccelerator, _cpu_count_hint
 
         if not isinstance(self.accelerator, XLAPJRTAccelerator):
             name = type(self.accelerator).__name__ if self.accelerator is not None else "none"
@@ -82,18 +95,27 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
                 "HINT: Trainer(accelerator='xla_pjrt', strategy='xla_pjrt')"
             )
         import torch_xla
+        import torch_xla.runtime as xr
 
-        self._root_device = torch_xla.device(self._root_device.index or 0)
+        available = self.accelerator.auto_device_count()
+        indices = [d.index or 0 for d in self.parallel_devices or [self._root_device]]
+        self.placement = spmd.plan_placement(indices, available, _cpu_count_hint(len(indices)))
+        if xr.is_spmd() and not self.placement.spmd and available > 1:
+            raise ValueError(
+                f"devices={indices} asks for one device, but an earlier multi-device fit switched this process to SPMD "
+                "over all devices, which torch_xla cannot undo; HINT: run the single-device fit in a new process"
+            )
+        if self.placement.spmd:
+            self.mesh = spmd.enable(self.placement.count)
+            rank_zero_info(
+                f"xla_pjrt: data parallel over {self.placement.count} PJRT devices by SPMD in one process; "
+                f"each batch is split along dim 0 ({self.placement.count} shards), gradients all-reduced by XLA"
+            )
+        self._root_device = torch_xla.device() if self.placement.spmd else torch_xla.device(self.placement.index)
         super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        devices = trainer._accelerator_connector._parallel_devices
-        if len(devices) > 1:
-            raise ValueError(
-                f"strategy 'xla_pjrt' trains on one device, but devices={len(devices)} were asked for; "
-                "HINT: set trainer.devices=1 (multi-device XLA needs one process per device: strategy='xla' on a TPU VM)"
-            )
         # torch_xla's tensors do not support inference mode; Lightning switches its
         # evaluation loops to no_grad only for its own XLAAccelerator, so do it here.
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
@@ -125,6 +147,11 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         rank_zero_info(self.compilations.summary())
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return spmd.shard_batch(batch, self.mesh) if self.mesh is not None else batch
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

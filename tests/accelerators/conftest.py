@@ -58,7 +58,7 @@ def register() -> None:
     from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
 
     register_accelerators()
-    register_strategy(StrategyRegistry, "xla_pjrt", XLAPJRTStrategy, "one torch_xla device")
+    register_strategy(StrategyRegistry, "xla_pjrt", XLAPJRTStrategy, "one torch_xla device, or SPMD data parallel over all")
 
 
 class Regression(pl.LightningModule):
@@ -108,9 +108,9 @@ def fit(accelerator: str, max_steps: int, batch_size: int = 16, **trainer_kwargs
     if accelerator == "xla_pjrt":
         trainer_kwargs.setdefault("strategy", "xla_pjrt")
     trainer_kwargs.setdefault("val_check_interval", 10)
+    trainer_kwargs.setdefault("devices", 1)
     trainer = pl.Trainer(
         accelerator=accelerator,
-        devices=1,
         max_steps=max_steps,
         limit_val_batches=4,
         num_sanity_val_steps=0,

@@ -31,7 +31,19 @@ SHRINK = {
         "data.batch_size=8",
         "data.num_workers=0",
     ],
+    # The 4-chip SPMD recipe on 2 CPU PJRT devices (CPU_NUM_DEVICES below): global batch 8 = 4 + 4.
+    "gpt-small_bf16-spmd_4tpu": [
+        "trainer.devices=2",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=10",
+        "model.net.preset=tiny",
+        "+model.net.n_layer=1",
+        "data.block_size=32",
+        "data.batch_size=8",
+        "data.num_workers=0",
+    ],
 }
+CPU_DEVICES = {"gpt-small_bf16-spmd_4tpu": "2"}  # CPU_NUM_DEVICES for the run (default 1)
 
 
 @pytest.mark.parametrize("recipe", sorted(SHRINK))
@@ -39,7 +51,7 @@ def test_tpu_recipe_runs_shrunk_on_cpu_pjrt(recipe: str, cli_env: dict[str, str]
     overrides = [*SHRINK[recipe], "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_accel", "run", recipe, *overrides],
-        env={**cli_env, "PJRT_DEVICE": "CPU"},
+        env={**cli_env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": CPU_DEVICES.get(recipe, "1")},
         capture_output=True,
         text=True,
         timeout=300,
@@ -50,6 +62,8 @@ def test_tpu_recipe_runs_shrunk_on_cpu_pjrt(recipe: str, cli_env: dict[str, str]
     assert "xla: " in out and "graphs compiled" in out
     if "gpt" in recipe:
         assert "DevicePrefetcher: torch_xla's MpDeviceLoader copies the next batches to xla:0" in out
+    if recipe in CPU_DEVICES:
+        assert f"xla_pjrt: data parallel over {CPU_DEVICES[recipe]} PJRT devices by SPMD in one process" in out
     status = json.loads(next(Path(cli_env["LIGHTNING_ACCEL_OUTPUTS"]).glob(f"{recipe}/*/run.json")).read_text())
     assert status["status"] == "completed" and status["metrics"]["val/loss"] > 0
     rows = list(csv.DictReader(open(status["metrics_csv"])))
