@@ -160,6 +160,8 @@ class PrefetchTuner(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._done:
             self.meter.batch_arrived()
+        if self.loader is not None:
+            self.loader.step_started()  # batches already used are freed while this step computes
 
     @override
     def on_train_batch_end(

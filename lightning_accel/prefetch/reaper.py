@@ -7,9 +7,12 @@ one step and the next batch, where it reads as data wait (12 ms for seed 004's 4
 batches on a 2-core machine, against a 0.3 ms hand-over from the worker queue). The
 loader keeps a reference to the last ``hold`` batches it served and hands older ones
 to a thread that drops them: by then the loop is done with them (Lightning holds the
-current batch and one fetched ahead), so the free runs there, overlapping the next
-step's compute. A batch the user still holds is unaffected: the thread's reference was
-just not the last one.
+current batch and one fetched ahead). The hand-over waits for :meth:`Reaper.release`,
+called when a training step starts, because the free holds the GIL: handed over while
+the loop is between steps, it would stall the loop there all the same; handed over at
+a step's start, it runs while the step computes (which releases the GIL). Without
+``release`` calls the batches go at ``hold + 2``, so nothing piles up. A batch the user
+still holds is unaffected: the thread's reference was just not the last one.
 """
 
 from __future__ import annotations
@@ -36,9 +39,17 @@ class Reaper:
         self._thread: threading.Thread | None = None
 
     def served(self, batch: Any) -> None:
-        """Record a batch as handed to the loop; the oldest held one goes to the thread."""
+        """Record a batch as handed to the loop (freed after a later :meth:`release`)."""
         self._held.append(batch)
-        if len(self._held) > self.hold:
+        if len(self._held) > self.hold + 2:  # nobody calls release(): do not pile up
+            self._hand_over(self.hold + 2)
+
+    def release(self) -> None:
+        """A step has started: the thread may free all but the last ``hold`` batches now."""
+        self._hand_over(self.hold)
+
+    def _hand_over(self, keep: int) -> None:
+        while len(self._held) > keep:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="prefetch-reaper", daemon=True)
                 self._thread.start()

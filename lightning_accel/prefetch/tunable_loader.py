@@ -235,6 +235,10 @@ class TunableLoader:
                 self.switches += 1
             self._pending = None
 
+    def step_started(self) -> None:
+        """The loop started computing on its batch: older served batches may be freed now, off its thread."""
+        self.reaper.release()
+
     def close(self) -> None:
         """Shut down the inner loaders' workers now rather than at garbage collection."""
         for inner in (self._inner, self._next):

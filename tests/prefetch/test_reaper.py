@@ -1,4 +1,4 @@
-"""The reaper frees served batches on its own thread, and only the ones nobody else holds."""
+"""The reaper frees served batches on its own thread, only once released, and only the ones nobody else holds."""
 
 from __future__ import annotations
 
@@ -26,23 +26,34 @@ def _wait_for(predicate, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def test_batches_older_than_hold_are_freed_on_the_reaper_thread_unless_still_held():
+def test_batches_older_than_hold_are_freed_on_the_reaper_thread_after_release_unless_still_held():
     Batch.freed_on.clear()
     reaper = Reaper(hold=2)
     kept = None
-    for i in range(5):
+    for i in range(4):
         batch = Batch(i)
         reaper.served(batch)
         if i == 1:
             kept = batch  # the user keeps batch 1: the reaper's reference is not the last
         del batch
-    # Served 0..4, holding the last two (3, 4): 0 and 2 are freed by the reaper, 1 is kept.
-    _wait_for(lambda: {0, 2} <= set(Batch.freed_on))
-    assert Batch.freed_on == {0: "prefetch-reaper", 2: "prefetch-reaper"}
+    time.sleep(0.05)
+    assert Batch.freed_on == {}  # served but not released: all four still held (hold + 2)
+    reaper.release()  # a step started: all but the last two may go
+    _wait_for(lambda: 0 in Batch.freed_on)
+    assert Batch.freed_on == {0: "prefetch-reaper"}  # 1 is the user's, 2 and 3 are held
     assert kept is not None and kept.i == 1
     reaper.close()
-    assert 3 in Batch.freed_on and 4 in Batch.freed_on  # close lets go of the held ones
-    assert Batch.freed_on[3] == threading.current_thread().name
+    assert Batch.freed_on[2] == Batch.freed_on[3] == threading.current_thread().name  # close lets go
+
+
+def test_without_release_batches_go_at_hold_plus_two():
+    Batch.freed_on.clear()
+    reaper = Reaper(hold=1)
+    for i in range(5):
+        reaper.served(Batch(i))
+    _wait_for(lambda: {0, 1} <= set(Batch.freed_on))
+    assert Batch.freed_on == {0: "prefetch-reaper", 1: "prefetch-reaper"}  # 3 held: 2, 3, 4
+    reaper.close()
 
 
 def test_hold_below_one_is_refused():
