@@ -9,6 +9,13 @@ backward pass the checkpoint recomputes the block, which acquires the weights ag
 its gradient to the host as soon as autograd has produced it, and when a block's last
 gradient has left, the block is released.
 
+The last block is the exception: its backward follows its forward at once, so it is not
+checkpointed (its activations are one block's worth, whatever the depth) and its
+weights stay on the device across the turn, while the blocks before it are prefetched
+for the backward: one block's recomputation and one block's weight copy less per step.
+(With ``offload_activations`` it is checkpointed like the others, so that every block's
+saved input goes to the host.)
+
 The caller brackets the backward pass with :meth:`begin_backward` /
 :meth:`end_backward` (the Lightning strategy does it in ``pre_backward`` /
 ``post_backward``) so the wrapper knows which direction to prefetch in.
@@ -73,6 +80,8 @@ class L2LExecutor:
         self.delayed = DelayedUpdate(self.store, self.stats) if delayed_update else None
         self.activations = ActivationOffload(device, self.stats, self.streamer.copy_stream) if offload_activations else None
         self._backward = False
+        # the block whose forward turns into the backward at once (see the module docstring)
+        self._turn = len(plan.blocks) - 1 if checkpoint_blocks and not offload_activations else None
         self._originals: dict[int, Callable[..., Any]] = {}
         self._hooks: list[Any] = []
         self._unit_of: dict[nn.Parameter, int] = {}
@@ -129,7 +138,7 @@ class L2LExecutor:
             self.streamer.acquire(RESIDENT, self.plan.resident)
 
     def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
-        if self.checkpoint_blocks and torch.is_grad_enabled():
+        if self.checkpoint_blocks and torch.is_grad_enabled() and index != self._turn:
             if self.activations is not None:
                 # the only tensors saved outside the checkpoint are the block's inputs
                 with self.activations.hooks():
@@ -147,12 +156,13 @@ class L2LExecutor:
             for other in [i for i in self.streamer.on_device if i > index]:
                 self.streamer.release(other, self.plan.blocks[other])
         self.streamer.acquire(index, unit)
-        step = -1 if self._backward else 1
+        grad_follows = self._backward or (torch.is_grad_enabled() and (not self.checkpoint_blocks or index == self._turn))
+        # Prefetch in the direction the next block computes: the backward's after the turn.
+        step = -1 if self._backward or (grad_follows and index == self._turn) else 1
         for ahead in range(1, self.plan.prefetch_blocks + 1):
             nxt = index + step * ahead
             if 0 <= nxt < len(self.plan.blocks):
                 self.streamer.prefetch(nxt, self.plan.blocks[nxt])
-        grad_follows = self._backward or (torch.is_grad_enabled() and not self.checkpoint_blocks)
         if grad_follows:
             # Released by _on_grad once the last of its gradients has gone to the host.
             # Counted *before* the call: a recomputation stops early (torch.utils.checkpoint
