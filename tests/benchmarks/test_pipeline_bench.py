@@ -15,13 +15,14 @@ def test_shrunk_benchmark_prints_every_row_and_draws_the_timeline(capsys, tmp_pa
             "--memory-chunks", "1,4", "--memory-batch", "64", "--memory-hidden", "64", "--timeout", "120"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for name in ("1 process (no pipeline)", "raw torch.distributed.pipelining", "lightning_accel RankPipeline",
+    for name in ("1 process (no pipeline)", "1 process, M=4 micro-batches in turn", "raw torch.distributed.pipelining", "lightning_accel RankPipeline",
                  "lightning_accel GPipeStrategy (2 processes)",
                  "ideal S*M/(M+S-1)", "M=1, checkpoint=never", "M=1, checkpoint=always", "M=4, checkpoint=always"):
         assert name in out
     rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
     assert float(rows["ideal S*M/(M+S-1)"][-3]) == pytest.approx(8 / 5, abs=1e-3)  # S=2, M=4
     assert float(rows["raw torch.distributed.pipelining"][-1]) == 1.0
+    assert "where the gap to the ideal 1.60x goes: M=4 micro-batches of 4 rows cost" in out
     assert out.rstrip().splitlines()[-1].startswith("machine: ")
     assert "bubble measured" in out and "fill-drain ideal 20.0%" in out  # (S-1)/(M+S-1) = 1/5
     svg = (tmp_path / "plot" / "pipeline-timeline.svg").read_text()
