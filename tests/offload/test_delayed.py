@@ -2,44 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import threading
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_store import HostStore
 
-
-class Residual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, depth: int = 4, width: int = 8) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, width)
-        self.layers = nn.ModuleList(Residual(width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+sys.path.insert(0, str(Path(__file__).parent))
+from offload_nets import Net  # noqa: E402
 
 
 def _pair() -> tuple[Net, Net]:
     torch.manual_seed(0)
-    reference, model = Net().double(), Net().double()
+    reference, model = Net(width=8).double(), Net(width=8).double()
     model.load_state_dict(reference.state_dict())
     return reference, model
 
@@ -127,7 +108,7 @@ def test_host_update_lands_mid_forward_without_touching_the_compute(alias: bool)
 
 
 def test_delayed_update_needs_a_snapshot_store() -> None:
-    model = Net()
+    model = Net(width=8)
     store = HostStore(make_plan(model).blocks, torch.float32, pin=False)
     with pytest.raises(ValueError, match=r"DelayedUpdate needs HostStore\(snapshot=True\)"):
         DelayedUpdate(store, OffloadStats())
@@ -167,6 +148,6 @@ def test_activation_offload_moves_exactly_the_block_inputs(prefetch: int) -> Non
 
 
 def test_activation_offload_needs_checkpointed_blocks() -> None:
-    model = Net()
+    model = Net(width=8)
     with pytest.raises(ValueError, match=r"offload_activations=True needs checkpoint_blocks=True"):
         L2LExecutor(model, make_plan(model), torch.device("cpu"), checkpoint_blocks=False, offload_activations=True)

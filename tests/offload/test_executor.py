@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -9,31 +12,8 @@ from torch import nn
 from lightning_accel.models import GPT
 from lightning_accel.offload import L2LExecutor, make_plan
 
-
-class Residual(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class Net(nn.Module):
-    """Blocks held in a ModuleList and called from a hand-written loop (not a Sequential)."""
-
-    def __init__(self, depth: int, width: int = 16) -> None:
-        super().__init__()
-        self.embed = nn.Linear(4, width)
-        self.layers = nn.ModuleList(Residual(width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+sys.path.insert(0, str(Path(__file__).parent))
+from offload_nets import Net  # noqa: E402
 
 
 def _grads(model: nn.Module, x: torch.Tensor, executor: L2LExecutor | None = None) -> dict[str, torch.Tensor]:
