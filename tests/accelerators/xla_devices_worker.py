@@ -44,6 +44,9 @@ class WhereBatchesAre(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not torch_xla.runtime.is_spmd():
             return
+        # _get_local_shards reads the device buffers directly, without waiting for the step
+        # still executing asynchronously (unlike .cpu()): wait for it first.
+        xm.wait_device_ops()
         for name, p in pl_module.named_parameters():
             self.replicas[name] = [(d, t.cpu()) for t, d in torch_xla._XLAC._get_local_shards([p])[0]]
 
