@@ -208,13 +208,12 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.model.to(self.root_device)
         net = self._net()
         blocks = find_blocks(net, self.blocks)  # no blocks: say so now, not at the first batch
-        if self.balance == "by_time" and min(len(self.devices), len(blocks)) > 1:
-            pass  # needs a sample: placed by the first training_step (see the module docstring)
-        elif isinstance(self.balance, str):  # by_size, or by_time with one stage (nothing to measure)
-            balance = balance_by_cost(block_bytes([b.module for b in blocks]), min(len(self.devices), len(blocks)))
-            self._place(net, blocks, balance, f"balance={self.balance!r}")
-        else:
+        stages = min(len(self.devices), len(blocks))
+        if not isinstance(self.balance, str):
             self._place(net, blocks, check_balance(self.balance, len(blocks), len(self.devices)), "balance given")
+        elif self.balance == "by_size" or stages == 1:  # by_time with one stage: nothing to measure
+            self._place(net, blocks, balance_by_cost(block_bytes([b.module for b in blocks]), stages), f"balance={self.balance!r}")
+        # else by_time: needs a sample, so the first training_step places (see the module docstring)
         self._warn_batch_norm(net)
 
     @override
