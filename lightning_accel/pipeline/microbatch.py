@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["batch_size", "gather", "scatter"]
+__all__ = ["batch_size", "gather", "scatter", "tensors_in"]
 
 
-def _tensors(batch: Any) -> list[Tensor]:
+def tensors_in(batch: Any) -> list[Tensor]:
+    """Every tensor in ``batch`` (nested tuples, lists and mappings), in order."""
     if isinstance(batch, Tensor):
         return [batch]
     if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _tensors(v)]
+        return [t for v in batch.values() for t in tensors_in(v)]
     if isinstance(batch, (tuple, list)):
-        return [t for v in batch for t in _tensors(v)]
+        return [t for v in batch for t in tensors_in(v)]
     return []
 
 
@@ -34,7 +35,7 @@ def batch_size(batch: Any) -> int:
     Raises ``ValueError`` when there is no tensor, a scalar tensor, or tensors disagree,
     because then no split lines inputs up with targets.
     """
-    tensors = _tensors(batch)
+    tensors = tensors_in(batch)
     if not tensors:
         raise ValueError(
             f"cannot split a batch of type {type(batch).__name__} into micro-batches: it holds no tensor; "

@@ -16,6 +16,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_accel.pipeline.microbatch import tensors_in
+
 __all__ = [
     "Balance",
     "balance_by_cost",
@@ -91,16 +93,6 @@ def block_bytes(blocks: Sequence[nn.Module]) -> list[int]:
 class _Captured(BaseException):
     """Stops the sample forward once every block's input is captured (a BaseException, so a user's
     ``except Exception`` around the forward cannot swallow it)."""
-
-
-def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _leaves(value: Any) -> Any:
@@ -184,9 +176,9 @@ def profile_block_times(
             for _ in range(repeat):  # round by round, so a stall that lasts a while costs each block one round
                 for k, (block, (args, kwargs)) in enumerate(zip(blocks, inputs)):
                     a, kw = _leaves(args), _leaves(kwargs)
-                    _synchronize([*_tensors(a), *_tensors(kw)])
+                    _synchronize([*tensors_in(a), *tensors_in(kw)])
                     start = time.perf_counter()
-                    out = [t for t in _tensors(block(*a, **kw)) if t.requires_grad]
+                    out = [t for t in tensors_in(block(*a, **kw)) if t.requires_grad]
                     if out:
                         torch.autograd.backward(out, [torch.ones_like(t) for t in out])
                     _synchronize(out)
