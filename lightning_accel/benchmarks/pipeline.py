@@ -210,6 +210,13 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"RESULT raw={results['raw']:.6f} ours={results['ours']:.6f} lightning={results['lightning']:.6f}", flush=True)
     dist.destroy_process_group()
+    # Every result is out. About one run in ten (seen on 2 CPU cores) the interpreter's own
+    # teardown then aborts in torch ("terminate called without an active exception": a
+    # gloo group from the Trainers' device meshes destroyed while its thread is joinable);
+    # the root cause is not found yet (see issue #4), so this worker skips that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _two_processes(args: argparse.Namespace) -> dict[str, float]:
