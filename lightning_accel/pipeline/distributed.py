@@ -28,9 +28,18 @@ step, the pipeline only the activations at the stage boundaries, so the ``dp`` r
 the adjacent ones (one host's local ranks are consecutive: its fast links), and a pipeline
 may cross hosts.
 
-Evaluation does not micro-batch: :meth:`RankPipeline.forward` runs the stages in order,
-each rank receiving its input from the previous stage's rank and sending its output on,
-with a small header (dtype, shape) before each tensor so the shape may change per batch.
+Evaluation micro-batches too: :meth:`RankPipeline.forward` splits the batch into up to
+``chunks`` micro-batches (``torch.tensor_split``: any batch size, fewer micro-batches when
+the batch is smaller) and streams them through the stages on GPipe's forward clock
+(:func:`lightning_accel.pipeline.schedule.clock_cycles`): a rank runs micro-batch ``i``
+while the next runs ``i - 1``, its sends non-blocking (waited for before it returns), so
+the ranks compute at once instead of in turn, and a stage holds one micro-batch's
+activations, not the whole batch's. Each tensor goes after a small header (dtype, shape,
+micro-batch count), so shapes may change per batch and no rank needs to know the batch
+size in advance; the last stage's rank concatenates the outputs in order. One exception:
+``interleaved_1f1b`` on 2 ranks off the CPU evaluates the batch whole, since there the two
+ranks send each other activations and NCCL would deadlock on crossing sends (see
+:meth:`RankPipeline._eval_chunks`).
 
 :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
 inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,10 +58,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+import torch.utils.checkpoint
 
 from lightning_accel.models.blocks import require_block_network
+from lightning_accel.pipeline.microbatch import gather
+from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.partition import check_balance
-from lightning_accel.pipeline.schedule import check_schedule
+from lightning_accel.pipeline.schedule import check_schedule, clock_cycles
 from lightning_accel.pipeline.timeline import Event
 
 __all__ = ["RankPipeline", "StageModule", "average_gradients", "mesh_coordinates", "pipeline_mesh", "stage_indices"]
@@ -60,28 +73,30 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_DIMS = 8
 
 
-def _send(x: Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
-    """Send ``x`` to global rank ``dst``, after a header (dtype, ndim, shape) so the receiver can allocate it."""
+def _isend(x: Tensor, dst: int, group: dist.ProcessGroup | None, count: int) -> list[tuple[dist.Work, Tensor]]:
+    """Start sending ``x`` to global rank ``dst``, after a header (dtype, ndim, ``count``, shape) so the receiver can
+    allocate it and knows how many micro-batches follow. Returns the pending sends: wait on each before returning
+    (the tensors ride along so they outlive the transfer); not waiting here lets the next micro-batch compute."""
     if x.ndim > _MAX_DIMS or x.dtype not in _DTYPES:
         raise ValueError(
             f"a stage output of dtype {x.dtype} and {x.ndim} dims cannot cross ranks in evaluation; "
             f"stages must pass one tensor of at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
         )
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=x.device)
-    header[0], header[1] = _DTYPES.index(x.dtype), x.ndim
-    header[2 : 2 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
-    dist.send(header, dst, group=group)
-    dist.send(x.contiguous(), dst, group=group)
+    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=x.device)
+    header[0], header[1], header[2] = _DTYPES.index(x.dtype), x.ndim, count
+    header[3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    x = x.contiguous()
+    return [(dist.isend(header, dst, group=group), header), (dist.isend(x, dst, group=group), x)]
 
 
-def _recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> Tensor:
-    """Receive the tensor :func:`_send` sent from global rank ``src``."""
-    header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+def _recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[Tensor, int]:
+    """Receive the tensor :func:`_isend` sent from global rank ``src``, and the micro-batch count it sent along."""
+    header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64, device=device)
     dist.recv(header, src, group=group)
-    dtype, ndim = _DTYPES[int(header[0])], int(header[1])
-    x = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=device)
+    dtype, ndim, count = _DTYPES[int(header[0])], int(header[1]), int(header[2])
+    x = torch.empty(header[3 : 3 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(x, src, group=group)
-    return x
+    return x, count
 
 
 class _Mark(torch.autograd.Function):
@@ -137,11 +152,16 @@ class StageModule(nn.Module):
     """The slice of a block network one stage runs: ``pre`` (first stage), some blocks, ``post`` (last stage).
 
     It holds the user's modules themselves, not copies, and remembers each parameter's
-    name in the user's network so checkpoints keep those names.
+    name in the user's network so checkpoints keep those names. ``remat_stop``: the
+    micro-batches of a step with index below it are re-materialized (one
+    ``torch.utils.checkpoint`` around the stage: only the stage's input is kept, and
+    backward runs the stage's forward again), counted by :attr:`microbatch`, which
+    :class:`RankPipeline` resets before each step.
     """
 
-    def __init__(self, net: nn.Module, balance: Sequence[int], stage: int) -> None:
+    def __init__(self, net: nn.Module, balance: Sequence[int], stage: int, remat_stop: int = 0) -> None:
         super().__init__()
+        self.remat_stop, self.microbatch = remat_stop, 0
         block_net = require_block_network(net, "the multi-process GPipe pipeline")
         start = sum(balance[:stage])
         self.stage, self.first, self.last = stage, stage == 0, stage == len(balance) - 1
@@ -165,16 +185,24 @@ class StageModule(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         recorder = self.recorder
-        if recorder is None or x.device.type == "meta":  # meta: the stage's shape inference, not a micro-batch
+        if x.device.type == "meta":  # the stage's shape inference, not a micro-batch
             return self._run(x)
+        remat = self.microbatch < self.remat_stop and torch.is_grad_enabled()
+        self.microbatch += 1
+        if recorder is None:
+            return self._rematerialized(x) if remat else self._run(x)
         index, start = recorder.next_forward(self.stage), time.time()
         x = self.pre(x) if self.pre is not None else x
         # backward of this micro-batch ends when its gradient reaches the stage input (after pre on stage 0)
         x = _Mark.apply(x, lambda: recorder.end_backward(self.stage, index)) if x.requires_grad else x
-        out = self._run(x, pre=False)
+        out = self._rematerialized(x, pre=False) if remat else self._run(x, pre=False)
         out = _Mark.apply(out, lambda: recorder.start_backward(self.stage, index))
         recorder.events.append(Event(self.stage, "F", index, start, time.time()))
         return out
+
+    def _rematerialized(self, x: Tensor, pre: bool = True) -> Tensor:
+        """The stage under one checkpoint: its input is all it keeps; the RNG is replayed, so dropout recomputes alike."""
+        return torch.utils.checkpoint.checkpoint(self._run, x, pre, use_reentrant=False)
 
     def _run(self, x: Tensor, pre: bool = True) -> Tensor:
         if pre and self.pre is not None:
@@ -203,10 +231,29 @@ def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
     return rank // dp, rank % dp
 
 
-def pipeline_mesh(device_type: str, world_size: int, pp: int) -> DeviceMesh:
-    """The ``("pp", "dp")`` device mesh of the default process group: ``pp`` ranks per pipeline, ``world_size // pp`` replicas."""
+def pipeline_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``("pp", "dp")`` device mesh of the default process group: ``pp`` ranks per pipeline, ``world_size // pp`` replicas.
+
+    ``timeout``: how long the mesh's groups wait for a rank (gloo and nccl). Without it they get
+    torch's default (30 minutes for gloo), not the default group's: a hung peer on a pipeline or
+    replica group would outwait the timeout the user set.
+    """
     mesh_coordinates(0, world_size, pp)  # the check
-    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    options = None if timeout is None else _group_options(dist.get_backend(), timeout)
+    override = None if options is None else {"pp": options, "dp": options}
+    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"), backend_override=override)
+
+
+def _group_options(backend: str, timeout: timedelta) -> Any:
+    """Process-group options carrying ``timeout`` for ``backend`` (None for a backend without such options)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
 
 
 @torch.no_grad()
@@ -247,7 +294,10 @@ class RankPipeline:
     over the micro-batch (``scale_grads=True``: gradients are divided by ``chunks``, so they
     equal those of the batch mean), or a sum (``scale_grads=False``). ``group``: the ranks
     of this pipeline (the mesh's ``pp`` group; ``None``: every rank), whose size is the
-    ``world_size`` above.
+    ``world_size`` above. ``checkpoint``: which micro-batches each stage re-materializes,
+    ``"always"``, ``"except_last"`` (the last one's backward follows its forward at once on
+    the last stage, so keeping it costs little) or ``"never"`` (torch's schedules keep every
+    micro-batch's activations in flight: all M with ``gpipe``, up to S with ``1f1b``).
     """
 
     def __init__(
@@ -261,6 +311,7 @@ class RankPipeline:
         group: dist.ProcessGroup | None = None,
         record: bool = False,
         scale_grads: bool = True,
+        checkpoint: str = "never",
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
@@ -275,7 +326,8 @@ class RankPipeline:
         self.balance = check_balance(balance, len(block_net.blocks), stages)
         self.chunks, self.schedule_name, self.device = chunks, schedule, torch.device(device)
         self.indices = stage_indices(self.rank, self.world_size, schedule)
-        self.modules = [StageModule(net, self.balance, s).to(self.device) for s in self.indices]
+        stop = checkpoint_stop(checkpoint, chunks)
+        self.modules = [StageModule(net, self.balance, s, stop).to(self.device) for s in self.indices]
         self.recorder = _Recorder() if record else None
         self._shapes: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None
         for m in self.modules:
@@ -313,9 +365,15 @@ class RankPipeline:
                     return initialize(*args, **kwargs)
                 finally:
                     self._inferring = False
+                    self._restart_microbatches()  # the inference's forwards were not micro-batches of the step
 
             schedule._initialize_pp_stages = inferring
         return schedule
+
+    def _restart_microbatches(self) -> None:
+        """The next forward of each stage is micro-batch 0 (what re-materialization counts from)."""
+        for m in self.modules:
+            m.microbatch = 0
 
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
@@ -364,6 +422,7 @@ class RankPipeline:
         losses: list[Tensor] = []
         if self.recorder is not None:
             self.recorder.reset()
+        self._restart_microbatches()
         args = (inputs.to(self.device),) if self.holds_first and inputs is not None else ()
         try:
             schedule.step(
@@ -372,36 +431,77 @@ class RankPipeline:
                 losses=losses if self.holds_last else None,
             )
         except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
-            near = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
-            neighbours = [self._global(r) for r in near]  # global ranks: what the other ranks' logs name
-            raise RuntimeError(
-                f"pipeline step failed on rank {self._global(self.rank)} (stages {self.indices}) while exchanging with rank(s) "
-                f"{neighbours}: {type(err).__name__}: {err}. HINT: a neighbouring rank probably died or timed "
-                "out; its own log has the first error"
-            ) from err
+            raise self._exchange_error("step", err) from err
         return torch.stack(losses).mean() if losses else None
 
-    @torch.no_grad()
-    def forward(self, inputs: Tensor | None = None) -> Tensor | None:
-        """Evaluation: the whole batch through every stage in order, no micro-batches, no gradients.
+    def _exchange_error(self, what: str, err: Exception) -> RuntimeError:
+        """One error naming this rank, its stages and its neighbours (global ranks: what the other ranks' logs name)."""
+        near = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
+        neighbours = [self._global(r) for r in near]
+        return RuntimeError(
+            f"pipeline {what} failed on rank {self._global(self.rank)} (stages {self.indices}) while exchanging with "
+            f"rank(s) {neighbours}: {type(err).__name__}: {err}. HINT: a neighbouring rank probably died or timed "
+            "out; its own log has the first error"
+        )
 
-        ``inputs`` on the first stage's rank; returns the last stage's output on its rank
-        (``None`` elsewhere). Ranks take turns, so only one computes at a time.
+    @torch.no_grad()
+    def forward(self, inputs: Tensor | None = None) -> Any:
+        """Evaluation: the batch in up to ``chunks`` micro-batches streamed through the stages, no gradients.
+
+        ``inputs`` on the first stage's rank; returns the last stage's outputs of the
+        micro-batches, concatenated in order, on its rank (``None`` elsewhere). The split is
+        ``torch.tensor_split``'s into ``min(chunks, batch size)`` pieces, so any batch size works
+        and the result is the whole batch's output (for a model that treats samples
+        independently in eval mode, as ``model.eval()`` makes BatchNorm and dropout).
         """
-        x = inputs.to(self.device) if self.holds_first and inputs is not None else None
         count = len(self.balance)
-        for s in range(count):
-            if s not in self.indices:
-                continue
-            prev = (s - 1) % self.world_size
-            if s > 0 and prev != self.rank:
-                x = _recv(self._global(prev), self.device, self.group)
-            assert x is not None
-            x = self.modules[self.indices.index(s)]._run(x)  # _run: not recorded on the timeline
-            nxt = (s + 1) % self.world_size
-            if s < count - 1 and nxt != self.rank:
-                _send(x, self._global(nxt), self.group)
-        return x if self.holds_last else None
+        ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
+        try:
+            if self.holds_first:
+                if inputs is None:
+                    raise ValueError(f"rank {self._global(self.rank)} runs the first stage: pass forward(inputs)")
+                x = inputs.to(self.device)
+                parts = torch.tensor_split(x, self._eval_chunks(x.size(0)))
+                ready = {(0, i): part for i, part in enumerate(parts)}
+                m = len(parts)
+            else:  # this rank's first op is micro-batch 0 of its first stage: its header says how many follow
+                first = self.indices[0]
+                ready[(first, 0)], m = _recv(self._global((first - 1) % self.world_size), self.device, self.group)
+            outputs: list[Any] = []
+            pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, waited for before returning
+            # clock k runs (micro-batch i, stage s) with i + s == k: each rank computes micro-batch i while the next
+            # rank computes i - 1; messages between two ranks go in this one order, so blocking receives cannot deadlock
+            for cycle in clock_cycles(m, count):
+                for i, s in cycle:
+                    if s not in self.indices:
+                        continue
+                    x = ready.pop((s, i), None)
+                    if x is None:
+                        x, _ = _recv(self._global((s - 1) % self.world_size), self.device, self.group)
+                    y = self.modules[self.indices.index(s)]._run(x)  # _run: not recorded on the timeline
+                    nxt = (s + 1) % self.world_size
+                    if s == count - 1:
+                        outputs.append(y)
+                    elif nxt == self.rank:
+                        ready[(s + 1, i)] = y
+                    else:
+                        pending += _isend(y, self._global(nxt), self.group, m)
+            for work, _ in pending:
+                work.wait()
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
+            raise self._exchange_error("evaluation", err) from err
+        return gather(outputs) if self.holds_last else None
+
+    def _eval_chunks(self, size: int) -> int:
+        """Micro-batches for an evaluation batch of ``size``: ``min(chunks, size)``, at least 1; but 1 where two ranks
+        send each other activations (interleaved on 2 ranks) off the CPU: NCCL runs a pair's sends and receives in
+        one stream, in order, and a send waits for its receive, so streaming both ways would deadlock; one
+        micro-batch sends and receives in the same order on both ranks (gloo sends in the background: no such limit)."""
+        if self.schedule_name == "interleaved_1f1b" and self.world_size == 2 and self.device.type != "cpu":
+            return 1
+        return max(1, min(self.chunks, size))
 
     def events(self) -> list[Event]:
         """This rank's timeline of the last step (``record=True``); gather the ranks' lists for the whole picture."""

@@ -3,7 +3,9 @@
 argv: OUT_DIR SCHEDULES MODE: SCHEDULES comma-separated (one launch runs them all, one after
 another, to pay the start-up once); MODE "train" (save this rank's gradients and loss per
 schedule, and ``averaged.pt``: gradients of three dtypes averaged over both ranks in buckets of
-at most 64 bytes) or "die" (rank 1 exits in the middle of its first forward).
+at most 64 bytes), "die" (rank 1 exits in the middle of its first forward) or "eval" (save
+``eval-{schedule}-rank{r}.pt``: :meth:`RankPipeline.forward`'s output for each batch size of
+:data:`EVAL_SIZES`, and the batch sizes each of this rank's stages saw, in order).
 """
 
 import os
@@ -17,6 +19,24 @@ import torch.nn.functional as F
 from lightning_accel.models import MLP
 from lightning_accel.pipeline.distributed import RankPipeline, average_gradients
 
+EVAL_SIZES = (8, 7, 3, 1)  # with chunks=4: divides, does not divide, fewer samples than chunks, one sample
+
+
+def eval_batch(size: int) -> torch.Tensor:
+    return torch.randn(size, 6, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
+
+
+def evaluate(out: str, schedule: str, rank: int) -> None:
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double().eval()
+    balance = [1, 1, 1, 1] if schedule == "interleaved_1f1b" else [1, 3]
+    pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule)
+    seen: dict[int, list[int]] = {s: [] for s in pipe.indices}
+    for stage, module in zip(pipe.indices, pipe.modules):
+        module.blocks[0].register_forward_pre_hook(lambda _, args, stage=stage: seen[stage].append(args[0].size(0)))
+    outputs = {size: pipe.forward(eval_batch(size) if pipe.holds_first else None) for size in EVAL_SIZES}
+    torch.save({"outputs": outputs, "seen": seen}, os.path.join(out, f"eval-{schedule}-rank{rank}.pt"))
+
 
 def main() -> None:
     out, schedules, mode = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -24,6 +44,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
     for schedule in schedules.split(","):
+        if mode == "eval":
+            evaluate(out, schedule, rank)
+            continue
         torch.manual_seed(0)
         net = MLP(6, 3, hidden=16, depth=4).double()
         g = torch.Generator().manual_seed(1)

@@ -20,10 +20,14 @@ from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
 
 WORKER = Path(__file__).with_name("dist_worker.py")
+REMAT_WORKER = Path(__file__).with_name("remat_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from dist_worker import EVAL_SIZES, eval_batch  # noqa: E402
+from remat_worker import chunk_counts  # noqa: E402
 
 
-def _launch(out: Path, schedule: str, mode: str, timeout: float = 60.0) -> list[subprocess.CompletedProcess]:
-    """Start 2 ranks with Lightning-style env vars; kill both if they outlive ``timeout`` (so CI never hangs)."""
+def _launch(out: Path, schedule: str, mode: str, timeout: float = 60.0, worker: Path = WORKER) -> list[subprocess.CompletedProcess]:
+    """Start 2 ranks of ``worker`` with Lightning-style env vars; kill both if they outlive ``timeout`` (so CI never hangs)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -32,7 +36,7 @@ def _launch(out: Path, schedule: str, mode: str, timeout: float = 60.0) -> list[
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE="2", OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), schedule, mode], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(out), schedule, mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     results = []
@@ -92,6 +96,50 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
         assert averaged[-1] is None
         for i, (g, dtype) in enumerate(zip(averaged[:-1], [torch.float32, torch.float64, torch.float32, torch.bfloat16])):
             assert g.dtype == dtype and torch.equal(g, torch.full_like(g, 1.5 * (i + 1))), (r, i)
+
+
+def test_evaluation_streams_micro_batches_and_equals_the_whole_model(tmp_path):
+    """forward splits each batch into min(chunks=4, size) micro-batches (tensor_split sizes) and returns, on the
+    last stage's rank, the unsplit float64 model's output: a batch that divides, one that does not, one smaller
+    than chunks, one sample; one stage per rank and two (interleaved: stage s on rank s % 2)."""
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
+    results = _launch(tmp_path, ",".join(schedules), "eval", timeout=120)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double().eval()
+    micro_sizes = {8: [2, 2, 2, 2], 7: [2, 2, 2, 1], 3: [1, 1, 1], 1: [1]}
+    for schedule in schedules:
+        ranks = [torch.load(tmp_path / f"eval-{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
+        assert all(out is None for out in ranks[0]["outputs"].values()), schedule  # the last stage is on rank 1
+        for size in EVAL_SIZES:
+            with torch.no_grad():
+                expected = net(eval_batch(size))
+            torch.testing.assert_close(ranks[1]["outputs"][size], expected, rtol=1e-12, atol=1e-14, msg=f"{schedule}: {size}")
+        stages = {s: seen for rank in ranks for s, seen in rank["seen"].items()}
+        assert sorted(stages) == list(range(4 if schedule == "interleaved_1f1b" else 2))
+        for s, seen in stages.items():
+            assert seen == [n for size in EVAL_SIZES for n in micro_sizes[size]], f"{schedule}: stage {s}"
+
+
+def test_rematerialized_micro_batches_run_twice_and_keep_plain_gradients(tmp_path):
+    """checkpoint="always" / "except_last" / "never" for M in {1, 2, 4, 8}, gpipe and 1f1b: the gradients of plain
+    training, and each block runs forward once per micro-batch plus once per re-materialized one (so the mode is no no-op)."""
+    schedules, modes = ["gpipe", "1f1b"], ["never", "except_last", "always"]
+    results = _launch(tmp_path, ",".join(schedules), ",".join(modes), timeout=180, worker=REMAT_WORKER)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    ref_grads, _ = _reference()
+    ranks = [torch.load(tmp_path / f"remat-rank{r}.pt", weights_only=False) for r in range(2)]
+    for schedule in schedules:
+        for mode in modes:
+            for chunks in chunk_counts(schedule):
+                key = (schedule, mode, chunks)
+                grads = {**ranks[0][key]["grads"], **ranks[1][key]["grads"]}
+                assert grads.keys() == ref_grads.keys(), key
+                for name, g in ref_grads.items():
+                    torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{key}: {name}")
+                again = {"always": chunks, "except_last": chunks - 1, "never": 0}[mode]
+                for rank in ranks:
+                    assert rank[key]["calls"] == rank[key]["blocks"] * (chunks + again), key
 
 
 def test_a_rank_dying_mid_step_ends_every_rank_with_an_error_naming_it(tmp_path):
