@@ -20,6 +20,7 @@ DP, PP, PER_RANK = 2, 2, 4  # replicas, ranks per pipeline, sequences per rank's
 CASES = {  # schedule: (chunks, balance, training sequences, accumulate_grad_batches)
     "gpipe": (2, [2, 2], 32, 1),
     "1f1b": (2, [3, 1], 48, 2),
+    "interleaved_1f1b": (4, [1, 1, 1, 1], 32, 1),  # 4 stages, 2 per rank (stage s on pp rank s % 2)
 }
 # the 16-mixed run: gpipe's case in float32 under fp16 autocast with a loss scaler that doubles its scale after
 # every 2 finite steps; at POISON_STEP one replica's first stage (POISON_RANK) overflows, no other rank does

@@ -86,11 +86,11 @@ def four_ranks(tmp_path_factory):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
-        stdout, _ = proc.communicate(timeout=150)
+        stdout, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        pytest.fail("4-process DP x PP training still running after 150 s: a hang")
+        pytest.fail("4-process DP x PP training still running after 240 s: a hang")
     assert proc.returncode == 0, stdout[-4000:]
     return out
 
