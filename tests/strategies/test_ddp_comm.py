@@ -30,6 +30,8 @@ PARAMS = 32 * 2 + 2  # BoringModel: Linear(32, 2)
 def restore_env() -> Iterator[None]:
     saved = dict(os.environ)  # Lightning sets MASTER_PORT, WORLD_SIZE, ... for the process group
     yield
+    if torch.distributed.is_initialized():  # Lightning's DDP teardown leaves the group; later tests make their own
+        torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
 
