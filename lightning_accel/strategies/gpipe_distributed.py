@@ -65,6 +65,24 @@ still work on it); load the checkpoint for the whole model. What is not split: e
 rank builds the whole model on the CPU before setup (rank 0 sends from it), so the model
 must fit in one host's memory, though not in one device's.
 
+Balance: a list (blocks per stage), ``"by_size"`` (parameter and buffer bytes), or
+``"by_time"``: forward + backward seconds of each block, split as ``GPipeStrategy`` splits
+them (:func:`lightning_accel.pipeline.partition.balance_by_cost`). The split happens in
+``setup``, before the first batch (the optimizer is built for this rank's parameters right
+after), so the sample is Lightning's standard one, the LightningModule's
+``example_input_array``, run through its ``forward`` as ``ModelSummary`` runs it (converted
+by the precision plugin, under training's autocast); not set: an error saying to set it or
+pass a list. (The first training batch, which ``GPipeStrategy`` uses, is not loaded yet at
+setup, and drawing it early would move a shuffling sampler's RNG.) Global rank 0 alone
+measures, and broadcasts the times, so every rank of every replica splits the same. Where:
+the forward runs on the CPU, where the model is at setup, only to capture each block's
+input; each block is then moved alone to rank 0's device with its input and timed there
+(best of 5 rounds), since the stages will run on that device and relative block costs differ
+between a CPU and a GPU, while the whole model need not fit on one device. Lightning's
+model summary also runs ``example_input_array``, through the whole module, on every rank
+at fit start, which would fail on a split module (the other ranks' stages are on ``meta``):
+the strategy makes the Trainer's summary callbacks leave it out (no in/out sizes).
+
 Batches: a batch of another shape (a smaller last batch) gets a schedule of its own;
 one whose size is not a multiple of ``chunks`` is skipped, with one warning, as
 ``drop_last=True`` would (equal micro-batches are what make the loss match plain training).
@@ -76,15 +94,21 @@ Checkpoints: rank 0 gathers every stage's parameters and buffers under the user'
 and every rank's optimizer state under the indices plain training would use; loading hands
 each rank its own part, in every replica.
 
-Evaluation (validation, test, predict) runs the batch through the stages in order (no
-micro-batches): the first rank feeds its stage what the user's step passes to the
-network, the last rank runs the user's step on the last stage's output and broadcasts
-what it logged (a torchmetrics ``Metric``: its state, so every rank holds the same metric
-and computes it without syncing) and, for predict, what the step returned.
+Evaluation (validation, test, predict) streams the batch through the stages in up to
+``chunks`` micro-batches (any batch size: fewer micro-batches when it is smaller; see
+:meth:`lightning_accel.pipeline.RankPipeline.forward`), so the ranks compute at once and
+a stage holds one micro-batch's activations. The first rank feeds its stage what the
+user's step passes to the network, the last rank runs the user's step once on the
+concatenated output of the last stage and broadcasts what it logged (a torchmetrics
+``Metric``: its state, so every rank holds the same metric and computes it without
+syncing) and, for predict, what the step returned.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -95,8 +119,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -113,18 +138,111 @@ from lightning_accel.pipeline.distributed import (
     pipeline_mesh,
     stage_indices,
 )
+from lightning_accel.pipeline.local import CHECKPOINT_MODES
 from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance
+from lightning_accel.pipeline.partition import _block_inputs, balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 from lightning_accel.pipeline.schedule import check_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+BALANCE_MODES = ("by_size", "by_time")
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
 
 
 def _to_device(module: nn.Module, device: torch.device) -> None:
     """``module.to(device)`` for every tensor but the freed (meta) ones."""
     module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _example_forward(module: pl.LightningModule, example: Any) -> Callable[[], object]:
+    """``module(example_input_array)`` as Lightning runs it (ModelSummary, ``to_onnx``): a tuple or dict unpacked."""
+    if isinstance(example, (list, tuple)):
+        return lambda: module(*example)
+    if isinstance(example, Mapping):
+        return lambda: module(**example)
+    return lambda: module(example)
+
+
+def _time_blocks(net: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], object], device: torch.device) -> list[float]:
+    """Forward + backward seconds of each block on ``device``, on the input it gets when ``forward()`` runs ``net``.
+
+    ``forward()`` runs where the model is (the CPU at setup), without grad and stopped before
+    the last block, only to capture each block's input; then each block alone, with its input,
+    goes to ``device`` to be timed (:func:`profile_block_times`, best of 5) and back, so the
+    whole model never has to fit there. Buffers, gradients and the RNG are left as they were.
+    """
+    buffers = [(b, b.detach().clone()) for b in net.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):  # dropout in the capture must not shift training's masks
+            inputs = _block_inputs(blocks, forward)
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    times = []
+    for block, sample in zip(blocks, inputs):
+        home = next((t.device for t in (*block.parameters(), *block.buffers())), torch.device("cpu"))
+        args, kwargs = apply_to_collection(sample, Tensor, lambda t: t.to(device))
+        _to_device(block, device)
+        try:
+            times.append(profile_block_times(block, [block], lambda: block(*args, **kwargs))[0])
+        finally:
+            _to_device(block, home)
+    return times
+
+
+# (device type, world size, pp, timeout) -> the mesh of this process group and its groups; see _process_mesh
+_MESHES: dict[tuple[str, int, int], tuple[Any, tuple[Any, ...]]] = {}
+_MESH_USERS: weakref.WeakSet[Any] = weakref.WeakSet()  # strategies holding a mesh, let go of it at exit
+
+
+def _process_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta) -> Any:
+    """The ``("pp", "dp")`` mesh of the current process group, built once per process and shared by every fit.
+
+    Why one: ``init_device_mesh`` creates new process groups (for ``dp = 1`` too: one of one rank
+    per rank), each gloo group with its own threads, and ``destroy_process_group`` does not stop
+    those threads; they end only when the last reference to the group goes. A mesh per fit left
+    one set per fit alive into interpreter shutdown. A mesh whose groups the process group no
+    longer holds (destroyed, then initialized again) is replaced.
+    """
+    key = (device_type, world_size, pp, timeout)
+    found = _MESHES.get(key)
+    if found is not None and all(g in dist.distributed_c10d._world.pg_map for g in found[1]):
+        return found[0]
+    mesh = pipeline_mesh(device_type, world_size, pp, timeout)
+    _MESHES[key] = (mesh, (mesh.get_group("pp"), mesh.get_group("dp")))
+    return mesh
+
+
+@atexit.register
+def _release_meshes() -> None:
+    """At exit, while the interpreter is whole: drop every reference this module made to the meshes (and collect
+    finished Trainers that still hold old ones), so once ``destroy_process_group`` has run, their gloo groups are
+    freed and join their threads now, not at some point of interpreter teardown."""
+    for strategy in list(_MESH_USERS):
+        strategy._mesh = None
+    if _MESHES:
+        _MESHES.clear()
+        gc.collect()
+
+
+def _summaries_without_example(trainer: pl.Trainer) -> None:
+    """Lightning's model summary, at fit start on every rank, runs ``example_input_array`` through the whole module to
+    show layer sizes; on a split module the other ranks' stages are on ``meta`` and that forward fails. The summary
+    callbacks of this Trainer summarize without it (names, types and parameter counts stay; no in/out sizes)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if not isinstance(callback, ModelSummary) or "_summary" in callback.__dict__:
+            continue
+        summary = callback._summary
+
+        def without_example(trainer: pl.Trainer, module: pl.LightningModule, summary: Callable[..., Any] = summary) -> Any:
+            example, module.example_input_array = module.example_input_array, None
+            try:
+                return summary(trainer, module)
+            finally:
+                module.example_input_array = example
+
+        callback._summary = without_example  # type: ignore[method-assign]
 
 
 class _NetInput(Exception):
@@ -198,6 +316,91 @@ def _reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence
     return out
 
 
+# a step's result: (loss, [(name, value, log kwargs)], whether training_step returned a dict)
+_StepResult = tuple[Any, list[tuple[str, Any, dict]], bool]
+_EXACT_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # each one a float64 holds exactly
+_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_MAX_EXACT_INT = 2**53  # integers up to this size survive a trip through float64
+
+
+def _number_spec(value: Any) -> tuple | None:
+    """How ``value`` rides in a float64 tensor and is rebuilt bit for bit (its type, dtype, shape); None if it cannot."""
+    if type(value) is float:
+        return ("float",)
+    if type(value) is int:  # not bool: a bool is not a number here, as in _reduce_logs
+        return ("int",) if abs(value) <= _MAX_EXACT_INT else None
+    if type(value) is Tensor and value.numel() == 1 and value.device.type == "cpu" and not value.requires_grad:
+        if value.dtype in _EXACT_FLOATS or (value.dtype in _INTS and abs(int(value)) <= _MAX_EXACT_INT):
+            return ("tensor", value.dtype, tuple(value.shape))
+    return None
+
+
+def _step_signature(result: _StepResult) -> tuple | None:
+    """What a step's result shares with the next one's (names, log options, each number's spec): when it is unchanged,
+    the numbers alone cross the ranks. None when a value is not a number: then the whole result goes as objects."""
+    loss, records, as_dict = result
+    specs = [_number_spec(loss), *(_number_spec(value) for _, value, _ in records)]
+    if any(spec is None for spec in specs):
+        return None
+    return (as_dict, specs[0], tuple((name, spec, kw) for (name, _, kw), spec in zip(records, specs[1:])))
+
+
+def _same_signature(a: tuple | None, b: tuple | None) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  # log kwargs that do not compare (a tensor option): treat as changed
+        return False
+
+
+def _unpack_number(x: float, spec: tuple) -> Any:
+    """The value :func:`_number_spec` described, from its float64 ``x``: the same type, dtype, shape and bits."""
+    if spec[0] == "float":
+        return x
+    if spec[0] == "int":
+        return int(x)
+    _, dtype, shape = spec
+    return torch.tensor(x if dtype.is_floating_point else int(x), dtype=dtype).reshape(shape)
+
+
+def _broadcast_step_result(
+    result: _StepResult | None, cached: tuple | None, src: int, group: Any, device: torch.device
+) -> tuple[_StepResult, tuple | None]:
+    """The ``src`` rank's step result on every rank of ``group``, and the signature every rank caches for the next step.
+
+    Steady state, one small tensor broadcast: float64 ``[changed, loss, numbers...]`` sized from
+    ``cached``, the signature every rank holds (on 2 gloo CPU ranks about 0.2 ms a step, against
+    0.8 ms for pickling the result and its two broadcasts). When the signature changed
+    (first step, a new name or option, a value that is not a number), ``changed`` is set and the
+    result follows through ``broadcast_object_list`` with its signature. ``result`` is given on ``src`` only.
+    """
+    count = 0 if cached is None else len(cached[2])
+    signature = None
+    if result is not None:
+        signature = _step_signature(result)
+        if _same_signature(signature, cached):
+            loss, records, _ = result
+            numbers = torch.tensor([0.0, float(loss), *(float(v) for _, v, _ in records)], dtype=torch.float64, device=device)
+        else:
+            numbers = torch.zeros(2 + count, dtype=torch.float64, device=device)
+            numbers[0] = 1.0
+    else:
+        numbers = torch.empty(2 + count, dtype=torch.float64, device=device)
+    dist.broadcast(numbers, src=src, group=group)
+    values = numbers.tolist()
+    if values[0] == 0.0:
+        if result is not None:
+            return result, cached
+        assert cached is not None
+        as_dict, loss_spec, entries = cached
+        records = [(name, _unpack_number(x, spec), kw) for (name, spec, kw), x in zip(entries, values[2:])]
+        return (_unpack_number(values[1], loss_spec), records, as_dict), cached
+    payload: list[Any] = [result, signature]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    return payload[0], payload[1]
+
+
 class DistributedGPipeStrategy(DDPStrategy):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
@@ -207,8 +410,14 @@ class DistributedGPipeStrategy(DDPStrategy):
             activations alive) or ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
             needs ``chunks`` >= stages).
         balance: blocks per stage (one entry per rank, two per rank for
-            ``interleaved_1f1b``), or ``"by_size"``.
+            ``interleaved_1f1b``), ``"by_size"`` (parameter and buffer bytes) or ``"by_time"``
+            (forward + backward seconds of each block on the LightningModule's
+            ``example_input_array``, measured once on rank 0; see the module docstring).
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
+        checkpoint: re-materialization per stage and micro-batch, as in ``GPipeStrategy``:
+            ``"always"``, ``"except_last"`` or ``"never"`` (the default here: raw
+            ``torch.distributed.pipelining`` keeps every micro-batch's activations, and each
+            rank already holds only its own stage's; turn it on when those do not fit).
         pipeline_parallel_size: ranks per pipeline (pp); the world size must be a multiple,
             ``world_size // pp`` replicas train data parallel (dp), each on its own shard of the
             data. Default: ``len(balance)`` (half of it for ``interleaved_1f1b``) when balance is a
@@ -219,6 +428,8 @@ class DistributedGPipeStrategy(DDPStrategy):
     """
 
     strategy_name = "gpipe_distributed"
+    # the last step's result signature (_step_signature), the same on every rank of a pipeline
+    _step_signature_cache: tuple | None = None
 
     def __init__(
         self,
@@ -226,6 +437,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         schedule: str = "gpipe",
         balance: Sequence[int] | str = "by_size",
         loss_reduction: str = "mean",
+        checkpoint: str = "never",
         pipeline_parallel_size: int | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
@@ -237,11 +449,15 @@ class DistributedGPipeStrategy(DDPStrategy):
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}; '1f1b' keeps the fewest activations alive")
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
-        if isinstance(balance, str) and balance != "by_size":
+        if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(
-                f"balance must be a list of blocks per stage or 'by_size', got {balance!r}; for a split by measured "
-                "time, compute the list before fit: balance_by_cost(profile_block_times(net, blocks, lambda: net(x)), "
-                "stages) from lightning_accel.pipeline.partition (GPipeStrategy does this itself with 'by_time')"
+                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}; 'always' keeps only each "
+                "stage's input per micro-batch and recomputes the rest in backward"
+            )
+        if isinstance(balance, str) and balance not in BALANCE_MODES:
+            raise ValueError(
+                f"balance must be a list of blocks per stage, 'by_size' or 'by_time', got {balance!r}; 'by_time' "
+                "times each block on the LightningModule's example_input_array, 'by_size' counts its bytes"
             )
         if pipeline_parallel_size is not None and (
             not isinstance(pipeline_parallel_size, int) or isinstance(pipeline_parallel_size, bool) or pipeline_parallel_size < 1
@@ -256,7 +472,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)  # type: ignore[arg-type]
-        self.chunks, self.schedule, self.loss_reduction = chunks, schedule, loss_reduction
+        self.chunks, self.schedule, self.loss_reduction, self.checkpoint = chunks, schedule, loss_reduction, checkpoint
         self.balance = balance if isinstance(balance, str) else list(balance)
         self._pp_size = pipeline_parallel_size
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
@@ -270,6 +486,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._step_loss: Callable[[Tensor, Tensor], Tensor] | None = None
+        self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -311,8 +528,8 @@ class DistributedGPipeStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self._check_world_size(self.num_nodes * self.num_processes)  # torchrun: before the process group
         super().setup_distributed()
-        if self._mesh is None:
-            self._mesh = pipeline_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size)
+        self._mesh = _process_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size, self._timeout)
+        _MESH_USERS.add(self)
 
     @property
     def _coords(self) -> tuple[int, int]:
@@ -369,6 +586,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._split()
+        _summaries_without_example(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._keep_own_parameters()
@@ -399,7 +617,44 @@ class DistributedGPipeStrategy(DDPStrategy):
                 f"{self.pipeline_parallel_size} ranks per pipeline run {stages} stages but {type(block_net).__name__} has "
                 f"{len(block_net.blocks)} blocks; use at most {len(block_net.blocks)} stages (trainer devices)"
             )
-        return balance_by_cost(block_bytes(list(block_net.blocks)), stages)
+        if self.balance == "by_size" or stages == 1:  # by_time with one stage: nothing to measure
+            return balance_by_cost(block_bytes(list(block_net.blocks)), stages)
+        self._block_times = self._agreed_block_times(list(block_net.blocks))
+        balance = balance_by_cost(self._block_times, stages)
+        rank_zero_info(
+            f"DistributedGPipeStrategy: balance='by_time' {balance}: " + ", ".join(f"{t * 1e3:.2f}" for t in self._block_times)
+            + f" ms per block, forward + backward on example_input_array on {self.root_device} of rank 0"
+        )
+        return balance
+
+    def _agreed_block_times(self, blocks: list[nn.Module]) -> list[float]:
+        """Global rank 0 times the blocks (:func:`_time_blocks` on its device); every rank gets its list, so every
+        rank of every replica splits the same. A failure there is raised on every rank, not left to the timeout."""
+        module = self.lightning_module
+        assert module is not None
+        example = module.example_input_array
+        if example is None:  # the same on every rank: raised before any rank waits for another
+            raise ValueError(
+                f"balance='by_time' times each block before the first batch, on {type(module).__name__}."
+                "example_input_array, which is None. HINT: set self.example_input_array to one batch's input to "
+                "forward in __init__, or pass balance as a list (blocks per stage) or 'by_size'"
+            )
+        payload: list[Any] = [None, None]  # times, or the error rank 0 hit
+        failure: Exception | None = None
+        if self.global_rank == 0:
+            try:
+                with self.precision_plugin.train_step_context():  # autocast as in training: training's times
+                    forward = _example_forward(module, self.precision_plugin.convert_input(example))
+                    payload[0] = _time_blocks(self._net(), blocks, forward, self.root_device)
+            except Exception as err:  # noqa: BLE001  # raised below, once every rank knows
+                failure, payload[1] = err, f"{type(err).__name__}: {err}"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        if failure is not None:
+            raise failure
+        if payload[1] is not None:
+            raise RuntimeError(f"balance='by_time': timing the blocks failed on rank 0 ({payload[1]}); its log has the traceback")
+        return payload[0]
 
     def _split(self) -> None:
         """Build this rank's stages; on first use give them rank 0's weights and free the other stages."""
@@ -442,7 +697,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             self._send_initial_weights(tensors)
         self.pipeline = RankPipeline(
             net, balance, self.chunks, self._loss_fn, schedule=self.schedule, device=self.root_device,
-            group=self._pp_group, scale_grads=self.loss_reduction == "mean",
+            group=self._pp_group, scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,
         )
         if layout is None:
             start = lambda s: sum(balance[:s])  # noqa: E731
@@ -595,13 +850,15 @@ class DistributedGPipeStrategy(DDPStrategy):
         for p, g in zip(params, earlier):
             p.grad = g
         # the last rank has the loss and the logs: every rank returns and logs the same
-        payload: list[Any] = [None, None, False]
+        result: _StepResult | None = None
         if pipe.holds_last:
             reduced = reduce_outputs(outputs, sizes, self.loss_reduction)
             loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
-            payload = [loss.detach().cpu(), _reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping)]
-        dist.broadcast_object_list(payload, src=self._pp_global(self.pipeline_parallel_size - 1), group=self._pp_group)
-        loss, records, as_dict = payload
+            result = (loss.detach().cpu(), _reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping))
+        (loss, records, as_dict), self._step_signature_cache = _broadcast_step_result(
+            result, self._step_signature_cache, self._pp_global(self.pipeline_parallel_size - 1), self._pp_group,
+            self.root_device,
+        )
         for name, value, kw in records:
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
         loss = loss.to(self.root_device)
@@ -837,8 +1094,10 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        # _owners and _opt_index stay: trainer.save_checkpoint after fit still gathers the stages
+        # _owners and _opt_index stay: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
+        # (one per process, see _process_mesh: nothing to destroy here)
         self.pipeline, self._pending, self._step_loss = None, [], None
+        self._step_signature_cache = None  # every rank of the pipeline tears down: the next fit starts afresh
         module = self.lightning_module
         if module is not None:
             for m in module.modules():

@@ -10,12 +10,19 @@ from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
-from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy, _reduce_logs
+from lightning_accel.strategies.gpipe_distributed import (
+    DistributedGPipeStrategy,
+    _number_spec,
+    _reduce_logs,
+    _step_signature,
+    _unpack_number,
+)
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
@@ -49,14 +56,14 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
     return losses.returned, {n: p.detach().clone() for n, p in task.named_parameters()}, val
 
 
-def _launch(out: Path, timeout: float = 90.0) -> subprocess.CompletedProcess:
+def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None) -> subprocess.CompletedProcess:
     """Run the user script; Lightning starts rank 1 from it. Kill the whole process group on a hang."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a fresh launch, not a rank of some outer job
     env["PYTHONPATH"] = os.pathsep.join([str(PIPELINE_TESTS.parents[1]), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
-        [sys.executable, str(PIPELINE_TESTS / "gpipe_lightning_worker.py"), str(out), ",".join(SCHEDULES), "1"],
+        [sys.executable, str(PIPELINE_TESTS / script), *(args if args is not None else [str(out), ",".join(SCHEDULES), "1"])],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -160,6 +167,114 @@ def test_logged_values_reduce_over_micro_batches_like_the_loss():
     assert _reduce_logs(records, [2, 6], "sum") == [("loss", 5.0, {"batch_size": 8}), ("tag", "x", {})]
 
 
+def _bits(value):
+    """A logged value down to its type, dtype, shape and bits, for exact comparison across ranks."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.reshape(-1).view(torch.uint8).tolist())
+    return (type(value).__name__, repr(value))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.tensor(1 / 3), torch.tensor(1 / 3, dtype=torch.float64), torch.tensor(1 / 3, dtype=torch.bfloat16),
+        torch.tensor([65504.0], dtype=torch.float16), torch.tensor(float("nan")), torch.tensor(-float("inf")),
+        torch.tensor(2**53, dtype=torch.int64), torch.tensor([[-7]], dtype=torch.int32), 1 / 3, -(2**53), 0.0,
+    ],
+)
+def test_a_step_number_rides_in_float64_and_comes_back_bit_for_bit(value):
+    spec = _number_spec(value)
+    assert spec is not None
+    assert _bits(_unpack_number(float(value), spec)) == _bits(value)
+
+
+@pytest.mark.parametrize(
+    "value", [True, 2**53 + 1, torch.tensor(2**60), torch.ones(2), torch.tensor(1.0, requires_grad=True), "x", None]
+)
+def test_what_float64_cannot_hold_exactly_goes_as_an_object(value):
+    assert _number_spec(value) is None
+    assert _step_signature((torch.tensor(1.0), [("v", value, {})], False)) is None
+
+
+def test_the_step_signature_changes_with_names_options_and_kinds_not_values():
+    def result(name="a", value=1.0, kw=None):
+        return (torch.tensor(2.0), [(name, torch.tensor(value), kw or {})], False)
+
+    assert _step_signature(result(value=1.0)) == _step_signature(result(value=5.0))
+    for other in (result(name="b"), result(kw={"prog_bar": True}), (torch.tensor(2.0), [], False), result()[:2] + (True,)):
+        assert _step_signature(other) != _step_signature(result())
+    assert _step_signature((torch.tensor(2.0), [("a", torch.tensor(1.0, dtype=torch.float64), {})], False)) != (
+        _step_signature(result())
+    )
+
+
+@pytest.fixture(scope="module")
+def step_results(tmp_path_factory):
+    """tests/pipeline/step_result_worker.py on 2 ranks: what each rank logged and returned per step."""
+    out = tmp_path_factory.mktemp("step_results")
+    result = _launch(out, script="step_result_worker.py", args=[str(out)])
+    assert result.returncode == 0, result.stdout[-4000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks, [int((out / f"threads-at-exit-rank{r}.txt").read_text()) for r in range(2)]
+
+
+def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_every_rank(step_results):
+    from step_result_worker import CHANGED, STEPS, expected_logs
+
+    first, last = step_results[0]  # rank 1 runs training_step: its values are the source
+    for step in range(STEPS):
+        names = [name for name, _, _ in expected_logs(step, torch.tensor(0.0))]
+        assert [name for name, _, _ in last["seen"][step]] == names, step
+        # every rank logged the same names, options and values, to the bit (and dtype, shape, python type)
+        assert [(n, _bits(v), kw) for n, v, kw in first["seen"][step]] == [
+            (n, _bits(v), kw) for n, v, kw in last["seen"][step]
+        ], step
+        assert _bits(first["returned"][step]) == _bits(last["returned"][step]), step
+        logged = {name: value for name, value, _ in last["seen"][step]}
+        assert logged["step_int"] == float(step) and type(logged["step_int"]) is float  # the micro-batches' mean
+        assert logged["half"].dtype == torch.bfloat16 and logged["count"].dtype == torch.float32
+        torch.testing.assert_close(logged["always"], last["returned"][step].float())
+        if step in (2, 3):
+            assert logged["sometimes"] == step / 3
+        if step == 6:
+            assert type(logged["np32"]) is np.float32 and logged["np32"] == np.float32(6.25)
+    # the object path only where the names or kinds changed; otherwise one float64 tensor broadcast
+    assert [step for step, calls in enumerate(first["object_calls"]) if calls] == CHANGED
+    assert first["object_calls"] == last["object_calls"]
+    assert set(first["object_calls"]) <= {0, 1}
+
+
+def test_after_destroy_process_group_no_gloo_thread_outlives_into_interpreter_teardown(step_results):
+    """The mesh's gloo groups (new ones even for dp = 1) each run threads that destroy_process_group does not stop;
+    left to interpreter teardown they were joined at some arbitrary point of it. The worker destroys the process
+    group after fit and, at exit, counts gloo threads after the strategy module's exit hook has run."""
+    counts = step_results[1]
+    if -1 in counts:
+        pytest.skip("no /proc/<pid>/task to count threads in")
+    assert counts == [0, 0]
+
+
+def test_every_fit_in_a_process_shares_one_mesh_until_the_process_group_is_replaced(one_rank):
+    import socket
+
+    import torch.distributed as dist
+
+    from lightning_accel.strategies.gpipe_distributed import _process_mesh
+
+    meshes = []
+    for _ in range(2):  # a process group, destroyed, then a new one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        meshes.append(_process_mesh("cpu", 1, 1, timedelta(seconds=17)))
+        assert _process_mesh("cpu", 1, 1, timedelta(seconds=17)) is meshes[-1]  # a second fit: the same groups
+        for dim in ("pp", "dp"):  # the strategy's timeout, not torch's 30-minute default for new groups
+            assert meshes[-1].get_group(dim)._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=17)
+        dist.destroy_process_group()
+    assert meshes[1] is not meshes[0]  # the first mesh's groups went with the first process group
+
+
 def test_bad_options_fail_before_any_work():
     with pytest.raises(ValueError, match=r"chunks must be a positive int.*got 0"):
         DistributedGPipeStrategy(chunks=0)
@@ -167,8 +282,10 @@ def test_bad_options_fail_before_any_work():
         DistributedGPipeStrategy(schedule="zb")
     with pytest.raises(ValueError, match=r"loss_reduction must be 'mean' or 'sum'"):
         DistributedGPipeStrategy(loss_reduction="max")
-    with pytest.raises(ValueError, match=r"balance must be a list of blocks per stage or 'by_size', got 'by_time'"):
-        DistributedGPipeStrategy(balance="by_time")
+    with pytest.raises(ValueError, match=r"balance must be a list of blocks per stage, 'by_size' or 'by_time', got 'fast'"):
+        DistributedGPipeStrategy(balance="fast")
+    with pytest.raises(ValueError, match=r"checkpoint must be one of always, except_last, never, got 'some'"):
+        DistributedGPipeStrategy(checkpoint="some")
     assert DistributedGPipeStrategy(timeout=5)._timeout == timedelta(seconds=5)
     assert DistributedGPipeStrategy().distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
 
