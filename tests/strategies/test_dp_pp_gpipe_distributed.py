@@ -3,9 +3,6 @@ launched by Lightning, against plain single-process Lightning on the same global
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrateg
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
 from dp_pp_models import CASES, DP, PER_RANK, POISON_STEP, PP, SCALES, Poison, fp16_plugin, global_loader, task  # noqa: E402
+from user_script import run_user_script  # noqa: E402
 from gpipe_models import CLIP, val_loader  # noqa: E402
 
 WORLD = DP * PP
@@ -77,21 +75,8 @@ def reference():
 def four_ranks(tmp_path_factory):
     """Run the user script; Lightning starts ranks 1-3 from it. Kill the whole process group on a hang."""
     out = tmp_path_factory.mktemp("dp_pp")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a fresh launch, not a rank of some outer job
-    env["PYTHONPATH"] = os.pathsep.join([str(PIPELINE_TESTS.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(PIPELINE_TESTS / "dp_pp_worker.py"), str(out)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("4-process DP x PP training still running after 240 s: a hang")
-    assert proc.returncode == 0, stdout[-4000:]
+    result = run_user_script(PIPELINE_TESTS / "dp_pp_worker.py", [str(out)], 240, "4-process DP x PP training")
+    assert result.returncode == 0, result.stdout[-4000:]
     return out
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -28,6 +26,7 @@ PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
 from gpipe_lightning_worker import CASES  # noqa: E402
 from gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader  # noqa: E402
+from user_script import run_user_script  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
@@ -57,22 +56,9 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
 
 
 def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None) -> subprocess.CompletedProcess:
-    """Run the user script; Lightning starts rank 1 from it. Kill the whole process group on a hang."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a fresh launch, not a rank of some outer job
-    env["PYTHONPATH"] = os.pathsep.join([str(PIPELINE_TESTS.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(PIPELINE_TESTS / script), *(args if args is not None else [str(out), ",".join(SCHEDULES), "1"])],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"2-process pipeline training still running after {timeout} s: a hang")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout)
+    """Run the user script; Lightning starts rank 1 from it."""
+    args = args if args is not None else [str(out), ",".join(SCHEDULES), "1"]
+    return run_user_script(PIPELINE_TESTS / script, args, timeout, "2-process pipeline training")
 
 
 @pytest.fixture(scope="module")
@@ -294,21 +280,6 @@ def test_is_a_parallel_strategy_lightning_launches_like_ddp():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2), logger=False)
     assert trainer.world_size == 2 and trainer.strategy._get_process_group_backend() == "gloo"
     assert type(trainer.strategy._launcher).__name__ == "_SubprocessScriptLauncher"
-
-
-@pytest.fixture
-def one_rank():
-    """Lightning's process group of 1 in this process, destroyed afterwards (other tests make their own)."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = dict(os.environ)  # Lightning sets MASTER_PORT, LOCAL_RANK, WORLD_SIZE, ... for the group
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 class SumRegressor(pl.LightningModule):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,11 +12,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes
-from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy, _time_blocks
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
 from gpipe_by_time_worker import Losses, UnevenRegressor, train_loader, val_loader  # noqa: E402
+from user_script import run_user_script  # noqa: E402
 
 
 def _plain_fit():
@@ -38,22 +36,9 @@ def _plain_fit():
 def two_ranks(tmp_path_factory):
     """Run the user script; Lightning starts rank 1 from it. Kill the whole process group on a hang."""
     out = tmp_path_factory.mktemp("by_time")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a fresh launch, not a rank of some outer job
-    env["PYTHONPATH"] = os.pathsep.join([str(PIPELINE_TESTS.parents[1]), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(PIPELINE_TESTS / "gpipe_by_time_worker.py"), str(out)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("2-process by_time training still running after 120 s: a hang")
-    assert proc.returncode == 0, stdout[-4000:]
-    assert "balance='by_time' [1, 3]:" in stdout  # rank 0 says what it measured
+    result = run_user_script(PIPELINE_TESTS / "gpipe_by_time_worker.py", [str(out)], 120, "2-process by_time training")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "balance='by_time' [1, 3]:" in result.stdout  # rank 0 says what it measured
     return [torch.load(out / f"by_time-rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -88,37 +73,6 @@ def test_an_unknown_balance_mode_fails_before_any_work():
     with pytest.raises(ValueError, match=r"balance must be a list of blocks per stage, 'by_size' or 'by_time', got 'fast'"):
         DistributedGPipeStrategy(balance="fast")
     assert DistributedGPipeStrategy(balance="by_time").balance == "by_time"
-
-
-def test_timing_leaves_the_rng_buffers_and_gradients_as_they_were():
-    """Dropout in the sample forward and the timed blocks, BatchNorm statistics, a gradient already there: after
-    _time_blocks the RNG draws what it would have, and buffers and gradients are unchanged."""
-    torch.manual_seed(0)
-    net = MLP(5, 3, hidden=16, depth=3, dropout=0.5)
-    net.blocks[1] = torch.nn.Sequential(torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5))
-    net.blocks[0].fc1.weight.grad = torch.ones_like(net.blocks[0].fc1.weight)
-    buffers = {n: b.clone() for n, b in net.named_buffers()}
-    x = torch.randn(8, 5)
-    state = torch.get_rng_state()
-    times = _time_blocks(net, list(net.blocks), lambda: net(x), torch.device("cpu"))
-    assert len(times) == 3 and all(t > 0 for t in times)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert all(torch.equal(b, buffers[n]) for n, b in net.named_buffers())
-    assert torch.equal(net.blocks[0].fc1.weight.grad, torch.ones_like(net.blocks[0].fc1.weight))
-    assert all(p.grad is None for n, p in net.named_parameters() if n != "blocks.0.fc1.weight")
-
-
-@pytest.fixture
-def one_rank():
-    """Lightning's process group of 1 in this process, destroyed afterwards (other tests make their own)."""
-    import torch.distributed as dist
-
-    saved = dict(os.environ)  # Lightning sets MASTER_PORT, LOCAL_RANK, WORLD_SIZE, ... for the group
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 class NoExample(UnevenRegressor):
