@@ -95,16 +95,17 @@ class _Captured(BaseException):
     ``except Exception`` around the forward cannot swallow it)."""
 
 
-def _leaves(value: Any) -> Any:
-    """``value`` with every tensor detached (floating ones requiring grad, as a stage's input does)."""
+def _leaves(value: Any, device: torch.device | None = None) -> Any:
+    """``value`` with every tensor detached (floating ones requiring grad, as a stage's input does), on ``device`` if given."""
     if isinstance(value, Tensor):
+        value = value if device is None else value.to(device)
         return value.detach().requires_grad_(value.is_floating_point())
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_leaves(v) for v in value))
+        return type(value)(*(_leaves(v, device) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_leaves(v) for v in value)
+        return type(value)(_leaves(v, device) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _leaves(v)) for k, v in value.items())
+        return type(value)((k, _leaves(v, device)) for k, v in value.items())
     return value
 
 
@@ -146,7 +147,11 @@ def _synchronize(tensors: Sequence[Tensor]) -> None:
 
 
 def profile_block_times(
-    net: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], object], repeat: int = 5
+    net: nn.Module,
+    blocks: Sequence[nn.Module],
+    forward: Callable[[], object],
+    repeat: int = 5,
+    device: torch.device | str | None = None,
 ) -> list[float]:
     """Seconds of forward + backward of each block on the input it gets when ``forward()`` runs ``net`` on a sample.
 
@@ -158,13 +163,19 @@ def profile_block_times(
     blocks, so a stall (a noisy neighbour) does not move a stage boundary. Call it under
     the autocast context training uses, so the times are those of training.
 
+    ``device``: time each block there rather than where it is. ``forward`` still runs where
+    the model is (to capture the inputs); then each block, with its input, moves to
+    ``device`` for its measurement and back, so the whole model never has to fit there: a
+    pipeline stage's device, timed before the model is split.
+
     Leaves no trace: ``net``'s buffers (BatchNorm statistics), every parameter's ``.grad``
     and the RNG state are what they were.
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     tensors = [*net.parameters(), *net.buffers()]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    target = None if device is None else torch.device(device)
+    cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda} | ({target.index or 0} if target and target.type == "cuda" else set()))
     grads = {p: p.grad for p in net.parameters()}
     buffers = [(b, b.detach().clone()) for b in net.buffers()]
     for p in grads:
@@ -175,15 +186,22 @@ def profile_block_times(
             inputs = _block_inputs(blocks, forward)
             for _ in range(repeat):  # round by round, so a stall that lasts a while costs each block one round
                 for k, (block, (args, kwargs)) in enumerate(zip(blocks, inputs)):
-                    a, kw = _leaves(args), _leaves(kwargs)
-                    _synchronize([*tensors_in(a), *tensors_in(kw)])
-                    start = time.perf_counter()
-                    out = [t for t in tensors_in(block(*a, **kw)) if t.requires_grad]
-                    if out:
-                        torch.autograd.backward(out, [torch.ones_like(t) for t in out])
-                    _synchronize(out)
-                    times[k] = min(times[k], time.perf_counter() - start)
-                    del a, kw, out  # freed here, not inside the next block's measurement
+                    home = next((t.device for t in (*block.parameters(), *block.buffers())), None)
+                    if target is not None:
+                        block.to(target)
+                    try:
+                        a, kw = _leaves(args, target), _leaves(kwargs, target)
+                        _synchronize([*tensors_in(a), *tensors_in(kw)])
+                        start = time.perf_counter()
+                        out = [t for t in tensors_in(block(*a, **kw)) if t.requires_grad]
+                        if out:
+                            torch.autograd.backward(out, [torch.ones_like(t) for t in out])
+                        _synchronize(out)
+                        times[k] = min(times[k], time.perf_counter() - start)
+                        del a, kw, out  # freed here, not inside the next block's measurement
+                    finally:
+                        if target is not None and home is not None:
+                            block.to(home)
     finally:
         with torch.no_grad():
             for b, saved in buffers:

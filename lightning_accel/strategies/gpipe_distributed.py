@@ -140,7 +140,7 @@ from lightning_accel.pipeline.distributed import (
 )
 from lightning_accel.pipeline.local import CHECKPOINT_MODES
 from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import _block_inputs, balance_by_cost, block_bytes, check_balance, profile_block_times
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 from lightning_accel.pipeline.schedule import check_schedule
 
@@ -161,34 +161,6 @@ def _example_forward(module: pl.LightningModule, example: Any) -> Callable[[], o
     if isinstance(example, Mapping):
         return lambda: module(**example)
     return lambda: module(example)
-
-
-def _time_blocks(net: nn.Module, blocks: Sequence[nn.Module], forward: Callable[[], object], device: torch.device) -> list[float]:
-    """Forward + backward seconds of each block on ``device``, on the input it gets when ``forward()`` runs ``net``.
-
-    ``forward()`` runs where the model is (the CPU at setup), without grad and stopped before
-    the last block, only to capture each block's input; then each block alone, with its input,
-    goes to ``device`` to be timed (:func:`profile_block_times`, best of 5) and back, so the
-    whole model never has to fit there. Buffers, gradients and the RNG are left as they were.
-    """
-    buffers = [(b, b.detach().clone()) for b in net.buffers()]
-    try:
-        with torch.random.fork_rng(devices=[]):  # dropout in the capture must not shift training's masks
-            inputs = _block_inputs(blocks, forward)
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-    times = []
-    for block, sample in zip(blocks, inputs):
-        home = next((t.device for t in (*block.parameters(), *block.buffers())), torch.device("cpu"))
-        args, kwargs = apply_to_collection(sample, Tensor, lambda t: t.to(device))
-        _to_device(block, device)
-        try:
-            times.append(profile_block_times(block, [block], lambda: block(*args, **kwargs))[0])
-        finally:
-            _to_device(block, home)
-    return times
 
 
 # (device type, world size, pp, timeout) -> the mesh of this process group and its groups; see _process_mesh
@@ -628,7 +600,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         return balance
 
     def _agreed_block_times(self, blocks: list[nn.Module]) -> list[float]:
-        """Global rank 0 times the blocks (:func:`_time_blocks` on its device); every rank gets its list, so every
+        """Global rank 0 times the blocks (:func:`profile_block_times` on its device); every rank gets its list, so every
         rank of every replica splits the same. A failure there is raised on every rank, not left to the timeout."""
         module = self.lightning_module
         assert module is not None
@@ -645,7 +617,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             try:
                 with self.precision_plugin.train_step_context():  # autocast as in training: training's times
                     forward = _example_forward(module, self.precision_plugin.convert_input(example))
-                    payload[0] = _time_blocks(self._net(), blocks, forward, self.root_device)
+                    payload[0] = profile_block_times(self._net(), blocks, forward, device=self.root_device)
             except Exception as err:  # noqa: BLE001  # raised below, once every rank knows
                 failure, payload[1] = err, f"{type(err).__name__}: {err}"
         if dist.is_initialized() and dist.get_world_size() > 1:

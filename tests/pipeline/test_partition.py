@@ -96,17 +96,19 @@ class Sampled(nn.Module):
         return self.post(x)
 
 
-def test_profile_block_times_measures_each_block_on_its_own_input():
+@pytest.mark.parametrize("device", [None, "cpu"])  # "cpu": each block moved to the device for its timing, and back
+def test_profile_block_times_measures_each_block_on_its_own_input(device):
     torch.manual_seed(0)
     net = Sampled()
     idx = torch.randint(0, 10, (16, 6))
-    times = profile_block_times(net, list(net.blocks), lambda: net(idx))
+    times = profile_block_times(net, list(net.blocks), lambda: net(idx), device=device)
     assert len(times) == 4 and min(times) > 0
     assert times[1] > 4 * max(times[0], times[2], times[3])  # 64 passes against 1: a wide margin for noisy machines
     assert net.post_calls == 0  # stopped before the last block: no head, no loss
 
 
-def test_profile_block_times_leaves_grads_buffers_and_rng_as_they_were():
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_profile_block_times_leaves_grads_buffers_and_rng_as_they_were(device):
     torch.manual_seed(0)
     net = Sampled()
     idx = torch.randint(0, 10, (16, 6))
@@ -115,12 +117,27 @@ def test_profile_block_times_leaves_grads_buffers_and_rng_as_they_were():
     objects = {n: p.grad for n, p in net.named_parameters()}
     state = copy.deepcopy(net.state_dict())
     rng = torch.get_rng_state()
-    profile_block_times(net, list(net.blocks), lambda: net(idx))
+    profile_block_times(net, list(net.blocks), lambda: net(idx), device=device)
     assert torch.equal(torch.get_rng_state(), rng)
     for name, value in net.state_dict().items():
         assert torch.equal(value, state[name]), name  # BatchNorm statistics and num_batches_tracked included
     for name, p in net.named_parameters():
         assert p.grad is objects[name] and torch.equal(p.grad, grads[name]), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_block_times_on_a_gpu_leaves_a_cpu_model_on_the_cpu():
+    """A pipeline stage's device, timed before the split: each block visits the GPU alone and comes back."""
+    torch.manual_seed(0)
+    net = Sampled()
+    idx = torch.randint(0, 10, (16, 6))
+    state = copy.deepcopy(net.state_dict())
+    times = profile_block_times(net, list(net.blocks), lambda: net(idx), device="cuda")
+    assert times[1] > 4 * max(times[0], times[2], times[3])
+    assert all(t.device.type == "cpu" for t in [*net.parameters(), *net.buffers()])
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, state[name]), name
 
 
 def test_profile_block_times_names_blocks_the_sample_never_reached():
