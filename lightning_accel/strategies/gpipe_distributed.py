@@ -143,6 +143,7 @@ from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 from lightning_accel.pipeline.schedule import check_schedule
+from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 BALANCE_MODES = ("by_size", "by_time")
@@ -286,91 +287,6 @@ def _reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence
             kwargs = {**kwargs, "batch_size": total}  # weighs the epoch mean by the whole batch
         out.append((name, value, kwargs))
     return out
-
-
-# a step's result: (loss, [(name, value, log kwargs)], whether training_step returned a dict)
-_StepResult = tuple[Any, list[tuple[str, Any, dict]], bool]
-_EXACT_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # each one a float64 holds exactly
-_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_MAX_EXACT_INT = 2**53  # integers up to this size survive a trip through float64
-
-
-def _number_spec(value: Any) -> tuple | None:
-    """How ``value`` rides in a float64 tensor and is rebuilt bit for bit (its type, dtype, shape); None if it cannot."""
-    if type(value) is float:
-        return ("float",)
-    if type(value) is int:  # not bool: a bool is not a number here, as in _reduce_logs
-        return ("int",) if abs(value) <= _MAX_EXACT_INT else None
-    if type(value) is Tensor and value.numel() == 1 and value.device.type == "cpu" and not value.requires_grad:
-        if value.dtype in _EXACT_FLOATS or (value.dtype in _INTS and abs(int(value)) <= _MAX_EXACT_INT):
-            return ("tensor", value.dtype, tuple(value.shape))
-    return None
-
-
-def _step_signature(result: _StepResult) -> tuple | None:
-    """What a step's result shares with the next one's (names, log options, each number's spec): when it is unchanged,
-    the numbers alone cross the ranks. None when a value is not a number: then the whole result goes as objects."""
-    loss, records, as_dict = result
-    specs = [_number_spec(loss), *(_number_spec(value) for _, value, _ in records)]
-    if any(spec is None for spec in specs):
-        return None
-    return (as_dict, specs[0], tuple((name, spec, kw) for (name, _, kw), spec in zip(records, specs[1:])))
-
-
-def _same_signature(a: tuple | None, b: tuple | None) -> bool:
-    if a is None or b is None:
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001  # log kwargs that do not compare (a tensor option): treat as changed
-        return False
-
-
-def _unpack_number(x: float, spec: tuple) -> Any:
-    """The value :func:`_number_spec` described, from its float64 ``x``: the same type, dtype, shape and bits."""
-    if spec[0] == "float":
-        return x
-    if spec[0] == "int":
-        return int(x)
-    _, dtype, shape = spec
-    return torch.tensor(x if dtype.is_floating_point else int(x), dtype=dtype).reshape(shape)
-
-
-def _broadcast_step_result(
-    result: _StepResult | None, cached: tuple | None, src: int, group: Any, device: torch.device
-) -> tuple[_StepResult, tuple | None]:
-    """The ``src`` rank's step result on every rank of ``group``, and the signature every rank caches for the next step.
-
-    Steady state, one small tensor broadcast: float64 ``[changed, loss, numbers...]`` sized from
-    ``cached``, the signature every rank holds (on 2 gloo CPU ranks about 0.2 ms a step, against
-    0.8 ms for pickling the result and its two broadcasts). When the signature changed
-    (first step, a new name or option, a value that is not a number), ``changed`` is set and the
-    result follows through ``broadcast_object_list`` with its signature. ``result`` is given on ``src`` only.
-    """
-    count = 0 if cached is None else len(cached[2])
-    signature = None
-    if result is not None:
-        signature = _step_signature(result)
-        if _same_signature(signature, cached):
-            loss, records, _ = result
-            numbers = torch.tensor([0.0, float(loss), *(float(v) for _, v, _ in records)], dtype=torch.float64, device=device)
-        else:
-            numbers = torch.zeros(2 + count, dtype=torch.float64, device=device)
-            numbers[0] = 1.0
-    else:
-        numbers = torch.empty(2 + count, dtype=torch.float64, device=device)
-    dist.broadcast(numbers, src=src, group=group)
-    values = numbers.tolist()
-    if values[0] == 0.0:
-        if result is not None:
-            return result, cached
-        assert cached is not None
-        as_dict, loss_spec, entries = cached
-        records = [(name, _unpack_number(x, spec), kw) for (name, spec, kw), x in zip(entries, values[2:])]
-        return (_unpack_number(values[1], loss_spec), records, as_dict), cached
-    payload: list[Any] = [result, signature]
-    dist.broadcast_object_list(payload, src=src, group=group)
-    return payload[0], payload[1]
 
 
 class DistributedGPipeStrategy(DDPStrategy):
@@ -822,12 +738,12 @@ class DistributedGPipeStrategy(DDPStrategy):
         for p, g in zip(params, earlier):
             p.grad = g
         # the last rank has the loss and the logs: every rank returns and logs the same
-        result: _StepResult | None = None
+        result: StepResult | None = None
         if pipe.holds_last:
             reduced = reduce_outputs(outputs, sizes, self.loss_reduction)
             loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
             result = (loss.detach().cpu(), _reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping))
-        (loss, records, as_dict), self._step_signature_cache = _broadcast_step_result(
+        (loss, records, as_dict), self._step_signature_cache = broadcast_step_result(
             result, self._step_signature_cache, self._pp_global(self.pipeline_parallel_size - 1), self._pp_group,
             self.root_device,
         )

@@ -49,6 +49,13 @@ STEPS = 10
 CHANGED = [0, 2, 4, 5, 6, 7]
 
 
+def bits(value: Any) -> tuple:
+    """A logged value down to its type, dtype, shape and bits, for exact comparison across ranks."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.reshape(-1).view(torch.uint8).tolist())
+    return (type(value).__name__, repr(value))
+
+
 def expected_logs(step: int, loss: torch.Tensor) -> list[tuple[str, Any, dict]]:
     """What ``training_step`` logs at ``step`` for a batch loss ``loss`` (float32): the reference the test checks."""
     logs: list[tuple[str, Any, dict]] = [
