@@ -9,13 +9,13 @@ the inputs always lines up with micro-batch ``i`` of the targets.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["batch_size", "gather", "scatter", "tensors_in"]
+__all__ = ["batch_size", "gather", "map_tensors", "scatter", "tensors_in"]
 
 
 def tensors_in(batch: Any) -> list[Tensor]:
@@ -27,6 +27,19 @@ def tensors_in(batch: Any) -> list[Tensor]:
     if isinstance(batch, (tuple, list)):
         return [t for v in batch for t in tensors_in(v)]
     return []
+
+
+def map_tensors(value: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it (nested tuples, named tuples, lists and dicts keep their types)."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(v, fn)) for k, v in value.items())
+    return value
 
 
 def batch_size(batch: Any) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_accel.pipeline.microbatch import tensors_in
+from lightning_accel.pipeline.microbatch import map_tensors, tensors_in
 
 __all__ = [
     "Balance",
@@ -97,16 +97,12 @@ class _Captured(BaseException):
 
 def _leaves(value: Any, device: torch.device | None = None) -> Any:
     """``value`` with every tensor detached (floating ones requiring grad, as a stage's input does), on ``device`` if given."""
-    if isinstance(value, Tensor):
-        value = value if device is None else value.to(device)
-        return value.detach().requires_grad_(value.is_floating_point())
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_leaves(v, device) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_leaves(v, device) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _leaves(v, device)) for k, v in value.items())
-    return value
+
+    def leaf(t: Tensor) -> Tensor:
+        t = t if device is None else t.to(device)
+        return t.detach().requires_grad_(t.is_floating_point())
+
+    return map_tensors(value, leaf)
 
 
 def _block_inputs(blocks: Sequence[nn.Module], forward: Callable[[], object]) -> list[tuple[tuple, dict]]:

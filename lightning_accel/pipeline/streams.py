@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_accel.pipeline.microbatch import map_tensors
+
 __all__ = ["StageCopier"]
 
 
@@ -44,15 +46,7 @@ class StageCopier:
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def __call__(self, value: Any, device: torch.device) -> Any:
-        if isinstance(value, Tensor):
-            return self._tensor(value, device)
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(self(v, device) for v in value))
-        if isinstance(value, (tuple, list)):
-            return type(value)(self(v, device) for v in value)
-        if isinstance(value, dict):
-            return type(value)((k, self(v, device)) for k, v in value.items())
-        return value
+        return map_tensors(value, lambda t: self._tensor(t, device))
 
     def _tensor(self, tensor: Tensor, device: torch.device) -> Tensor:
         if tensor.device == device:
