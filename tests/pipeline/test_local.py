@@ -1,4 +1,6 @@
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,32 +12,8 @@ from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 
-
-class Counting(nn.Module):
-    """A block that counts its forward calls, to see re-materialization happen."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        return torch.tanh(self.lin(x))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(3, 8)
-        self.layers = nn.ModuleList(Counting(8) for _ in range(4))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_nets import Net  # noqa: E402
 
 
 def test_checkpoint_stop_policy():

@@ -1,6 +1,8 @@
 """Copies between stages: a plain ``.to()`` without CUDA, copy streams with it (the CUDA tests need a GPU)."""
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,19 +14,8 @@ from lightning_accel.pipeline.microbatch import scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.streams import StageCopier
 
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(3, 8)
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_nets import Net  # noqa: E402
 
 
 def test_without_cuda_a_copy_is_a_plain_move_of_nested_values():
