@@ -12,6 +12,16 @@ import pytest
 
 pytestmark = [pytest.mark.xla, pytest.mark.slow]
 
+# the GPT recipes shrunk to one tiny layer on short sequences, 20 steps
+_GPT_SHRUNK = [
+    "trainer.max_steps=20",
+    "trainer.val_check_interval=10",
+    "model.net.preset=tiny",
+    "+model.net.n_layer=1",
+    "data.block_size=32",
+    "data.batch_size=8",
+    "data.num_workers=0",
+]
 SHRINK = {
     "resnet-tiny_1tpu": [
         "trainer.max_steps=10",
@@ -22,26 +32,9 @@ SHRINK = {
         "data.val_samples=32",
     ],
     # OneCycleLR needs pct_start x max_steps >= 1 warm-up step: 20 steps at pct_start 0.1.
-    "gpt-small_bf16_1tpu": [
-        "trainer.max_steps=20",
-        "trainer.val_check_interval=10",
-        "model.net.preset=tiny",
-        "+model.net.n_layer=1",
-        "data.block_size=32",
-        "data.batch_size=8",
-        "data.num_workers=0",
-    ],
+    "gpt-small_bf16_1tpu": _GPT_SHRUNK,
     # The 4-chip SPMD recipe on 2 CPU PJRT devices (CPU_NUM_DEVICES below): global batch 8 = 4 + 4.
-    "gpt-small_bf16-spmd_4tpu": [
-        "trainer.devices=2",
-        "trainer.max_steps=20",
-        "trainer.val_check_interval=10",
-        "model.net.preset=tiny",
-        "+model.net.n_layer=1",
-        "data.block_size=32",
-        "data.batch_size=8",
-        "data.num_workers=0",
-    ],
+    "gpt-small_bf16-spmd_4tpu": ["trainer.devices=2", *_GPT_SHRUNK],
 }
 CPU_DEVICES = {"gpt-small_bf16-spmd_4tpu": "2"}  # CPU_NUM_DEVICES for the run (default 1)
 
