@@ -66,14 +66,19 @@ def check_rebuildable(loader: Any, workers: bool = True) -> None:
 
 
 def rebuild_loader(
-    loader: DataLoader, settings: LoaderSettings, plan: Iterable | None = None, collate_fn: Callable | None = None
+    loader: DataLoader,
+    settings: LoaderSettings,
+    plan: Iterable | None = None,
+    collate_fn: Callable | None = None,
+    dataset: Any = None,
 ) -> DataLoader:
     """A copy of ``loader`` with ``settings`` (and ``collate_fn`` when given, e.g. one wrapping the user's).
 
     ``plan`` replaces the index source: for a batched map-style loader an iterable of
     index lists (the batches still to serve), for ``batch_size=None`` an iterable of
     indices. Without it the user's own (batch) sampler object is shared, so its
-    shuffle order and generator state carry over.
+    shuffle order and generator state carry over. ``dataset`` replaces an iterable
+    dataset (a copy positioned mid-stream, see ``prefetch.stream``).
     """
     check_rebuildable(loader, workers=settings.num_workers > 0)
     common: dict[str, Any] = dict(
@@ -87,7 +92,8 @@ def rebuild_loader(
     )
     with more_workers_than_cores():
         if is_iterable(loader):
-            return DataLoader(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
+            source = dataset if dataset is not None else loader.dataset
+            return DataLoader(source, batch_size=loader.batch_size, drop_last=loader.drop_last, **common)
         if loader.batch_sampler is None:  # batch_size=None: the sampler yields single indices
             sampler = plan if plan is not None else loader.sampler
             return DataLoader(loader.dataset, batch_size=None, sampler=sampler, **common)

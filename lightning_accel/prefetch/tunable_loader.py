@@ -8,8 +8,16 @@ lead" on, and starts its workers at once, while the current loader, its plan cut
 batch ``k`` is asked for the new workers have had ``lead`` steps to fill their buffers.
 Each batch is served by exactly one inner loader, so none is duplicated or lost.
 ``switch`` is the cold variant: the old workers stop, new ones serve from the next batch
-(what a tight memory budget needs: no moment with both loaders' buffers). An iterable
-dataset cannot be resumed part-way, so there a change takes effect at the next epoch.
+(what a tight memory budget needs: no moment with both loaders' buffers).
+
+An iterable dataset has no list of batches. One that reports and restores its position
+(the protocol of :mod:`~lightning_accel.prefetch.stream`) is handed over the same way:
+the new loader reads a copy of the dataset positioned at the first item the old one will
+not deliver, taking over at the next batch boundary where the old one's delivered items
+form an unbroken prefix of the stream. Any other stream cannot be resumed part-way, and
+``stream_switch`` decides: ``"next_epoch"`` (the default: nothing lost or repeated, but
+an endless epoch keeps its settings forever) or ``"restart"`` (the new loader starts the
+stream again from its beginning now: its shards restart, so samples repeat).
 Between changes the inner loader lives on, so ``persistent_workers`` keeps its workers
 across epochs; a replaced one shuts down on a background thread (joining busy workers
 can take a whole item's latency).
@@ -38,6 +46,9 @@ from lightning_accel.prefetch.loader_rebuild import (
 )
 from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.stream import handover_at, handover_position, positioned_copy, stream_state
+
+STREAM_SWITCHES = ("next_epoch", "restart")
 
 
 class _Plan:
@@ -71,13 +82,27 @@ class _Stamped:
 
 
 class _Inner:
-    """One inner loader over its own plan, with its iterator once started."""
+    """One inner loader over its own plan (or positioned stream copy), with its iterator once started.
 
-    def __init__(self, template: DataLoader, settings: LoaderSettings, plan: _Plan | None) -> None:
+    ``first``: the epoch's batch count at which it starts serving; ``position``: for a
+    resumable stream, the stream position of its first item.
+    """
+
+    def __init__(
+        self,
+        template: DataLoader,
+        settings: LoaderSettings,
+        plan: _Plan | None,
+        dataset: Any = None,
+        first: int = 0,
+        position: int = 0,
+    ) -> None:
         self.settings = settings
         self.plan = plan
-        self.loader = rebuild_loader(template, settings, plan, collate_fn=_Stamped(template.collate_fn))
+        self.first, self.position = first, position
+        self.loader = rebuild_loader(template, settings, plan, collate_fn=_Stamped(template.collate_fn), dataset=dataset)
         self.iterator: Any = None
+        self.restart = False  # a stream started again from its beginning (counted when it takes over)
 
     def start(self) -> Iterator:
         with more_workers_than_cores():
@@ -125,18 +150,32 @@ class _Inner:
 class TunableLoader:
     """Wraps the user's ``DataLoader``; ``prepare`` / ``switch`` change its settings mid-epoch (map-style)."""
 
-    def __init__(self, loader: DataLoader, settings: LoaderSettings | None = None) -> None:
-        """``settings``: serve with these from the first batch (e.g. from a cache) instead of the loader's own."""
+    def __init__(self, loader: DataLoader, settings: LoaderSettings | None = None, stream_switch: str = "next_epoch") -> None:
+        """``settings``: serve with these from the first batch (e.g. from a cache) instead of the loader's own.
+
+        ``stream_switch``: for an iterable dataset that cannot report its position,
+        ``"next_epoch"`` or ``"restart"`` (see the module docstring).
+        """
+        if stream_switch not in STREAM_SWITCHES:
+            raise ValueError(
+                f"stream_switch={stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
+                "or 'restart' (switch now, the stream starts again)"
+            )
         check_rebuildable(loader, workers=settings is not None and settings.num_workers > 0)
         self.loader = loader
         self.settings = settings if settings is not None else settings_of(loader)
+        self.stream_switch = stream_switch
+        # Resumable: a map-style epoch, or a stream following the position protocol.
+        self.resumable = not is_iterable(loader) or stream_state(loader.dataset) is not None
         self.switches = 0  # how many times an inner loader was replaced (for tests and reports)
+        self.restarts = 0  # of those, stream restarts from the beginning (stream_switch="restart")
         self.stamps: list[float] = []  # finish times of the batches served under ``settings``
         self._pending: LoaderSettings | None = None  # for the next epoch (or the next batch, cold)
         self._inner: _Inner | None = None
         self._next: _Inner | None = None  # prepared in the background, takes over at ``_next_at``
         self._next_at = 0
         self._batches: list | None = None  # this epoch's batches while a map-style epoch runs
+        self._in_epoch = False
         self._consumed = 0
         self.reaper = Reaper()  # frees served batches off the training thread
         # From now on the user's loader is only a template; free the workers it may keep alive.
@@ -170,12 +209,17 @@ class TunableLoader:
         return self._consumed
 
     @property
+    def switches_mid_epoch(self) -> bool:
+        """Whether :meth:`prepare` can take effect within this epoch (else: at the next one)."""
+        return self.resumable or self.stream_switch == "restart"
+
+    @property
     def preparing(self) -> LoaderSettings | None:
         """Settings prepared in the background that have not taken over yet."""
         return self._next.settings if self._next is not None else (self._pending if self._pending != self.settings else None)
 
     def switch(self, settings: LoaderSettings) -> None:
-        """Use ``settings`` from the next batch (map-style, mid-epoch) or the next epoch (iterable).
+        """Use ``settings`` from the next batch (the next round, for a resumable stream) or the next epoch.
 
         Mid-epoch, the new workers start here, so they fetch while the current step
         finishes instead of after it.
@@ -183,10 +227,12 @@ class TunableLoader:
         self.prepare(settings, lead=0)
 
     def prepare(self, settings: LoaderSettings, lead: int = 1) -> None:
-        """Start ``settings``' workers now; they serve from ``lead`` batches on (this epoch, map-style).
+        """Start ``settings``' workers now; they serve from ``lead`` batches on, within this epoch.
 
-        Outside a map-style epoch, or when the epoch ends before that, the change takes
-        effect at the next epoch.
+        A resumable stream hands over at the first batch boundary from there where the
+        delivered items are a prefix of the stream. Between epochs, for a stream that
+        cannot be resumed with ``stream_switch="next_epoch"``, or when the epoch ends
+        before the hand-over, the change takes effect at the next epoch.
         """
         check_rebuildable(self.loader, workers=settings.num_workers > 0)
         self._drop_next()
@@ -194,19 +240,38 @@ class TunableLoader:
             self._pending = None
             return
         self._pending = settings
-        if self._batches is None or self._inner is None:
-            return  # between epochs, or an iterable dataset: at the next epoch
+        if not self._in_epoch or self._inner is None:
+            return  # between epochs: at the next one
         at = self._consumed + max(0, lead)
-        if at >= len(self._batches):
-            return  # the epoch ends first: at the next epoch
+        if not is_iterable(self.loader):
+            assert self._batches is not None
+            if at >= len(self._batches):
+                return  # the epoch ends first: at the next epoch
+            nxt = _Inner(self.loader, settings, _Plan(self._batches, at), first=at)
+            if self._inner.plan is not None:
+                self._inner.plan.stop = at  # the current workers fetch nothing past the hand-over
+        elif self.resumable:
+            state = stream_state(self.loader.dataset)
+            assert state is not None
+            inner = self._inner
+            at = handover_at(at, inner.first, inner.settings.num_workers, self._items_per_batch, state.get("chunk", 1))
+            position = handover_position(inner.position, inner.first, at, self._items_per_batch)
+            nxt = _Inner(self.loader, settings, None, positioned_copy(self.loader.dataset, position), at, position)
+        elif self.stream_switch == "restart":
+            nxt = _Inner(self.loader, settings, None, first=at)  # a fresh iterator: the stream starts again
+            nxt.restart = True
+        else:
+            return  # a stream without a position: at the next epoch
         self._pending = None
-        self._next, self._next_at = _Inner(self.loader, settings, _Plan(self._batches, at)), at
-        if self._inner.plan is not None:
-            self._inner.plan.stop = at  # the current workers fetch nothing past the hand-over
-        if lead <= 0:
+        self._next, self._next_at = nxt, at
+        if at <= self._consumed:
             self._take_over(overlap=False)
         else:
             self._next.start_in_background()
+
+    @property
+    def _items_per_batch(self) -> int:
+        return self.loader.batch_size if self.loader.batch_size is not None else 1
 
     def _take_over(self, overlap: bool = True) -> None:
         """The prepared loader serves from here; without ``overlap`` the old workers stop before new ones start."""
@@ -218,6 +283,7 @@ class TunableLoader:
         self.settings = self._inner.settings
         self.stamps = []
         self.switches += 1
+        self.restarts += self._inner.restart
 
     def _drop_next(self) -> None:
         if self._next is not None:
@@ -247,31 +313,33 @@ class TunableLoader:
         self._inner = self._next = None
         self.reaper.close()
 
-    def _serve(self, iterator: Iterator) -> Iterator:
-        for stamp, batch in iterator:
-            self.stamps.append(stamp)
-            self.reaper.served(batch)
-            yield batch
-
     def __iter__(self) -> Iterator:
         if self._next is not None:  # an epoch ended before the hand-over: the next one starts with it
             self._pending = self._next.settings
             self._next.close(background=True)
             self._next = None
         self._apply_pending()
-        if is_iterable(self.loader):
-            if self._inner is None:
-                self._inner = _Inner(self.loader, self.settings, None)
-            yield from self._serve(self._inner.start())
-            return
-        source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
-        self._batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
         self._consumed = 0
-        if self._inner is None or self._inner.plan is None:
-            self._inner = _Inner(self.loader, self.settings, _Plan())
-        assert self._inner.plan is not None
-        self._inner.plan.reset(self._batches)  # persistent workers re-read their plan at each epoch
+        if is_iterable(self.loader):
+            state = stream_state(self.loader.dataset) if self.resumable else None
+            if state is not None:
+                # Each epoch reads a copy positioned where the user's dataset stands; the original stays put.
+                if self._inner is not None:
+                    self._inner.close(background=True)
+                dataset = positioned_copy(self.loader.dataset, state["position"])
+                self._inner = _Inner(self.loader, self.settings, None, dataset, 0, state["position"])
+            elif self._inner is None:
+                self._inner = _Inner(self.loader, self.settings, None)
+            self._inner.first = 0
+        else:
+            source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
+            self._batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
+            if self._inner is None or self._inner.plan is None:
+                self._inner = _Inner(self.loader, self.settings, _Plan())
+            assert self._inner.plan is not None
+            self._inner.plan.reset(self._batches)  # persistent workers re-read their plan at each epoch
         self._inner.start()
+        self._in_epoch = True
         try:
             while True:
                 if self._next is not None and self._consumed == self._next_at:
@@ -287,3 +355,4 @@ class TunableLoader:
                 yield batch
         finally:
             self._batches = None
+            self._in_epoch = False
