@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_accel.offload.host_step import update_groups
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.stats import OffloadStats
 
@@ -44,15 +45,17 @@ class DelayedUpdate:
         self._grads: dict[nn.Parameter, Tensor] = {}
         self._future: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._fuse = False
 
     @property
     def pending(self) -> bool:
         return self._optimizer is not None
 
-    def defer(self, optimizer: Optimizer, grads: dict[nn.Parameter, Tensor]) -> None:
+    def defer(self, optimizer: Optimizer, grads: dict[nn.Parameter, Tensor], fuse: bool = False) -> None:
         """Take ``grads`` (host parameter -> its gradient for this step, already clipped or
         scaled as the step wants) as the pending update, with ``optimizer``'s current
-        hyper-parameters. Call after :meth:`finish`: one update is pending at a time."""
+        hyper-parameters. Call after :meth:`finish`: one update is pending at a time.
+        ``fuse``: step the masters on torch's fused CPU kernel (see :mod:`.host_step`)."""
         if self.pending:
             raise RuntimeError("a delayed update is already pending; finish() it before deferring the next")
         if not grads:
@@ -71,6 +74,7 @@ class DelayedUpdate:
             view.param_groups.append(frozen)
         view.state = defaultdict(dict, {self.store.master[p]: optimizer.state[p] for p in grads if p in optimizer.state})
         self._optimizer, self._view, self._grads = optimizer, view, grads
+        self._fuse = fuse
         self.stats.delayed_steps += 1
 
     def start(self) -> None:
@@ -109,6 +113,7 @@ class DelayedUpdate:
         for master, grad in zip(masters, self._grads.values()):
             master.grad = grad
         try:
+            self._view.param_groups = update_groups(self._view, None, self._fuse)  # (they are the view's own)
             type(self._view).step(self._view)
         finally:
             for master in masters:

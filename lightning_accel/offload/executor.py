@@ -32,6 +32,7 @@ masters while step t+1 computes (:meth:`defer_update`, :meth:`start_delayed_upda
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -42,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_accel.offload.activations import ActivationOffload
 from lightning_accel.offload.delayed import DelayedUpdate
+from lightning_accel.offload.host_step import FOLD_MIN_NUMEL, group_units
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
@@ -92,6 +94,12 @@ class L2LExecutor:
         self._block_step: Callable[[list[nn.Parameter]], None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
+        # blocks whose gradients have all landed, waiting for the host-step thread, which
+        # takes all of them in one optimizer call (see _step_ready)
+        self._ready: list[int] = []
+        self._ready_lock = threading.Lock()
+        # parameters whose shadows already hold this step's update (refreshed right after it)
+        self._fresh: set[nn.Parameter] = set()
 
     # -- installation -----------------------------------------------------------------
     def attach(self) -> None:
@@ -198,7 +206,9 @@ class L2LExecutor:
             self._release_block(index)
             if self._block_step is not None:
                 assert self._pool is not None
-                self._futures.append(self._pool.submit(self._step_block, index, self._block_step))
+                with self._ready_lock:
+                    self._ready.append(index)
+                self._futures.append(self._pool.submit(self._step_ready, self._block_step))
 
     # -- host optimizer overlapping the backward pass -----------------------------------
     def step_blocks_during_backward(self, step: Callable[[list[nn.Parameter]], None] | None) -> None:
@@ -210,8 +220,19 @@ class L2LExecutor:
         if step is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step")
 
-    def _step_block(self, index: int, step: Callable[[list[nn.Parameter]], None]) -> None:
-        params = [p for _, p in self.plan.blocks[index].params if p.requires_grad]
+    def _step_ready(self, step: Callable[[list[nn.Parameter]], None]) -> None:
+        """Step every block whose gradients have landed since the last call, in one call.
+
+        One call per block costs the optimizer's fixed overhead (hooks, grouping, kernel
+        launches) per block; blocks that landed while the previous step ran are batched,
+        so the thread catches up instead of falling further behind. A call that finds
+        nothing ready (an earlier call took its block) returns at once.
+        """
+        with self._ready_lock:
+            indices, self._ready = self._ready, []
+        if not indices:
+            return
+        params = [p for i in indices for _, p in self.plan.blocks[i].params if p.requires_grad]
         self.streamer.finish_grads(params)
         stepped = [p for p in params if p in self.store.grads]
         for param in stepped:
@@ -219,10 +240,9 @@ class L2LExecutor:
         step(stepped)
         for param in stepped:
             param.grad = None
-            shadow = self.store.shadow[param]
-            if shadow is not self.store.master[param]:
-                shadow.copy_(self.store.master[param])
-        self.stats.blocks_stepped_in_backward += 1
+        self.refresh_shadows(stepped, wait=False)  # right after the update, while the tensors are warm
+        self.stats.blocks_stepped_in_backward += len(indices)
+        self.stats.host_step_calls += 1
 
     def wait_for_block_steps(self) -> None:
         """Join the host steps started during backward (re-raising their errors)."""
@@ -258,12 +278,36 @@ class L2LExecutor:
         """Before clipping and the optimizer step: host gradients become ``param.grad``."""
         self.store.install_grads()
 
-    def after_step(self, masters_changed: bool = True) -> None:
-        """After the optimizer step: refresh the shadows (unless the step deferred every host
-        update, leaving the masters as they were), drop host gradients, count the step."""
-        if masters_changed:
+    def shadow_batches(self) -> list[list[nn.Parameter]]:
+        """The host parameters whose shadows this step's update must refresh, in batches of
+        consecutive units of at least ``FOLD_MIN_NUMEL`` elements each, for an update that
+        refreshes each batch right after stepping it; ``[]`` where the shadows are the
+        masters themselves (nothing to refresh) or every shadow is already fresh."""
+        units = self.plan.blocks + ([self.plan.resident] if self.plan.offload_resident else [])
+        sizes = []
+        for unit in units:
+            params = [p for _, p in unit.params if p not in self._fresh and self.store.shadow[p] is not self.store.master[p]]
+            sizes.append((params, sum(p.numel() for p in params)))
+        return [[p for i in batch for p in sizes[i][0]] for batch in group_units([n for _, n in sizes], FOLD_MIN_NUMEL)]
+
+    def refresh_shadows(self, params: list[nn.Parameter], wait: bool = True) -> None:
+        """Bring ``params``' shadows up to their just-updated masters (``wait``: first let
+        the copy stream finish reading the old ones)."""
+        if wait:
             self.streamer.wait_copies()
-            self.store.refresh_shadows()
+        self.store.refresh_shadows(params)
+        self._fresh.update(params)
+
+    def after_step(self, masters_changed: bool = True) -> None:
+        """After the optimizer step: refresh the shadows not yet refreshed (unless the step
+        deferred every host update, leaving the masters as they were), drop host gradients,
+        count the step."""
+        if masters_changed:
+            stale = [p for p in self.store.master if p not in self._fresh]
+            if stale:
+                self.streamer.wait_copies()
+                self.store.refresh_shadows(stale)
+        self._fresh.clear()
         self.store.clear_grads()
         self.stats.steps += 1
         self.stats.h2d_bytes_per_step = self.stats.h2d_bytes - self._step_h2d
@@ -273,7 +317,7 @@ class L2LExecutor:
         self._step_act = self.stats.activation_d2h_bytes
 
     # -- one-step delayed update ---------------------------------------------------------
-    def defer_update(self, optimizer: torch.optim.Optimizer) -> None:
+    def defer_update(self, optimizer: torch.optim.Optimizer, fuse: bool = False) -> None:
         """After this step's gradients are final (clipped): take every host gradient off
         its parameter as the pending update, so ``optimizer.step()`` now steps only the
         parameters kept on the device. The previous update must have finished."""
@@ -281,7 +325,7 @@ class L2LExecutor:
         grads, self.store.grads = self.store.grads, {}
         for param in grads:
             param.grad = None
-        self.delayed.defer(optimizer, grads)
+        self.delayed.defer(optimizer, grads, fuse=fuse)
 
     def start_delayed_update(self) -> None:
         """At the start of a step: apply the pending update in the background."""

@@ -25,6 +25,8 @@ class OffloadStats:
     d2h_bytes_per_step: int = 0
     # blocks whose optimizer step ran on the host while the backward pass went on
     blocks_stepped_in_backward: int = 0
+    # optimizer calls those steps took (blocks whose gradients landed together share one)
+    host_step_calls: int = 0
     # host updates deferred to run one step late, beside the next step's compute (delayed_update)
     delayed_steps: int = 0
     # block-boundary activations parked in host memory between forward and backward

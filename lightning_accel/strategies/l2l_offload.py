@@ -14,9 +14,13 @@ What each hook adds to :class:`SingleDeviceStrategy`:
   executor prefetches in the right direction and lands the gradients on the host;
 - ``optimizer_step``: on a step's backward pass, step each block's parameters on the host
   (in a worker thread) as soon as that block's gradients have arrived, overlapping the
-  backward of the blocks still running; then expose the remaining host gradients as
-  ``param.grad`` for clipping and the final step (resident parameters, and every block
-  when the overlap is off), and refresh the low-precision shadows;
+  backward of the blocks still running (blocks whose gradients landed together share one
+  optimizer call); then expose the remaining host gradients as ``param.grad`` for
+  clipping and the final step (resident parameters, and every block when the overlap is
+  off), which refreshes each batch of blocks' low-precision shadows right after its
+  update. Host parameters step on torch's fused CPU kernel when the user's optimizer has
+  one (SGD, Adam, AdamW, Adagrad) and left ``foreach``/``fused`` unset
+  (:mod:`lightning_accel.offload.host_step`: 5x torch's default loop for AdamW here);
 - ``load_optimizer_state_dict``: keep each state tensor on its parameter's device (host
   for blocks) instead of moving everything to the root device.
 
@@ -53,12 +57,12 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
+from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.plugins.precision.offload import OffloadPrecision
 
 
@@ -152,6 +156,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self.offload_activations = offload_activations
         self._executor: L2LExecutor | None = None
         self._last_stats = OffloadStats()
+        self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
 
     @property
     @override
@@ -201,6 +206,8 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         for optimizer in self.optimizers:
             _check_host_optimizer(optimizer)
+            kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
+            rank_zero_info(f"L2LOffloadStrategy: {kernel.why}")
         if self.delayed_update:
             self._check_delayed_update(trainer)
 
@@ -332,16 +339,24 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
 
         wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
         overlap = wanted and self._can_overlap(optimizer)
+        fuse = self._fuse(optimizer)
 
         def closure_then_host_grads() -> Any:
-            executor.step_blocks_during_backward(functools.partial(_step_subset, optimizer) if overlap else None)
+            executor.step_blocks_during_backward(functools.partial(step_params, optimizer, fuse=fuse) if overlap else None)
             result = closure()
             executor.install_grads()  # clipping and the final step see the host gradients
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
-        executor.after_step()
+        # The update (after the closure and clipping): the host parameters on the fused CPU
+        # kernel; batch by batch of blocks, each batch's shadows refreshed right after it.
+        with host_update(optimizer, fuse, executor.shadow_batches, executor.refresh_shadows):
+            output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
         return output
+
+    def _fuse(self, optimizer: Optimizer) -> bool:
+        kernel = self._host_kernels.get(id(optimizer))
+        return kernel is not None and kernel.fused
 
     def _delayed_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
         executor = self._executor
@@ -358,7 +373,8 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
 
         # After clipping, before the update: this step's host gradients become the pending
         # update, and optimizer.step() updates only the parameters kept on the device.
-        with _after_closure(optimizer, functools.partial(executor.defer_update, optimizer)):
+        fuse = self._fuse(optimizer)
+        with host_update(optimizer, fuse), _after_closure(optimizer, functools.partial(executor.defer_update, optimizer, fuse=fuse)):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         executor.after_step(masters_changed=False)
         return output
@@ -426,17 +442,6 @@ def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[No
             optimizer.step = own  # type: ignore[method-assign]
 
 
-def _step_subset(optimizer: Optimizer, params: list[nn.Parameter]) -> None:
-    """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state)."""
-    keep = {id(p) for p in params}
-    groups = optimizer.param_groups
-    optimizer.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in keep]} for g in groups]
-    try:
-        optimizer.step()
-    finally:
-        optimizer.param_groups = groups
-
-
 def _check_host_optimizer(optimizer: Optimizer) -> None:
     """Refuse optimizers that cannot step parameters living in host memory."""
     name = type(optimizer).__name__
@@ -445,13 +450,14 @@ def _check_host_optimizer(optimizer: Optimizer) -> None:
             "L2LOffloadStrategy cannot run LBFGS on the host: it re-evaluates the whole model inside step(); "
             "HINT: use a per-parameter optimizer such as AdamW or SGD"
         )
+    # fused=True is fine: SGD, Adam, AdamW and Adagrad have fused CPU kernels (torch >= 2.4)
     for group in optimizer.param_groups:
-        for flag in ("fused", "capturable"):
-            if group.get(flag):
-                raise ValueError(
-                    f"L2LOffloadStrategy steps block parameters on the host, but {name}({flag}=True) needs CUDA "
-                    f"parameters; HINT: set {flag}=False in configure_optimizers"
-                )
+        if group.get("capturable"):
+            raise ValueError(
+                f"L2LOffloadStrategy steps block parameters on the host, but {name}(capturable=True) is for CUDA-graph "
+                "capture on an accelerator, which host parameters cannot take part in; HINT: set capturable=False "
+                "in configure_optimizers (fused=True stays fast on the host)"
+            )
 
 
 def _check_fits(plan: Any, device: torch.device, dtype: torch.dtype) -> None:

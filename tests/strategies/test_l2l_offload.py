@@ -80,6 +80,13 @@ def _assert_same_weights(a: nn.Module, b: nn.Module, atol: float = 1e-6) -> None
         torch.testing.assert_close(sb[name].cpu(), sa[name].cpu(), rtol=0, atol=atol, msg=name)
 
 
+# LanguageModelTask's AdamW leaves foreach/fused unset: under l2l_offload its host parameters
+# step on torch's fused CPU kernel, under plain Lightning on torch's per-tensor loop. Same
+# math, different rounding: measured 7e-6 apart after 6 steps between two plain runs, one
+# with fused=True (l2l_offload equals that one exactly; see test_l2l_host_step.py).
+FUSED_VS_LOOP_ATOL = 2e-5
+
+
 def _pair(factory: Any) -> tuple[pl.LightningModule, pl.LightningModule]:
     torch.manual_seed(0)
     plain = factory()
@@ -108,7 +115,7 @@ def test_zoo_gpt_matches_plain_training(overlap_step: bool) -> None:
     plain, offloaded = _pair(lambda: LanguageModelTask(GPT("tiny", n_layer=3, block_size=16)))
     _fit(plain, _lm_data())
     trainer = _fit(offloaded, _lm_data(), L2LOffloadStrategy(prefetch_blocks=1, overlap_step=overlap_step))
-    _assert_same_weights(plain, offloaded, atol=2e-6)
+    _assert_same_weights(plain, offloaded, atol=FUSED_VS_LOOP_ATOL)
     assert trainer.strategy.offload_stats.blocks_stepped_in_backward == (18 if overlap_step else 0)
     assert trainer.strategy.offload_stats.steps == 6
     assert trainer.strategy.offload_stats.peak_resident_blocks <= 2
@@ -212,12 +219,12 @@ def test_optimizer_that_cannot_run_on_the_host_is_refused() -> None:
     with pytest.raises(ValueError, match=r"cannot run LBFGS on the host.*HINT: use a per-parameter optimizer"):
         _fit(WithLBFGS(), _regression_data(), L2LOffloadStrategy())
 
-    class Fused(Regressor):
+    class Capturable(Regressor):
         def configure_optimizers(self) -> Any:
-            return torch.optim.Adam(self.parameters(), fused=True)
+            return torch.optim.Adam(self.parameters(), capturable=True)
 
-    with pytest.raises(ValueError, match=r"Adam\(fused=True\) needs CUDA parameters; HINT: set fused=False"):
-        _fit(Fused(), _regression_data(), L2LOffloadStrategy())
+    with pytest.raises(ValueError, match=r"Adam\(capturable=True\) is for CUDA-graph capture.*HINT: set capturable=False"):
+        _fit(Capturable(), _regression_data(), L2LOffloadStrategy())
 
 
 def test_bad_prefetch_depth() -> None:
@@ -426,7 +433,7 @@ def test_activation_offload_matches_plain_training_and_counts_the_boundary_bytes
     _fit(plain, _lm_data(), max_steps=4)
     trainer = _fit(offloaded, _lm_data(), L2LOffloadStrategy(offload_activations=True), max_steps=4,
                    callbacks=[OffloadMonitor()])
-    _assert_same_weights(plain, offloaded, atol=2e-6)
+    _assert_same_weights(plain, offloaded, atol=FUSED_VS_LOOP_ATOL)
     stats = trainer.strategy.offload_stats
     # each block's input, (batch 8, seq 16, n_embd 128) fp32, goes to the host and comes back once a step
     boundary = 2 * 8 * 16 * 128 * 4
