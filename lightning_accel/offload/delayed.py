@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -35,7 +36,7 @@ from lightning_accel.offload.stats import OffloadStats
 class DelayedUpdate:
     """Holds at most one pending host update and applies it, in the background or now."""
 
-    def __init__(self, store: HostStore, stats: OffloadStats) -> None:
+    def __init__(self, store: HostStore, stats: OffloadStats, init_worker: Callable[[], None] | None = None) -> None:
         if not store.snapshot:
             raise ValueError("DelayedUpdate needs HostStore(snapshot=True): the device must compute on copies the optimizer does not write")
         self.store = store
@@ -46,6 +47,7 @@ class DelayedUpdate:
         self._future: Future[None] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._fuse = False
+        self._init_worker = init_worker  # the worker thread's first call (its thread budget)
 
     @property
     def pending(self) -> bool:
@@ -81,7 +83,7 @@ class DelayedUpdate:
         """Apply the pending update in the background (no-op if none, or already running)."""
         if self.pending and self._future is None:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-delayed-update")
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-delayed-update", initializer=self._init_worker)
             self._future = self._pool.submit(self._apply)
 
     def finish(self) -> bool:

@@ -65,6 +65,7 @@ class L2LExecutor:
         alias: bool = True,
         delayed_update: bool = False,
         offload_activations: bool = False,
+        init_worker: Callable[[], None] | None = None,
     ) -> None:
         if offload_activations and not checkpoint_blocks:
             raise ValueError(
@@ -79,7 +80,9 @@ class L2LExecutor:
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
         self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
         self.streamer = Streamer(self.store, device, self.stats, alias=alias)
-        self.delayed = DelayedUpdate(self.store, self.stats) if delayed_update else None
+        # runs first in every host-step / delayed-update thread (the thread budget, HostThreads)
+        self.init_worker = init_worker
+        self.delayed = DelayedUpdate(self.store, self.stats, init_worker) if delayed_update else None
         self.activations = ActivationOffload(device, self.stats, self.streamer.copy_stream) if offload_activations else None
         self._backward = False
         # the block whose forward turns into the backward at once (see the module docstring)
@@ -218,7 +221,7 @@ class L2LExecutor:
         scaling: all need every gradient before any parameter moves)."""
         self._block_step = step
         if step is not None and self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step", initializer=self.init_worker)
 
     def _step_ready(self, step: Callable[[list[nn.Parameter]], None]) -> None:
         """Step every block whose gradients have landed since the last call, in one call.

@@ -63,6 +63,7 @@ from typing_extensions import override
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
+from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.plugins.precision.offload import OffloadPrecision
 
 
@@ -157,6 +158,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self._executor: L2LExecutor | None = None
         self._last_stats = OffloadStats()
         self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
+        self._threads: HostThreads | None = None
 
     @property
     @override
@@ -247,9 +249,13 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         compute_dtype = self._compute_dtype()
         if device.type == "cuda":
             _check_fits(plan, device, compute_dtype)
+        if self._threads is None:  # the rank's CPU budget for the host step and the copies
+            self._threads = HostThreads.plan()
+            self._threads.apply()
         self._executor = L2LExecutor(
             self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks,
             delayed_update=self.delayed_update, offload_activations=self.offload_activations,
+            init_worker=self._threads.init_worker,
         )
         self._executor.attach()
         copies = (
@@ -260,6 +266,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         extras = [
             *([f"host updates one step late after {self.delayed_update_warmup} warm-up steps"] if self.delayed_update else []),
             *(["block-boundary activations parked on the host"] if self.offload_activations else []),
+            self._threads.describe(),
         ]
         rank_zero_info(f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras))
 
@@ -404,6 +411,9 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             self._executor.detach()  # the model computes normally again; stats stay readable
             self._last_stats = self._executor.stats
             self._executor = None
+        if self._threads is not None:
+            self._threads.restore()
+            self._threads = None
         super().teardown()
 
 

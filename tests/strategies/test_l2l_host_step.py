@@ -4,6 +4,7 @@ same weights as plain Lightning, the user's flags honoured, shadows refreshed by
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -260,3 +261,26 @@ def test_delayed_update_steps_the_masters_on_the_fused_kernel(kernel_calls: dict
     assert kernel_calls["_fused_adamw_"] >= 6
     _fit(explicit, _data(), L2LOffloadStrategy(blocks=["Sequential"], delayed_update=True, delayed_update_warmup=0))
     assert _max_diff(auto, explicit) == 0.0
+
+
+def test_host_step_threads_follow_the_rank_budget(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    before = torch.get_num_threads()
+    seen: list[tuple[str, int]] = []
+
+    class Recording(Net):
+        def configure_optimizers(self) -> Any:
+            config = super().configure_optimizers()
+            config["optimizer"].register_step_pre_hook(
+                lambda *_: seen.append((threading.current_thread().name, torch.get_num_threads())))
+            return config
+
+    with caplog.at_level("INFO"):
+        _fit(Recording(functools.partial(torch.optim.AdamW, lr=1e-3)), _data(),
+             L2LOffloadStrategy(blocks=["Sequential"], overlap_step=True), max_steps=2)
+    workers = {n for name, n in seen if name.startswith("l2l-host-step")}
+    assert workers == {1}  # the overlapped block steps ran in the worker, on the budget's one thread
+    assert {n for name, n in seen if not name.startswith("l2l-host-step")} == {1}  # and the final step
+    assert any("host step and copies on 1 intra-op thread; budget 1 CPU core per rank (from SLURM_CPUS_PER_TASK"
+               in r.getMessage() for r in caplog.records)
+    assert torch.get_num_threads() == before  # put back at teardown
