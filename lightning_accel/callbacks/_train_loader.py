@@ -4,8 +4,13 @@ By ``on_train_start`` Lightning 2.6 has processed the train loader (distributed 
 injected, limits computed) and already called ``iter()`` on it in
 ``FitLoop.setup_data``. Replacing the entry in ``fit_loop._combined_loader.flattened``
 and calling ``iter()`` on the data fetcher again makes the first epoch, and every later
-one, draw from the replacement; no batch has been consumed yet, so nothing is lost. The
+one, draw from the replacement; no batch has been trained on yet, so nothing is lost. The
 length is unchanged, so the limits Lightning computed stay valid.
+
+For a loader without a length (a stream), Lightning's fetcher has already read one batch
+ahead, and without workers that read moved the dataset's own position. It is thrown away
+with the old iterator, so a replacement that resumes from that position is told to
+``rewind`` by the batches read, or they would never be trained on.
 """
 
 from __future__ import annotations
@@ -27,6 +32,18 @@ def swap_train_loader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> str | 
     loaders = list(combined.flattened)
     if len(loaders) != 1:
         return f"{len(loaders)} train loaders; only a single train loader is supported"
-    combined.flattened = [wrap(loaders[0])]
+    replacement = wrap(loaders[0])
+    read_here = _batches_read_in_process(combined)
+    if read_here and hasattr(replacement, "rewind"):
+        replacement.rewind(read_here)
+    combined.flattened = [replacement]
     iter(fit_loop._data_fetcher)  # re-create the epoch iterator over the replacement
     return None
+
+
+def _batches_read_in_process(combined: Any) -> int:
+    """Batches the single train loader's current iterator has read in this process (it has no workers)."""
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None) or []
+    if len(iterators) != 1 or getattr(iterators[0], "_num_workers", None) != 0:
+        return 0
+    return int(getattr(iterators[0], "_num_yielded", 0))

@@ -23,14 +23,25 @@ the run is slower than its start by at most the extra waiting of the steps train
 worse candidates, which the report states as the measurement cost. Every switch is at a
 batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
 
-An iterable dataset cannot be resumed part-way, so there the candidates are probed
-back to back in one pause (the loader alone, a few batches each) and the winner starts
-at the next epoch.
+Noise and cores. Each measurement carries its spread, taken on the spot (the standard
+error over the steps, or over the workers' item times): a candidate replaces the start
+only when it waits less by more than twice their combined spread, and among
+candidates within that margin the fewest workers win. Items that keep the workers on
+the CPU (the share of CPU time while loading, measured in this process without workers
+and from ``/proc`` with them) hold the worker count to the rank's CPU budget
+(:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
+
+Streams. An iterable dataset that reports its position (the protocol of
+:mod:`~lightning_accel.prefetch.stream`) is tuned online like a map-style epoch: each
+hand-over starts the new loader at the exact position, so one endless epoch gets the
+chosen settings within it. Any other stream is probed back to back in one pause (the
+loader alone, a few batches each), and ``stream_switch`` says when the winner serves:
+``"next_epoch"`` (default; nothing lost or repeated) or ``"restart"`` (now, with the
+stream started again from its beginning). The report says which, in one line.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,14 +51,16 @@ from typing_extensions import override
 
 from lightning_accel.bench import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
+from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.handover import handover_lead
-from lightning_accel.prefetch.loader_rebuild import RebuildError, is_iterable
+from lightning_accel.prefetch.loader_rebuild import RebuildError
 from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
-from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
+from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget, spread
 from lightning_accel.prefetch.settings import LoaderSettings
-from lightning_accel.prefetch.tunable_loader import TunableLoader
+from lightning_accel.prefetch.stream import why_not_resumable
+from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 
 
@@ -60,19 +73,23 @@ class PrefetchTuner(Callback):
     """Tunes ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``persistent_workers`` of the train loader.
 
     Args:
-        max_workers: worker processes per rank at most; ``None``: 4 x cores / ranks on this machine.
+        max_workers: worker processes per rank at most; ``None``: 4 x the rank's CPU budget
+            (affinity, cgroup quota, SLURM, local ranks). CPU-bound items stay within the budget.
         memory_budget_bytes: bytes of buffered batches per rank at most
             (workers x prefetch_factor x batch bytes); ``None``: half the free RAM / shared memory.
         warmup_steps: steps ignored before measuring (worker start-up; a loader without
             workers has none, so there its first step counts).
-        trial_steps: steps measured at most to decide whether training is data-bound; one is
-            enough when it waited over 3x as long for its batch as it computed, two when each
-            waited longer (clearly data-bound).
+        trial_steps: steps measured at most to decide whether training is data-bound; two are
+            enough when each waited longer for its batch than it computed (clearly data-bound;
+            two also give the measurement its spread).
         max_search_steps: the search must be decided by this step; it starts after step
             ``warmup_steps + trial_steps``, which must come before it, and tries no candidate
             it could not judge in time.
         cache_path: JSON file of tuned settings per dataset and machine; a hit skips the search.
         data_bound_fraction: share of time waiting above which the loader is tuned.
+        stream_switch: for an iterable dataset that cannot report its position:
+            ``"next_epoch"`` (default, loses no data) or ``"restart"`` (the tuned settings
+            serve now and the stream starts again from its beginning).
     """
 
     def __init__(
@@ -84,6 +101,7 @@ class PrefetchTuner(Callback):
         max_search_steps: int = 30,
         cache_path: str | None = None,
         data_bound_fraction: float = 0.1,
+        stream_switch: str = "next_epoch",
     ) -> None:
         if max_workers is not None or memory_budget_bytes is not None:
             # One-line errors now, before any work; a value left as None is checked as a valid placeholder.
@@ -99,6 +117,15 @@ class PrefetchTuner(Callback):
             )
         if not 0 < data_bound_fraction < 1:
             raise ValueError(f"data_bound_fraction={data_bound_fraction!r} must lie strictly between 0 and 1; pass e.g. 0.1")
+        if stream_switch not in STREAM_SWITCHES:
+            raise ValueError(
+                f"stream_switch={stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
+                "or 'restart' (switch now, the stream starts again)"
+            )
+        self.stream_switch = stream_switch
+        self.cpu: CpuBudget | None = None
+        self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
+        self.cpu_busy_threshold = 0.5  # workers' CPU share above which items count as CPU-bound
         self.max_workers = max_workers
         self.memory_budget_bytes = memory_budget_bytes
         self.warmup_steps = warmup_steps
@@ -124,12 +151,13 @@ class PrefetchTuner(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._done = True
+        self.cpu = cpu_budget(trainer.num_devices)
         self._budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
         self._cuda = pl_module.device.type == "cuda"
         cached = self._cached(trainer)
         try:
             # A cache hit serves with the tuned settings from the very first batch.
-            why_not = swap_train_loader(trainer, lambda loader: TunableLoader(loader, cached))
+            why_not = swap_train_loader(trainer, lambda loader: TunableLoader(loader, cached, self.stream_switch))
         except RebuildError as err:
             why_not = str(err)
         if why_not is not None:
@@ -197,11 +225,11 @@ class PrefetchTuner(Callback):
         return self.warmup_steps if self.loader.settings.num_workers > 0 else 0  # read before any switch
 
     def _clearly_data_bound(self) -> bool:
-        """No need to measure more: one step that waited over 3x its compute, or two that each waited longer."""
+        """No need to measure more: two steps that each waited longer than they computed."""
         skip = self._skip
         waits, steps = self.meter.waits[skip : len(self.meter)], self.meter.steps[skip:]
         pairs = list(zip(waits, steps))
-        return (len(pairs) >= 1 and all(w > 3 * s for w, s in pairs)) or (len(pairs) >= 2 and all(w > s for w, s in pairs))
+        return len(pairs) >= 2 and all(w > s for w, s in pairs)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,13 +262,28 @@ class PrefetchTuner(Callback):
         )
         # The first steps already measured the start: without workers the loader works only while
         # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
-        # arrives every wait + step.
-        self.search.record(start, measured.wait_s if start.num_workers == 0 else measured.wait_s + measured.step_s)
+        # arrives every wait + step. Their spread over the steps is the noise of that measurement.
+        n = len(self.meter)
+        waits, steps = self.meter.waits[self._skip : n], self.meter.steps[self._skip : n]
+        samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
+        self.search.record(start, sum(samples) / len(samples), spread(samples))
+        if start.num_workers == 0:
+            self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
+        else:
+            self._hold_to_cpu_budget(self.loader.cpu_busy(self.cpu.cores if self.cpu else 1), f"{start.num_workers} workers")
         self._search_from = len(self.meter)
-        if is_iterable(self.loader.loader):
+        if not self.loader.resumable:
             self._probe_search()
             return
         self._next_candidate()
+
+    def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
+        """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
+        assert self.search is not None and self.cpu is not None
+        if busy is None or busy < self.cpu_busy_threshold or self.search.budget.max_workers <= self.cpu.cores:
+            return
+        self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
+        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% CPU busy, {where}): workers held to the CPU budget, {self.cpu}"
 
     def _lead(self, candidate: LoaderSettings) -> int:
         """Batches the current loader still serves while the candidate's workers fill up
@@ -260,7 +303,7 @@ class PrefetchTuner(Callback):
             trial.interval_s if trial is not None else None,
             candidate.num_workers,
             self.search.step_s,
-            os.cpu_count() or 1,
+            self.cpu.cores if self.cpu is not None else 1,
             cpu_share=share,
             max_lead=self.max_lead,
         )
@@ -293,14 +336,16 @@ class PrefetchTuner(Callback):
             return  # still being prepared
         w = max(1, candidate.num_workers)
         stamps = self.loader.stamps
-        if len(stamps) < 2 * w:
+        needed = 2 * w if w > 1 else 3  # at least two item times, for their spread
+        if len(stamps) < needed:
             return
         # Worker j made batches j and j + w back to back (both were queued when it started), so
         # their finish times span one item as the w workers make them together: the second
         # round, past the burst of forking and starting all at once.
-        item_s = sum(max(0.0, stamps[j + w] - stamps[j]) for j in range(w)) / w
-        interval = item_s / w
-        self.search.record(candidate, interval)
+        items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(needed - w)]
+        self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w)
+        if candidate.num_workers:
+            self._hold_to_cpu_budget(self.loader.cpu_busy(self.cpu.cores if self.cpu else 1), f"{w} workers")
         self._trying = None
         self._next_candidate()
 
@@ -309,7 +354,7 @@ class PrefetchTuner(Callback):
         self._done = True
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        target = best.settings if best.wait_s < baseline.wait_s else self._start
+        target = best.settings if self.search.beats(best, baseline) else self._start
         # At the end of training nothing is left to serve: only the report and the cache see the result.
         if not cut_short and self.loader.settings != target:
             try:
@@ -320,7 +365,7 @@ class PrefetchTuner(Callback):
         self.measurement_cost_s = self._search_cost(baseline.wait_s)
         steps = len(self.meter) - self._search_from
         if target == self._start:
-            self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less"
+            self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
         else:
             self.chosen = target
             self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (
@@ -334,7 +379,7 @@ class PrefetchTuner(Callback):
         return sum(max(0.0, w - start_wait_s) for w in self.meter.waits[self._search_from : len(self.meter)])
 
     def _probe_search(self) -> None:
-        """Iterable datasets: probe each candidate back to back in one pause; the best from the next epoch."""
+        """Streams without a position: probe each candidate back to back in one pause; ``stream_switch`` says when."""
         assert self.loader is not None and self.search is not None
         self._done = True
         while (candidate := self.search.propose()) is not None:
@@ -345,11 +390,11 @@ class PrefetchTuner(Callback):
                 return
             self.measurement_cost_s += probe.elapsed_s
             self.search.batch_bytes = max(self.search.batch_bytes, probe.batch_bytes)
-            self.search.record(candidate, probe.interval_s)
+            self.search.record(candidate, probe.interval_s, probe.spread_s)
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        if best.settings == self._start or best.wait_s >= baseline.wait_s:
-            self.reason = "kept your loader: no candidate would wait less"
+        if best.settings == self._start or not self.search.beats(best, baseline):
+            self.reason = "kept your loader: no candidate would wait less by more than the noise"
             return
         try:
             self.loader.switch(best.settings)
@@ -357,7 +402,13 @@ class PrefetchTuner(Callback):
             self._keep(str(err))
             return
         self.chosen = best.settings
-        self.reason = f"fastest of {len(self.search.trials)} probed within the budget, used from the next epoch (iterable dataset)"
+        why = why_not_resumable(self.loader.dataset)
+        if self.stream_switch == "restart":
+            when = f"serving now, the stream restarted from its beginning ({why}; stream_switch='restart')"
+        else:
+            when = f"used from the next epoch ({why}); pass stream_switch='restart' to switch now, restarting the stream"
+        self.reason = f"fastest of {len(self.search.trials)} probed within the budget, {when}"
+        rank_zero_info(f"PrefetchTuner: {self.chosen.label()} {when}")
         if self.cache_path:
             cache.store(self.cache_path, self._cache_key, self.chosen)
 
@@ -375,19 +426,21 @@ class PrefetchTuner(Callback):
             rows = [
                 [
                     t.settings.label(),
-                    1000 * t.interval_s,
+                    f"{1000 * t.interval_s:.1f} +- {1000 * t.spread_s:.1f}",
                     1000 * t.wait_s,
                     f"{t.settings.buffered_batches * self.search.batch_bytes / 2**20:.0f}",
                     "<- chosen" if self.chosen == t.settings else ("start" if i == 0 else ""),
                 ]
                 for i, t in enumerate(self.search.trials)
             ]
-            table = format_table(["settings", "ms/batch", "pred. wait ms", "buffer MiB", ""], rows)
+            table = format_table(["settings", "ms/batch +- s.e.", "pred. wait ms", "buffer MiB", ""], rows)
             lines += ["  " + line for line in table.splitlines()]
             lines.append(
                 f"  budget per rank: {budget.max_workers} workers, {budget.memory_bytes / 2**20:.0f} MiB; "
                 f"search over by step {self.finished_step}; measurement cost {self.measurement_cost_s:.1f} s"
             )
+            if self.cpu_note:
+                lines.append(f"  {self.cpu_note}")
         return "\n".join(lines)
 
     def trials_csv(self) -> str:

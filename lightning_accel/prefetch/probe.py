@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accel.prefetch.loader_rebuild import is_iterable, more_workers_than_cores, rebuild_loader
+from lightning_accel.prefetch.search import spread
 from lightning_accel.prefetch.settings import LoaderSettings
 
 
@@ -28,6 +29,7 @@ class Probe:
     batches: int  # batches pulled
     elapsed_s: float  # wall time the probe cost, start-up included
     batch_bytes: int  # bytes of tensors in the first batch
+    spread_s: float = 0.0  # standard error of interval_s over whole rounds of workers (0: one round)
 
 
 def batch_nbytes(batch: Any) -> int:
@@ -80,8 +82,12 @@ def measure_loader(
         shutdown = getattr(iterator, "_shutdown_workers", None)
         if shutdown is not None:
             shutdown()
+    noise = 0.0
     if len(arrivals) < 2:
         interval = arrivals[0] - start if arrivals else float("inf")
     else:
         interval = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
-    return Probe(interval, len(arrivals), clock() - start, nbytes)
+        w = max(1, settings.num_workers)  # per round of w batches: the samples whose spread is the noise
+        rounds = [(arrivals[i + w] - arrivals[i]) / w for i in range(0, len(arrivals) - w, w)]
+        noise = spread(rounds)
+    return Probe(interval, len(arrivals), clock() - start, nbytes, noise)

@@ -9,7 +9,10 @@ the start), starting at the first count that a model of the start's measurement 
 enough (item time / step time, as if workers overlapped perfectly), while that wait
 shrinks; then it tries the midpoints between the best and the counts measured on either
 side of it (or, after a jump, halfway down), then a deeper ``prefetch_factor``; it
-stops as soon as the predicted wait is negligible or the gains flatten. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
+stops as soon as the predicted wait is negligible or the gains flatten. Every measurement
+carries its spread (the standard error of its samples, taken on the spot): a gain within
+twice the combined spread is noise, so it neither counts as progress nor lets more
+workers win over fewer. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
 measurement: pinning only helps a CUDA copy, and persistence only saves the worker
 start-up at each epoch boundary. The object is pure: it never touches a loader or a
 clock, so the policy is tested against a simulated loader with a known optimum.
@@ -21,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from lightning_accel.cpu_budget import cpu_budget
 from lightning_accel.prefetch.settings import LoaderSettings
 
 
@@ -52,6 +56,21 @@ class Trial:
     settings: LoaderSettings
     interval_s: float  # measured seconds between batches, loader alone
     wait_s: float  # predicted wait per step: max(0, interval_s - step_s), or interval_s without workers
+    spread_s: float = 0.0  # standard error of interval_s from its samples (0: a single sample)
+
+
+def noise(a: Trial, b: Trial) -> float:
+    """Differences between two trials' intervals below this are noise: twice their combined standard error."""
+    return 2.0 * math.hypot(a.spread_s, b.spread_s)
+
+
+def spread(samples: list[float]) -> float:
+    """Standard error of the mean of ``samples`` (0 for fewer than two)."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mean = sum(samples) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in samples) / (n - 1) / n)
 
 
 @dataclass
@@ -84,20 +103,24 @@ class PrefetchSearch:
             persistent_workers=workers > 0,
         )
 
-    def record(self, settings: LoaderSettings, interval_s: float) -> Trial:
+    def record(self, settings: LoaderSettings, interval_s: float, spread_s: float = 0.0) -> Trial:
         # Without workers the loader only runs while the step waits for it: no overlap.
         wait = interval_s if settings.num_workers == 0 else max(0.0, interval_s - self.step_s)
-        trial = Trial(settings, interval_s, wait)
+        trial = Trial(settings, interval_s, wait, spread_s)
         self.trials.append(trial)
         return trial
 
+    def beats(self, candidate: Trial, incumbent: Trial) -> bool:
+        """``candidate`` waits less than ``incumbent`` by more than the noise of both measurements."""
+        return incumbent.wait_s - candidate.wait_s > noise(candidate, incumbent)
+
     @property
     def best(self) -> Trial | None:
-        """Least predicted wait; among near-ties (within ``negligible`` of a step) the fewest workers."""
+        """Least predicted wait; among near-ties (within ``negligible`` of a step, or the noise) the fewest workers."""
         if not self.trials:
             return None
-        least = min(t.wait_s for t in self.trials)
-        close = [t for t in self.trials if t.wait_s <= least + self.negligible * self.step_s]
+        least = min(self.trials, key=lambda t: t.wait_s)
+        close = [t for t in self.trials if t.wait_s <= least.wait_s + max(self.negligible * self.step_s, noise(t, least))]
         return min(close, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s))
 
     def _done(self) -> bool:
@@ -168,8 +191,9 @@ class PrefetchSearch:
         last = workers[-1]
         if len(workers) >= 2:
             previous = workers[-2]
-            if last.interval_s > (1 - self.min_gain) * previous.interval_s:
-                return None  # the last doubling did not pay: gains flattened
+            gain = previous.interval_s - last.interval_s
+            if gain < self.min_gain * previous.interval_s or gain <= noise(last, previous):
+                return None  # the last doubling did not pay (or not beyond the noise): gains flattened
         candidate = self._settings(2 * last.settings.num_workers)
         return candidate if self._fits(candidate) and not self._tried(candidate) else None
 
@@ -220,12 +244,14 @@ def default_budget(
     """The per-rank budget: given values are checked, missing ones computed.
 
     Workers that mostly wait on I/O cost little CPU, so the worker cap is 4 x the
-    cores, not the core count; the memory cap is half of what is free. Both are
-    split between the ranks on this machine.
+    rank's CPU budget (:func:`~lightning_accel.cpu_budget.cpu_budget`: affinity, cgroup
+    quota, SLURM and local ranks), not the core count; items that keep the workers on
+    the CPU are held to the budget itself by the tuner once measured. The memory cap is
+    half of what is free, split between the ranks on this machine.
     """
     ranks = max(1, local_world_size)
     if max_workers is None:
-        max_workers = max(1, 4 * (os.cpu_count() or 1) // ranks)
+        max_workers = 4 * cpu_budget(ranks).cores
     if memory_bytes is None:
         memory_bytes = max(1, _available_memory_bytes() // (2 * ranks))
     return Budget(max_workers, memory_bytes)

@@ -30,6 +30,7 @@ buffered before the switch.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -107,7 +108,29 @@ class _Inner:
     def start(self) -> Iterator:
         with more_workers_than_cores():
             self.iterator = iter(self.loader)  # workers start fetching now
+        self.started_at = time.monotonic()
         return self.iterator
+
+    def cpu_busy(self, cores: int) -> float | None:
+        """The workers' CPU seconds per second since they started, over the cores they can use (Linux ``/proc``).
+
+        Near 0 when items wait on I/O, near 1 when they keep the workers on the CPU
+        (whatever their count: eight CPU-bound workers on two cores use two cores).
+        ``None`` without workers or where ``/proc`` cannot be read.
+        """
+        workers = getattr(self.iterator, "_workers", None)
+        if not workers or getattr(self, "started_at", None) is None:
+            return None
+        cpu = 0.0
+        for worker in workers:
+            try:
+                with open(f"/proc/{worker.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                return None
+            cpu += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        elapsed = time.monotonic() - self.started_at
+        return cpu / (elapsed * min(len(workers), max(1, cores))) if elapsed > 0 else None
 
     def start_in_background(self) -> None:
         """Fork the workers on a thread: forking a process holding a big heap takes ~50 ms per worker."""
@@ -208,6 +231,18 @@ class TunableLoader:
         """Batches handed out so far this epoch."""
         return self._consumed
 
+    def rewind(self, batches: int) -> None:
+        """The user's loader read ``batches`` in this process before the wrap, and nobody trained on them.
+
+        For a resumable stream, its position moves back by their items, so the first epoch
+        serves them (see ``callbacks._train_loader``); a map-style epoch or a stream that
+        restarts anyway needs nothing.
+        """
+        state = stream_state(self.loader.dataset) if is_iterable(self.loader) else None
+        if state is not None and batches > 0:
+            position = max(0, state["position"] - batches * self._items_per_batch)
+            self.loader.dataset.load_state_dict({**state, "position": position})
+
     @property
     def switches_mid_epoch(self) -> bool:
         """Whether :meth:`prepare` can take effect within this epoch (else: at the next one)."""
@@ -300,6 +335,10 @@ class TunableLoader:
                 self.stamps = []
                 self.switches += 1
             self._pending = None
+
+    def cpu_busy(self, cores: int) -> float | None:
+        """:meth:`_Inner.cpu_busy` of the loader serving now."""
+        return self._inner.cpu_busy(cores) if self._inner is not None else None
 
     def step_started(self) -> None:
         """The loop started computing on its batch: older served batches may be freed now, off its thread."""

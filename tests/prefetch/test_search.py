@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_accel.prefetch import Budget, LoaderSettings, PrefetchSearch, default_budget
+from lightning_accel.prefetch import Budget, LoaderSettings, PrefetchSearch, Trial, default_budget
 
 MB = 1 << 20
 
@@ -114,3 +114,36 @@ def test_default_budget_splits_between_ranks():
     assert one.max_workers >= four.max_workers >= 1
     assert four.memory_bytes <= one.memory_bytes // 3  # free memory may move a little in between
     assert default_budget(max_workers=3, memory_bytes=7) == Budget(3, 7)
+
+
+def test_a_gain_within_the_noise_does_not_replace_the_start():
+    # Issue 15's CPU-bound case: 68.7 -> 68.1 ms per batch is 1%, inside a 2 ms standard error.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.005, batch_bytes=MB, budget=Budget(8, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.0687, spread_s=0.002)
+    eight = search.record(LoaderSettings(8, 2), 0.0681 + 0.005, spread_s=0.002)  # wait 68.1 ms with workers
+    assert not search.beats(eight, start)
+    assert search.best is start  # within the noise: the fewest workers
+    # The same gain measured without noise would count; a large one counts despite the noise.
+    assert search.beats(Trial(eight.settings, eight.interval_s, eight.wait_s, 0.0), Trial(start.settings, 0.0687, 0.0687))
+    four = search.record(LoaderSettings(4, 2), 0.030, spread_s=0.002)
+    assert search.beats(four, start) and search.best is four
+
+
+def test_noisy_doubling_stops_when_the_gain_is_inside_the_spread():
+    search = PrefetchSearch(LoaderSettings(), step_s=0.01, batch_bytes=MB, budget=Budget(16, 10_000 * MB), guess=False)
+    search.record(search.propose(), 0.2, 0.01)
+    assert search.propose() == LoaderSettings(2, 2, persistent_workers=True)
+    search.record(LoaderSettings(2, 2, persistent_workers=True), 0.12, 0.01)
+    assert search.propose().num_workers == 4  # 40% faster, far outside the noise: keep doubling
+    search.record(LoaderSettings(4, 2, persistent_workers=True), 0.10, 0.015)
+    # 17% faster (above min_gain) but within 2 x hypot(10, 15) ms = 36 ms of noise: no 8.
+    assert all(s.num_workers != 8 for s in run(search, lambda s: 0.1))
+
+
+def test_default_budget_follows_the_cpu_budget(monkeypatch):
+    import lightning_accel.prefetch.search as search_module
+    from lightning_accel.cpu_budget import CpuBudget
+
+    monkeypatch.setattr(search_module, "cpu_budget", lambda ranks: CpuBudget(max(1, 3 // ranks), "affinity", ranks, "given"))
+    assert default_budget(local_world_size=1).max_workers == 12  # 4 x 3 cores for I/O-bound items
+    assert default_budget(local_world_size=2).max_workers == 4

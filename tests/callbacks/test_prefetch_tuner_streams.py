@@ -1,0 +1,137 @@
+"""PrefetchTuner on streams (one endless epoch) and on CPU-bound items within the CPU budget."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+import lightning_accel.callbacks.prefetch_tuner as tuner_module
+import lightning_accel.prefetch.search as search_module
+from lightning_accel.callbacks import DataWaitMonitor, PrefetchTuner
+from lightning_accel.cpu_budget import CpuBudget
+from lightning_accel.prefetch import LoaderSettings
+from lightning_accel.prefetch.stream import PositionStream
+
+
+class SlowPositions(PositionStream):
+    """An endless stream; position ``p`` is ``(p, x)`` after ``latency_s`` of I/O."""
+
+    def __init__(self, latency_s: float) -> None:
+        super().__init__()
+        self.latency_s = latency_s
+
+    def read(self, position: int):
+        time.sleep(self.latency_s)
+        return torch.tensor(position), torch.full((4,), float(position))
+
+
+class SlowStream(IterableDataset):
+    """The same stream without a position: worker k of W yields k, k + W, ... forever."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+
+    def __iter__(self):
+        info = get_worker_info()
+        k, w = (0, 1) if info is None else (info.id, info.num_workers)
+        p = k
+        while True:
+            time.sleep(self.latency_s)
+            yield torch.tensor(p), torch.full((4,), float(p))
+            p += w
+
+
+def steady_wait(monitor: DataWaitMonitor, last: int = 10) -> float:
+    return statistics.median(monitor.meter.waits[: len(monitor.meter.steps)][-last:])
+
+
+def test_endless_stream_is_tuned_within_its_one_epoch(recorder, make_trainer):
+    # The held-out run, shrunk 4x: 50 ms of I/O per item, a 12 ms step, DataLoader defaults.
+    tuner, monitor = PrefetchTuner(max_workers=8, max_search_steps=40), DataWaitMonitor()
+    model = recorder(step_s=0.012)
+    make_trainer([tuner, monitor], max_steps=90).fit(model, DataLoader(SlowPositions(0.05), batch_size=1))
+    assert tuner.chosen is not None and tuner.chosen.num_workers >= 4, tuner.report()
+    assert tuner.loader.settings == tuner.chosen and tuner.loader.restarts == 0
+    assert "serving from the next batches" in tuner.reason
+    # Every position once, in an unbroken prefix (the last round of workers may be partly served).
+    served = model.indices
+    assert len(served) == 90 == len(set(served))
+    w = tuner.chosen.num_workers
+    assert sorted(served)[: 90 - w] == list(range(90 - w))
+    # Steady state inside the same epoch: the untuned wait was ~50 ms per step.
+    assert steady_wait(monitor) < 0.02
+
+
+def test_stream_without_position_keeps_its_settings_this_epoch_and_says_so(recorder, make_trainer, caplog):
+    tuner = PrefetchTuner(max_workers=4, max_search_steps=20)
+    model = recorder(step_s=0.005)
+    with caplog.at_level("INFO"):
+        make_trainer([tuner], max_steps=20).fit(model, DataLoader(SlowStream(0.02), batch_size=1))
+    assert tuner.chosen is not None and tuner.loader.settings == LoaderSettings(0)  # not now: next epoch
+    line = "used from the next epoch (SlowStream cannot report its position (no state_dict/load_state_dict)); " \
+        "pass stream_switch='restart' to switch now, restarting the stream"
+    assert line in tuner.reason and any(line in r.getMessage() for r in caplog.records)
+    assert model.indices == list(range(20))  # nothing lost or repeated
+
+
+def test_stream_without_position_restarts_now_when_asked(recorder, make_trainer):
+    tuner = PrefetchTuner(max_workers=4, max_search_steps=20, stream_switch="restart")
+    model = recorder(step_s=0.005)
+    make_trainer([tuner], max_steps=30).fit(model, DataLoader(SlowStream(0.02), batch_size=1))
+    assert tuner.chosen is not None and tuner.loader.settings == tuner.chosen and tuner.loader.restarts == 1
+    assert "serving now, the stream restarted from its beginning" in tuner.reason
+    first = model.indices.index(0, 1)  # the restart: position 0 comes again
+    assert model.indices[:first] == list(range(first)) and sorted(set(model.indices[first:])) == sorted(model.indices[first:])
+
+
+def test_bad_stream_switch_is_refused():
+    with pytest.raises(ValueError, match=r"stream_switch='later' is not one of \('next_epoch', 'restart'\)"):
+        PrefetchTuner(stream_switch="later")
+
+
+class Busy(Dataset):
+    """Item ``i`` costs ~``cpu_s`` of pure-Python CPU work (like decoding), no I/O."""
+
+    def __init__(self, n: int, cpu_s: float) -> None:
+        self.n, self.cpu_s = n, cpu_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        end = time.process_time() + self.cpu_s
+        x = 0
+        while time.process_time() < end:
+            x += 1
+        return torch.tensor(i), torch.full((4,), float(i))
+
+
+def test_cpu_bound_items_stay_within_the_cpu_budget(recorder, make_trainer, monkeypatch):
+    one_core = CpuBudget(1, "SLURM_CPUS_PER_TASK", 1, "given", {"affinity": 2.0, "SLURM_CPUS_PER_TASK": 1.0})
+    monkeypatch.setattr(tuner_module, "cpu_budget", lambda ranks: one_core)
+    monkeypatch.setattr(search_module, "cpu_budget", lambda ranks: one_core)
+    tuner = PrefetchTuner(max_search_steps=40)
+    model = recorder(step_s=0.001)
+    make_trainer([tuner], max_steps=40).fit(model, DataLoader(Busy(40, 0.02), batch_size=1))
+    assert tuner.search is not None and "CPU-bound items" in tuner.cpu_note, tuner.report()
+    assert "1 CPU core per rank (from SLURM_CPUS_PER_TASK" in tuner.cpu_note
+    # The start (no workers) measured its CPU share in this process: every candidate is within the budget.
+    assert all(t.settings.num_workers <= 1 for t in tuner.search.trials[1:])
+    assert tuner.chosen is None or tuner.chosen.num_workers <= 1
+    assert sorted(model.indices) == list(range(40))
+
+
+def test_worker_cpu_share_tells_cpu_from_io(sleepy):
+    from lightning_accel.prefetch import TunableLoader
+
+    for data, low, high in ((Busy(12, 0.05), 0.3, 1.01), (sleepy(12, latency_s=0.05), 0.0, 0.2)):
+        loader = TunableLoader(DataLoader(data, batch_size=1, num_workers=1))
+        it = iter(loader)
+        batches = [next(it) for _ in range(10)]  # mid-epoch: the worker is alive
+        busy = loader.cpu_busy(cores=1)
+        loader.close()
+        assert len(batches) == 10 and busy is not None and low <= busy <= high, (type(data).__name__, busy)
