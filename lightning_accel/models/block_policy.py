@@ -10,7 +10,15 @@ Policies:
 - a set of module classes (or class names / dotted paths, as a Hydra config gives them):
   every outermost submodule of one of those classes;
 - ``"auto"``: the children of the longest ``nn.ModuleList``/``nn.Sequential`` whose
-  children all share one class (GPT's ``blocks``, a ResNet stage list, an MLP stack);
+  children all share one class (GPT's ``blocks``, transformers Llama's ``model.layers``,
+  GPT-2's and litgpt's ``transformer.h``, a ResNet stage list, an MLP stack), ranked by
+  (length, parameters). A mixed ``nn.Sequential`` (children of different classes, the
+  classic torchgpipe / FairScale Pipe input) has each child as a block when it is the
+  model itself, when no same-class container exists, or when the best same-class container
+  lies *inside* one of its children (then that container is a detail of one layer, e.g. a
+  list of heads); the largest such Sequential (parameters, then length) is taken. A
+  same-class container that is itself a child of a mixed Sequential still wins: it splits
+  finer (``Sequential(embed, Sequential(*blocks), head)`` gives the blocks);
 - a callable ``model -> iterable of submodules``.
 """
 
@@ -57,21 +65,53 @@ def _resolve_classes(model: nn.Module, policy: Iterable[type | str]) -> tuple[ty
     return tuple(classes)
 
 
+def _containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+
+
+def _uniform(container: nn.Module) -> bool:
+    return len({type(child) for child in container}) == 1
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _inside_a_child(inner: str, outer: str) -> bool:
+    """Whether ``inner`` lies strictly inside one child of the container ``outer``."""
+    prefix = f"{outer}." if outer else ""
+    return inner.startswith(prefix) and "." in inner[len(prefix):]
+
+
 def _auto(model: nn.Module) -> list[Block]:
-    best: tuple[int, int, str, nn.Module] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        if len({type(child) for child in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        key = (len(module), size)
-        if best is None or key > best[:2]:
-            best = (len(module), size, name, module)
-    if best is None:
+    candidates = [(n, m) for n, m in _containers(model) if len(m) >= 2]
+    uniform = [(n, m) for n, m in candidates if _uniform(m)]
+    mixed = [(n, m) for n, m in candidates if isinstance(m, nn.Sequential) and not _uniform(m)]
+    best = max(uniform, key=lambda c: (len(c[1]), _size(c[1])), default=None)
+    if isinstance(model, nn.Sequential) and len(model) >= 2 and not _uniform(model):
+        chosen: tuple[str, nn.Module] | None = ("", model)  # the model is a torchgpipe-style Sequential
+    else:
+        # mixed Sequentials that beat the best same-class container: none exists, or it is a detail of one child
+        eligible = [c for c in mixed if best is None or _inside_a_child(best[0], c[0])]
+        outer = max(eligible, key=lambda c: (_size(c[1]), len(c[1])), default=None)
+        chosen = outer if outer is not None else best
+    if chosen is None:
         return []
-    _, _, prefix, container = best
+    prefix, container = chosen
     return [Block(f"{prefix}.{i}" if prefix else str(i), child) for i, child in enumerate(container)]
+
+
+def _candidates_line(model: nn.Module) -> str:
+    seen = _containers(model)
+    if not seen:
+        return "candidates: none (the model has no nn.ModuleList or nn.Sequential)"
+    shown = [
+        f"{n or '<model>'} ({type(m).__name__}, {len(m)} child{'' if len(m) == 1 else 'ren'}"
+        f"{'' if len(m) < 2 or _uniform(m) else ', mixed classes'})"
+        for n, m in seen[:8]
+    ]
+    more = f", and {len(seen) - 8} more" if len(seen) > 8 else ""
+    return f"candidates: {', '.join(shown)}{more}"
 
 
 def find_blocks(model: nn.Module, policy: BlockPolicy = "auto") -> list[Block]:
@@ -82,7 +122,7 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = "auto") -> list[Block]:
     names = {id(m): n for n, m in model.named_modules()}
     if isinstance(policy, str) and policy == "auto":
         blocks = _auto(model)
-        described = "'auto' (the longest ModuleList of one class)"
+        described = "'auto' (the longest ModuleList/Sequential of one class, or a mixed nn.Sequential)"
     elif callable(policy) and not isinstance(policy, type):
         chosen = list(policy(model))  # type: ignore[operator]
         unknown = [type(m).__name__ for m in chosen if id(m) not in names]
@@ -104,11 +144,17 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = "auto") -> list[Block]:
         described = f"classes {', '.join(_class_name(c) for c in classes)}"
     if not blocks:
         raise ValueError(
-            f"no blocks found in {type(model).__name__} under {described}; pass blocks=<the repeated "
-            "block class>, e.g. blocks=['GPTBlock'], or a callable returning the block modules"
+            f"no blocks found in {type(model).__name__} under {described}; {_candidates_line(model)}; "
+            "pass blocks=<the repeated block class>, e.g. blocks=['GPTBlock'], or a callable returning the block modules"
         )
-    if len({id(b.module) for b in blocks}) != len(blocks):
-        raise ValueError("the block policy returned the same module twice; each block must appear once")
+    first: dict[int, str] = {}
+    for b in blocks:
+        if id(b.module) in first:
+            raise ValueError(
+                f"blocks {first[id(b.module)]!r} and {b.name!r} are the same {type(b.module).__name__} object; each block "
+                "must appear once (nn.Sequential(*[m] * n) repeats one module: build each layer separately)"
+            )
+        first[id(b.module)] = b.name
     return blocks
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_accel.models import GPT, MLP, GPTBlock
@@ -58,9 +59,82 @@ def test_callable_policy() -> None:
     assert [b.name for b in blocks] == ["blocks.0", "blocks.2"]
 
 
+def _mixed_layers(n: int = 4) -> list[nn.Module]:
+    return [*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(n)), nn.Linear(8, 2)]
+
+
+def test_auto_takes_a_mixed_sequential_model_child_by_child() -> None:
+    # the torchgpipe input: the model IS a Sequential of different layer classes
+    net = nn.Sequential(*_mixed_layers())
+    blocks = find_blocks(net)
+    assert [b.name for b in blocks] == ["0", "1", "2", "3", "4"]
+    assert all(b.module is m for b, m in zip(blocks, net))
+
+
+class Wrapped(nn.Module):
+    """A mixed Sequential as the model's largest container; inside each layer a same-class list (a detail)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.net = nn.Sequential(nn.Linear(4, 8), Heads(), Heads(), nn.GELU(), nn.Linear(8, 2))
+
+
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([nn.Linear(8, 2) for _ in range(4)])  # longer than net, but inside one layer
+
+
+def test_auto_takes_the_largest_mixed_sequential_over_a_list_inside_one_of_its_layers() -> None:
+    assert [b.name for b in find_blocks(Wrapped())] == [f"net.{i}" for i in range(5)]
+
+
+def test_auto_prefers_a_same_class_sequential_that_is_one_child_of_a_mixed_one() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # embed, the block stack, head: the stack splits finer than the three children
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))), nn.Linear(8, 2))
+
+    assert [b.name for b in find_blocks(Outer())] == ["net.1.0", "net.1.1", "net.1.2"]
+
+
+@pytest.mark.parametrize("maker", ["llama", "gpt2", "litgpt"])
+def test_auto_on_real_models(maker: str) -> None:
+    if maker == "litgpt":
+        litgpt = pytest.importorskip("litgpt")
+        cfg = litgpt.Config(block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=3, n_head=2, n_embd=16)
+        net, expected = litgpt.GPT(cfg), [f"transformer.h.{i}" for i in range(3)]
+    else:
+        transformers = pytest.importorskip("transformers")
+        if maker == "llama":
+            cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                           num_attention_heads=2, num_key_value_heads=1)
+            net, expected = transformers.LlamaForCausalLM(cfg), [f"model.layers.{i}" for i in range(3)]
+        else:
+            cfg = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=3, n_head=2, n_positions=16)
+            net, expected = transformers.GPT2LMHeadModel(cfg), [f"transformer.h.{i}" for i in range(3)]
+    assert [b.name for b in find_blocks(net)] == expected
+
+
 def test_no_blocks_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"no blocks found in Linear under 'auto'.*blocks=\['GPTBlock'\]"):
         find_blocks(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"candidates: none \(the model has no nn.ModuleList or nn.Sequential\)"):
+        find_blocks(nn.Linear(2, 2))
+
+    class OneLayer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(2, 2)])
+            self.mixed = nn.ModuleList([nn.Linear(2, 2), nn.Tanh()])
+
+    with pytest.raises(ValueError, match=r"candidates: layers \(ModuleList, 1 child\), mixed \(ModuleList, 2 children, mixed classes\); pass blocks="):
+        find_blocks(OneLayer())
+    shared = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    with pytest.raises(ValueError, match=r"blocks '0' and '1' are the same Sequential object.*build each layer separately"):
+        find_blocks(nn.Sequential(*[shared] * 4, nn.Linear(8, 2)))
     with pytest.raises(ValueError, match=r"block class 'GPTBlok' is not used in GPT .*GPTBlock"):
         find_blocks(GPT("tiny"), ["GPTBlok"])
     with pytest.raises(ValueError, match=r"returned modules that are not in the model"):
