@@ -14,6 +14,11 @@ measured in the same run (absolute times on shared machines are noise).
   ``OffloadPrecision("bf16-mixed")``; plus the host-to-device bandwidth the offload
   achieved against a plain pinned copy on the same machine. Sizes that do not fit
   without offload are reported as "OOM".
+- Everywhere: the host optimizer step (:mod:`.offload_host_step`): Mparam/s of
+  ``l2l_offload``'s host step against torch's default and fused AdamW, DeepSpeedCPUAdam
+  where importable and a plain memory copy; one call per block against batched calls;
+  the bf16 shadow refresh folded into the update against a separate pass; and the time in
+  ``AdamW.step`` inside a fit against plain training with ``AdamW(fused=True)``.
 """
 
 from __future__ import annotations
@@ -172,7 +177,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--gpu-layers", type=int, nargs="+", default=[12, 24, 48], help="GPT depths for the CUDA table")
+    parser.add_argument("--only", choices=["all", "fit", "host-step"], default="all",
+                        help="fit: the training tables only; host-step: the host optimizer step tables only")
+    parser.add_argument("--host-params", type=float, nargs="+", default=[50, 200],
+                        help="sizes (millions of parameters) of the host-step table")
+    parser.add_argument("--host-rounds", type=int, default=5, help="interleaved rounds of the host-step tables")
+    parser.add_argument("--host-width", type=int, default=1024, help="GPT width whose block shapes the host-step table uses")
+    parser.add_argument("--fit-preset", default="gpt2", help="GPT preset (width) of the in-fit step timing")
+    parser.add_argument("--fit-layers", type=int, default=4, help="GPT (gpt2 width) depth of the in-fit step timing")
+    parser.add_argument("--fit-seq", type=int, default=32, help="sequence length of the in-fit step timing (batch 1)")
+    parser.add_argument("--fit-steps", type=int, default=6, help="steps per round of the in-fit step timing")
     args = parser.parse_args(argv)
-    print(_cuda_table(args) if torch.cuda.is_available() else _cpu_table(args))
+    for flag in ("host_params", "host_rounds", "host_width", "fit_layers", "fit_seq", "fit_steps", "rounds"):
+        values = getattr(args, flag)
+        if any(v <= 0 for v in (values if isinstance(values, list) else [values])):
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {values}; e.g. --host-params 50 200 --host-rounds 5")
+    if args.fit_steps <= args.warmup:
+        parser.error(f"--fit-steps {args.fit_steps} must exceed --warmup {args.warmup} (steps after the warm-up are timed)")
+    if args.only != "host-step":
+        print(_cuda_table(args) if torch.cuda.is_available() else _cpu_table(args))
+    if args.only != "fit":
+        from lightning_accel.benchmarks.offload_host_step import host_step_report
+
+        print(host_step_report(args))
     print(machine_line())
     return 0

@@ -1,0 +1,255 @@
+"""The host optimizer step of ``bench offload``: Mparam/s of L2L's host step against torch's
+kernels, DeepSpeed's CPU Adam (when importable) and a plain memory copy; the per-call cost
+of stepping block by block; the shadow refresh folded into the update or done after it;
+and the time spent in ``AdamW.step`` inside a Lightning fit, l2l_offload against plain
+training with ``AdamW(fused=True)``.
+
+All contenders step the same tensors (one AdamW state, shared) in interleaved rounds
+(A B C A B C ...), so a noisy neighbour hits all of them alike; each figure is the median
+over rounds. The parameters are shaped like GPT blocks (width 1024 by default: GPT-2
+medium's, 12.6M parameters each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_accel.bench import format_table
+from lightning_accel.offload.host_step import FOLD_MIN_NUMEL, group_units, host_update, step_params
+
+# bytes an AdamW step moves per parameter: reads param, grad, exp_avg, exp_avg_sq (16),
+# writes param, exp_avg, exp_avg_sq (12); a copy moving as much copies 14 bytes each way
+ADAMW_BYTES_PER_PARAM = 28
+
+
+def _block(n_embd: int) -> list[nn.Parameter]:
+    """The parameters of one GPT block of width ``n_embd`` (12 n^2 + 13 n)."""
+    shapes = [(3 * n_embd, n_embd), (3 * n_embd,), (n_embd, n_embd), (n_embd,), (4 * n_embd, n_embd), (4 * n_embd,),
+              (n_embd, 4 * n_embd), (n_embd,), (n_embd,), (n_embd,), (n_embd,), (n_embd,)]
+    return [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+
+
+def _blocks(total: float, n_embd: int) -> list[list[nn.Parameter]]:
+    per = 12 * n_embd**2 + 13 * n_embd
+    blocks = [_block(n_embd) for _ in range(max(1, round(total / per)))]
+    for p in (p for b in blocks for p in b):
+        p.grad = torch.randn_like(p) * 1e-3
+    return blocks
+
+
+def _num(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _rounds(contenders: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each contender over interleaved rounds (after one warm-up call each)."""
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: _median(t) for name, t in times.items()}
+
+
+def _deepspeed_adam(params: list[nn.Parameter]) -> tuple[Callable[[], None] | None, str]:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+
+        opt = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.01, adamw_mode=True)
+    except Exception as err:  # not installed, or its JIT build failed: no row
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:80]
+    return opt.step, ""
+
+
+def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tuple[str, dict[str, float]]:
+    """One size: Mparam/s per contender (the copy row is the memory-bandwidth limit)."""
+    blocks = _blocks(total_params, n_embd)
+    params = [p for b in blocks for p in b]
+    n = sum(p.numel() for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)  # foreach/fused unset: what users write
+    fused = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    fused.state = opt.state  # one state: the contenders differ only in how they step it
+    shadows = {p: p.detach().to(torch.bfloat16) for p in params if p.ndim >= 2}
+
+    def refresh(batch: Any) -> None:
+        for p in batch:
+            if p in shadows:
+                shadows[p].copy_(p)
+
+    batches = [[p for i in g for p in blocks[i]] for g in group_units([sum(p.numel() for p in b) for b in blocks], FOLD_MIN_NUMEL)]
+
+    def l2l_fp32() -> None:  # a CPU device in fp32: the shadows are the masters, nothing to refresh
+        with host_update(opt, True):
+            opt.step()
+
+    def l2l_bf16() -> None:  # bf16 compute: batches of blocks, each batch's shadows refreshed right after it
+        with host_update(opt, True, lambda: batches, refresh):
+            opt.step()
+
+    def fused_then_refresh() -> None:
+        fused.step()
+        refresh(params)
+
+    def per_block() -> None:
+        for b in blocks:
+            step_params(opt, b, fuse=True)
+
+    src = torch.empty(n * ADAMW_BYTES_PER_PARAM // 8, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    contenders: dict[str, Callable[[], None]] = {
+        "torch AdamW, foreach/fused unset (default)": opt.step,
+        "torch AdamW(fused=True)": fused.step,
+    }
+    ds_step, _ = _deepspeed_adam(params)
+    if ds_step is not None:
+        contenders["DeepSpeedCPUAdam"] = ds_step
+    contenders |= {
+        "l2l_offload host step (fp32, as on a CPU device)": l2l_fp32,
+        "  same, one optimizer call per block": per_block,
+        "fused step, then bf16 shadow refresh as a separate pass": fused_then_refresh,
+        "l2l_offload host step, bf16 shadows folded (as on a GPU)": l2l_bf16,
+        f"host memory copy of {ADAMW_BYTES_PER_PARAM // 2} B/param (the limit)": lambda: dst.copy_(src),
+    }
+    seconds = _rounds(contenders, rounds)
+    return f"{n / 1e6:.3g}M", {name: n / s / 1e6 for name, s in seconds.items()}
+
+
+def per_call_table(total_params: float, rounds: int) -> str:
+    """What stepping block by block costs at real block sizes: one fused call per block against
+    one call for all blocks, over the same parameters."""
+    rows = []
+    for preset, n_embd in (("tiny", 128), ("small", 384), ("gpt2", 768), ("gpt2-medium", 1024), ("gpt2-xl", 1600)):
+        if 2 * (12 * n_embd**2 + 13 * n_embd) > total_params:
+            continue  # fewer than two blocks: nothing to compare
+        blocks = _blocks(total_params, n_embd)
+        params = [p for b in blocks for p in b]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        batches = [[p for i in g for p in blocks[i]] for g in group_units([sum(p.numel() for p in b) for b in blocks], FOLD_MIN_NUMEL)]
+        seconds = _rounds({
+            "all": lambda: step_params(opt, params, fuse=True),
+            "block": lambda: [step_params(opt, b, fuse=True) for b in blocks],
+            "batched": lambda: [step_params(opt, b, fuse=True) for b in batches],
+        }, rounds)
+        per_block = sum(p.numel() for p in blocks[0])
+        overhead = (seconds["block"] - seconds["all"]) / len(blocks)
+        rows.append([preset, f"{per_block / 1e6:.2f}M", str(len(blocks)), f"{seconds['all'] * 1e3:.1f}",
+                     f"{seconds['block'] * 1e3:.1f}", f"{overhead * 1e6:.0f}", f"{seconds['block'] / seconds['all']:.2f}",
+                     str(len(batches)), f"{seconds['batched'] / seconds['all']:.2f}"])
+        del opt, params, blocks
+    header = ["block of", "params/block", "blocks", "one call ms", "per-block ms", "us/call extra", "per-block / one",
+              "batches", "batched / one"]
+    return (f"fused AdamW over {total_params / 1e6:.3g}M params: one call per block vs one call for all "
+            f"(batched: blocks grouped to >= {FOLD_MIN_NUMEL / 2**20:.0f}Mi params per call)\n" + format_table(header, rows))
+
+
+class _OptimizerClock(pl.Callback):
+    """Seconds spent in ``optimizer.step`` per training step, the closure (forward and
+    backward) excluded; steps after ``warmup``. Wraps the optimizer instance's ``step``, so
+    it also counts the host steps L2L runs in its worker thread."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.per_step: list[float] = []
+        self._current = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        opt = trainer.optimizers[0]
+        real = opt.step
+
+        def timed(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+            inside = 0.0
+
+            def timed_closure() -> Any:
+                nonlocal inside
+                start = time.perf_counter()
+                try:
+                    return closure()  # type: ignore[misc]
+                finally:
+                    inside += time.perf_counter() - start
+
+            start = time.perf_counter()
+            out = real(closure=timed_closure if closure is not None else None, **kwargs)
+            self._current += time.perf_counter() - start - inside
+            return out
+
+        opt.step = timed  # type: ignore[method-assign]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step > self.warmup:
+            self.per_step.append(self._current)
+        self._current = 0.0
+
+
+def in_fit_table(args: argparse.Namespace) -> tuple[str, float]:
+    """Time in AdamW.step inside a Lightning fit on an optimizer-dominated GPT (tiny batch)."""
+    from lightning_accel.benchmarks.offload import _data
+    from lightning_accel.models import GPT, LanguageModelTask
+    from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+
+    contenders: dict[str, tuple[Any, bool | None]] = {
+        "plain Lightning, AdamW(fused=True)": ("auto", True),
+        "plain Lightning, AdamW() (default)": ("auto", None),
+        "l2l_offload, AdamW() (default)": (L2LOffloadStrategy, None),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    params = 0
+    for _ in range(args.rounds):
+        for name, (strategy, fused) in contenders.items():
+            torch.manual_seed(0)
+            net = GPT(preset=args.fit_preset, n_layer=args.fit_layers, block_size=args.fit_seq)
+            model = LanguageModelTask(net, optimizer=lambda p, fused=fused: torch.optim.AdamW(p, lr=1e-4, fused=fused))
+            clock = _OptimizerClock(args.warmup)
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy() if callable(strategy) else strategy,
+                                 max_steps=args.fit_steps, logger=False, enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+            trainer.fit(model, _data(1, args.fit_seq, args.fit_steps))
+            times[name].append(_median(clock.per_step))
+            params = sum(p.numel() for p in model.parameters())
+    median = {name: _median(t) for name, t in times.items()}
+    base = median["plain Lightning, AdamW(fused=True)"]
+    rows = [[name, f"{median[name] * 1e3:.1f}", f"{median[name] / base:.2f}"] for name in contenders]
+    ratio = median["l2l_offload, AdamW() (default)"] / base
+    title = (f"time in AdamW.step per training step (closure excluded), GPT {args.fit_preset}-width x{args.fit_layers} "
+             f"({params / 1e6:.1f}M params), batch 1x{args.fit_seq}, CPU device, {args.rounds} interleaved rounds of "
+             f"{args.fit_steps} steps; target l2l <= 1.10x plain fused")
+    return title + "\n" + format_table(["run", "ms in step (median)", "x plain fused"], rows), ratio
+
+
+def host_step_report(args: argparse.Namespace) -> str:
+    """The host-step tables of ``bench offload`` and the closing line."""
+    columns: dict[str, dict[str, float]] = {}
+    for size in args.host_params:
+        label, rates = host_step_table(size * 1e6, args.host_rounds, args.host_width)
+        columns[label] = rates
+    names = list(next(iter(columns.values())))
+    fused_name = "torch AdamW(fused=True)"
+    rows = [[name, *(_num(columns[c][name]) for c in columns), *(f"{columns[c][name] / columns[c][fused_name]:.2f}" for c in columns)]
+            for name in names]
+    header = ["host step (AdamW)", *(f"Mparam/s @{c}" for c in columns), *(f"x fused @{c}" for c in columns)]
+    out = [f"host optimizer step, blocks shaped like GPT blocks of width {args.host_width}, median of {args.host_rounds} interleaved rounds "
+           f"(copy row: a memcpy moving AdamW's {ADAMW_BYTES_PER_PARAM} B/param)\n" + format_table(header, rows)]
+    if not any(n.startswith("DeepSpeed") for n in names):
+        out.append(f"(no DeepSpeedCPUAdam row: {_deepspeed_adam([nn.Parameter(torch.zeros(1))])[1]})")
+    out.append(per_call_table(args.host_params[0] * 1e6, args.host_rounds))
+    fit, ratio = in_fit_table(args)
+    out.append(fit)
+    last = columns[list(columns)[-1]]
+    ours = last["l2l_offload host step (fp32, as on a CPU device)"]
+    copy = next(v for k, v in last.items() if k.startswith("host memory copy"))
+    out.append(f"host step: {_num(ours)} Mparam/s = {ours / last[fused_name]:.2f} x fused AdamW, "
+               f"{100 * ours / copy:.0f}% of copy bandwidth; in a fit: {ratio:.2f}x plain AdamW(fused=True)'s time in step")
+    return "\n\n".join(out)

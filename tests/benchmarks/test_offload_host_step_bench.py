@@ -1,0 +1,44 @@
+"""``lightning-accel bench offload --only host-step`` on tiny sizes: every row, the ratios and the closing line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_accel.benchmarks.offload import main
+
+_TINY = ["--only", "host-step", "--host-params", "0.5", "1", "--host-width", "32", "--host-rounds", "1", "--rounds", "1",
+         "--fit-preset", "tiny", "--fit-layers", "2", "--fit-seq", "8", "--fit-steps", "3", "--warmup", "1"]
+
+
+def _row(out: str, label: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_host_step_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_TINY) == 0
+    out = capsys.readouterr().out
+    assert "host optimizer step, blocks shaped like GPT blocks of width 32" in out
+    assert _row(out, "torch AdamW(fused=True)")[3:] == ["1.00", "1.00"]  # the baseline of the "x fused" columns
+    for label in ("torch AdamW, foreach/fused unset", "l2l_offload host step (fp32", "  same, one optimizer call per block",
+                  "fused step, then bf16 shadow refresh", "l2l_offload host step, bf16 shadows folded", "host memory copy"):
+        assert all(float(v) > 0 for v in _row(out, label)[1:])
+    assert "(no DeepSpeedCPUAdam row: " in out or "DeepSpeedCPUAdam " in out
+    assert _row(out, "tiny")[2] != "0"  # the per-call table
+    assert _row(out, "l2l_offload, AdamW() (default)")
+    closing = out.rstrip().splitlines()[-2]
+    assert re.fullmatch(r"host step: [\d.]+ Mparam/s = \d+\.\d\d x fused AdamW, \d+% of copy bandwidth; "
+                        r"in a fit: \d+\.\d\dx plain AdamW\(fused=True\)'s time in step", closing), closing
+    assert out.rstrip().splitlines()[-1].startswith("machine:")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--host-params", "0"], "--host-params must be > 0, got [0.0]"),
+    (["--fit-steps", "2", "--warmup", "2"], "--fit-steps 2 must exceed --warmup 2"),
+])
+def test_bad_arguments(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert says in capsys.readouterr().err
