@@ -28,7 +28,8 @@ error over the steps, or over the workers' item times): a candidate replaces the
 only when it waits less by more than twice their combined spread, and among
 candidates within that margin the fewest workers win. Items that keep the workers on
 the CPU (the share of CPU time while loading, measured in this process without workers
-and from ``/proc`` with them) hold the worker count to the rank's CPU budget
+and from ``/proc`` with them; runnable time, not CPU time, so a shared machine does not
+make them look idle) hold the worker count to the rank's CPU budget
 (:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
 
 Streams. An iterable dataset that reports its position (the protocol of
@@ -270,7 +271,7 @@ class PrefetchTuner(Callback):
         if start.num_workers == 0:
             self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
         else:
-            self._hold_to_cpu_budget(self.loader.cpu_busy(self.cpu.cores if self.cpu else 1), f"{start.num_workers} workers")
+            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
         self._search_from = len(self.meter)
         if not self.loader.resumable:
             self._probe_search()
@@ -283,7 +284,7 @@ class PrefetchTuner(Callback):
         if busy is None or busy < self.cpu_busy_threshold or self.search.budget.max_workers <= self.cpu.cores:
             return
         self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
-        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% CPU busy, {where}): workers held to the CPU budget, {self.cpu}"
+        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% runnable, {where}): workers held to the CPU budget, {self.cpu}"
 
     def _lead(self, candidate: LoaderSettings) -> int:
         """Batches the current loader still serves while the candidate's workers fill up
@@ -345,7 +346,7 @@ class PrefetchTuner(Callback):
         items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(needed - w)]
         self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w)
         if candidate.num_workers:
-            self._hold_to_cpu_budget(self.loader.cpu_busy(self.cpu.cores if self.cpu else 1), f"{w} workers")
+            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
         self._trying = None
         self._next_candidate()
 

@@ -9,6 +9,7 @@ from lightning_accel.prefetch.loader_rebuild import RebuildError, check_rebuilda
 from lightning_accel.prefetch.probe import Probe, batch_nbytes, measure_loader
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, Trial, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.stream import PositionStream
 from lightning_accel.prefetch.tunable_loader import TunableLoader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 
@@ -16,6 +17,7 @@ __all__ = [
     "Budget",
     "CudaPrefetchIterable",
     "LoaderSettings",
+    "PositionStream",
     "PrefetchSearch",
     "Probe",
     "RebuildError",

@@ -30,7 +30,6 @@ buffered before the switch.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from lightning_accel.prefetch.loader_rebuild import (
 from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.stream import handover_at, handover_position, positioned_copy, stream_state
+from lightning_accel.prefetch.wait_meter import runnable_s
 
 STREAM_SWITCHES = ("next_epoch", "restart")
 
@@ -111,26 +111,21 @@ class _Inner:
         self.started_at = time.monotonic()
         return self.iterator
 
-    def cpu_busy(self, cores: int) -> float | None:
-        """The workers' CPU seconds per second since they started, over the cores they can use (Linux ``/proc``).
+    def cpu_busy(self) -> float | None:
+        """The share of time since they started that the workers were runnable (on a CPU or queued for one).
 
-        Near 0 when items wait on I/O, near 1 when they keep the workers on the CPU
-        (whatever their count: eight CPU-bound workers on two cores use two cores).
-        ``None`` without workers or where ``/proc`` cannot be read.
+        Near 0 when items wait on I/O, near 1 when they keep the workers wanting the CPU,
+        however few cores they share (``/proc/PID/schedstat``, Linux). ``None`` without
+        workers or where it cannot be read.
         """
         workers = getattr(self.iterator, "_workers", None)
         if not workers or getattr(self, "started_at", None) is None:
             return None
-        cpu = 0.0
-        for worker in workers:
-            try:
-                with open(f"/proc/{worker.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                return None
-            cpu += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        runnable = [runnable_s(worker.pid) for worker in workers]
         elapsed = time.monotonic() - self.started_at
-        return cpu / (elapsed * min(len(workers), max(1, cores))) if elapsed > 0 else None
+        if any(r is None for r in runnable) or elapsed <= 0:
+            return None
+        return min(1.0, sum(runnable) / (elapsed * len(workers)))  # type: ignore[arg-type]
 
     def start_in_background(self) -> None:
         """Fork the workers on a thread: forking a process holding a big heap takes ~50 ms per worker."""
@@ -336,9 +331,9 @@ class TunableLoader:
                 self.switches += 1
             self._pending = None
 
-    def cpu_busy(self, cores: int) -> float | None:
+    def cpu_busy(self) -> float | None:
         """:meth:`_Inner.cpu_busy` of the loader serving now."""
-        return self._inner.cpu_busy(cores) if self._inner is not None else None
+        return self._inner.cpu_busy() if self._inner is not None else None
 
     def step_started(self) -> None:
         """The loop started computing on its batch: older served batches may be freed now, off its thread."""
