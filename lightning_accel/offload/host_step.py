@@ -24,6 +24,7 @@ strategy refreshes the batch's low-precision shadows there, right after its upda
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Sequence
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -157,12 +158,17 @@ def host_update(
     when ``fuse``.
 
     The optimizer's step hooks (and an LR scheduler's step counter) run once per update
-    call, i.e. once per batch plus once for the rest, and after the closure.
+    call, i.e. once per batch plus once for the rest, and after the closure. Calls from
+    other threads (the block steps overlapping the backward, :func:`step_params`) pass
+    straight through.
     """
     own = vars(optimizer).get("step")  # an LR scheduler may have wrapped step on the instance
     step = optimizer.step
+    caller = threading.get_ident()
 
     def update(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        if threading.get_ident() != caller:
+            return step(closure, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():

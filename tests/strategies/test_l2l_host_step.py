@@ -194,16 +194,17 @@ class _ShadowCheck(pl.Callback):
                 self.checked += 1
 
 
-@pytest.mark.parametrize("overlap_step", [False, True])
-def test_bf16_shadows_are_refreshed_by_the_update(overlap_step: bool) -> None:
+@pytest.mark.parametrize(("overlap_step", "offload_resident"), [(False, False), (True, False), (True, True)])
+def test_bf16_shadows_are_refreshed_by_the_update(overlap_step: bool, offload_resident: bool) -> None:
     check = _ShadowCheck()
     plain, offloaded = _twins(lambda: LanguageModelTask(GPT("tiny", n_layer=2, block_size=16)))
     tokens = torch.randint(0, 256, (32, 17), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
     _fit(plain, data, precision="bf16-mixed", max_steps=3)
-    _fit(offloaded, data, L2LOffloadStrategy(overlap_step=overlap_step), plugins=[OffloadPrecision("bf16-mixed")],
-         max_steps=3, callbacks=[check])
-    assert check.checked == 3 * sum(p.ndim >= 2 for p in offloaded.net.blocks.parameters())
+    _fit(offloaded, data, L2LOffloadStrategy(overlap_step=overlap_step, offload_resident=offload_resident),
+         plugins=[OffloadPrecision("bf16-mixed")], max_steps=3, callbacks=[check])
+    shadowed = offloaded.net.parameters() if offload_resident else offloaded.net.blocks.parameters()
+    assert check.checked == 3 * sum(p.ndim >= 2 for p in shadowed)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(offloaded.state_dict()[name], value, rtol=0, atol=2e-2, msg=name)
 
