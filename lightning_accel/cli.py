@@ -79,7 +79,9 @@ def cmd_ls() -> int:
         cfg = compose_recipe(name, with_hydra=True)
         choices = cfg.hydra.runtime.choices
         net = cfg.model.get("net") or {}
-        model = f"{choices.get('model')}:{net.get('preset', '')}".rstrip(":") + _param_count(net)
+        # the zoo's preset, a transformers config's model_type, or a litgpt config name
+        variant = net.get("preset") or (net.get("config") or {}).get("model_type") or net.get("name") or ""
+        model = f"{choices.get('model')}:{variant}".rstrip(":") + _param_count(net)
         accel = f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
         techniques = ",".join(cfg.recipe.techniques) or "-"
         rows.append((name, model, accel, techniques, str(cfg.recipe.purpose)))

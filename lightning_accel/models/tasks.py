@@ -69,7 +69,10 @@ class _Task(L.LightningModule):
 class LanguageModelTask(_Task):
     """Next-token prediction on batches ``(x, y)`` of token ids, both (B, T), y = x shifted by one.
 
-    The net maps (B, T) -> logits (B, T, V). Logs ``train/loss`` every step and
+    The net maps (B, T) -> logits (B, T, V): a tensor (the zoo GPT, litgpt's GPT) or an
+    output with a ``logits`` field (transformers' ``CausalLMOutputWithPast``); the loss is
+    computed here, not by the model, so every net is trained on the same objective.
+    Logs ``train/loss`` every step and
     ``val/loss``, ``val/ppl``, ``test/loss``, ``test/ppl`` per epoch. Perplexity is
     exp(token-weighted mean cross-entropy) over the whole epoch, accumulated by
     torchmetrics so it stays exact across uneven last batches and across devices.
@@ -91,7 +94,7 @@ class LanguageModelTask(_Task):
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         x, y = batch
-        logits = self.net(x)  # (B, T, V)
+        logits = _logits(self.net(x))  # (B, T, V)
         if logits.ndim != 3 or logits.shape[:2] != y.shape:
             raise ValueError(
                 f"LanguageModelTask needs the net to return logits (B, T, vocab) matching targets (B, T)="
@@ -117,6 +120,19 @@ class LanguageModelTask(_Task):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test", self.test_ppl)
+
+
+def _logits(output: object) -> Tensor:
+    """The logits tensor of a net's output: the tensor itself, or its ``logits`` field."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    raise TypeError(
+        f"LanguageModelTask needs the net to return logits (B, T, vocab) or an output with a .logits tensor "
+        f"(transformers' CausalLMOutputWithPast), got {type(output).__name__}; return the logits from forward"
+    )
 
 
 class ClassifierTask(_Task):

@@ -19,6 +19,8 @@ pytestmark = [
 ]
 
 VOCAB = 32
+# training_step called by hand, outside a Trainer, in the loss-reference tests below
+NO_TRAINER_LOG = "ignore:You are trying to `self.log\\(\\)` but the `self.trainer` reference:UserWarning"
 
 
 @pytest.fixture(autouse=True)
@@ -178,3 +180,57 @@ def test_language_model_rejects_non_sequence_logits() -> None:
     x = torch.randint(0, VOCAB, (2, 4))
     with pytest.raises(ValueError, match=r"targets \(B, T\)=\(2, 4\), got \(2, 32\)"):
         task.training_step((x, x), 0)
+
+
+def _manual_token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of -log softmax(logits)[target], gathered by hand (no F.cross_entropy)."""
+    log_probs = logits - logits.logsumexp(-1, keepdim=True)
+    return -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
+
+
+@pytest.mark.filterwarnings(NO_TRAINER_LOG)
+def test_language_model_loss_on_a_transformers_llama_equals_its_own_and_a_hand_computed_one() -> None:
+    pytest.importorskip("transformers", reason="needs the hf extra")
+    from lightning_accel.models.hf import hf_causal_lm
+
+    net = hf_causal_lm({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB, "use_cache": False},
+                       dtype="float64")
+    task = LanguageModelTask(net)
+    tokens = torch.randint(0, VOCAB, (3, 13))
+    x, y = tokens[:, :-1], tokens[:, 1:]  # what the text data modules yield
+    loss = task.training_step((x, y), 0)
+    with torch.no_grad():
+        # transformers' own loss: labels = the input, shifted inside the model (causal: the
+        # logits of the first 12 positions do not depend on the 13th token)
+        own = net(tokens, labels=tokens).loss
+        by_hand = _manual_token_nll(net(tokens).logits[:, :-1], tokens[:, 1:])
+    torch.testing.assert_close(loss.detach().float(), own)  # transformers upcasts logits to float32 for its loss
+    torch.testing.assert_close(loss.detach(), by_hand, rtol=1e-12, atol=0)
+    loss.backward()  # the loss is differentiable through the model's output object
+    assert net.model.embed_tokens.weight.grad is not None
+
+
+@pytest.mark.filterwarnings(NO_TRAINER_LOG)
+def test_language_model_fit_on_litgpt_reduces_loss_and_matches_a_hand_computed_loss() -> None:
+    pytest.importorskip("litgpt", reason="needs the hf extra")
+    from lightning_accel.models.litgpt_model import litgpt_gpt
+
+    net = litgpt_gpt("pythia-14m", {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB,
+                                    "padded_vocab_size": VOCAB, "block_size": 16})
+    train = lm_loader(8, 8)
+    x, y = next(iter(train))
+    with torch.no_grad():
+        torch.testing.assert_close(LanguageModelTask(net).training_step((x, y), 0), _manual_token_nll(net(x), y))
+    before, _ = lm_loss(net, train)
+    make_trainer().fit(LanguageModelTask(net, optimizer=partial(torch.optim.Adam, lr=1e-2)), train_dataloaders=train)
+    assert lm_loss(net.eval(), train)[0] < 0.9 * before
+
+
+def test_language_model_rejects_outputs_without_logits() -> None:
+    class Pair(nn.Module):
+        def forward(self, x):
+            return (x.float(), x.float())
+
+    with pytest.raises(TypeError, match=r"or an output with a .logits tensor .*got tuple"):
+        LanguageModelTask(Pair()).training_step((torch.zeros(2, 4, dtype=torch.long),) * 2, 0)

@@ -1,0 +1,110 @@
+"""Any transformers causal language model, built from a config or a local directory.
+
+``model=hf_causal_lm`` trains a Hugging Face architecture (Llama, Qwen2, Mistral, GPT-2,
+... any ``model_type`` with a causal-LM head) without downloading anything: either from a
+config written in the recipe, with random weights (``AutoModelForCausalLM.from_config``),
+or from a directory that ``save_pretrained`` wrote (``pretrained_path``, local files
+only). The model comes back unchanged, so parameter names in checkpoints are
+transformers' own and the strategies see the blocks transformers made.
+
+transformers turns ``use_cache`` on by default; a training recipe sets ``use_cache:
+false`` in its config (a forward that fills a KV cache only wastes memory in training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_accel.config.errors import UserError, close_matches
+from lightning_accel.models.extras import import_extra
+
+transformers = import_extra("transformers", "hf", "model=hf_causal_lm")
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+# config.json names that transformers 5 still reads and converts (to rope_parameters, dtype)
+_LEGACY_KEYS = {"rope_theta", "rope_scaling", "torch_dtype"}
+
+
+def hf_causal_lm(
+    config: Mapping[str, Any] | None = None,
+    pretrained_path: str | None = None,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """A transformers ``*ForCausalLM`` model; its forward returns ``CausalLMOutputWithPast``.
+
+    Args:
+        config: the architecture, as in a ``config.json``: ``model_type`` plus that
+            config class's keys (``{"model_type": "llama", "hidden_size": 2048, ...}``).
+            Weights are random (the model's own initializer, seeded by the run's seed).
+        pretrained_path: a local directory written by ``save_pretrained`` (config and
+            weights); nothing is downloaded. Leave ``config`` unset: the directory brings
+            its own.
+        dtype: parameter dtype, ``float32`` (default: what optimizers and the offload
+            masters expect), ``bfloat16``, ``float16`` or ``float64``. Mixed precision is
+            the trainer's job, not this one.
+        attn_implementation: ``sdpa`` (transformers' default), ``eager``, ... passed on.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"hf_causal_lm dtype={dtype!r} is not one of {', '.join(DTYPES)}{close_matches(dtype, DTYPES)}")
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if pretrained_path is not None:
+        if config is not None:
+            raise UserError(
+                f"hf_causal_lm got both pretrained_path={pretrained_path!r} and a config; the directory brings its own "
+                "config: set model.net.config=null"
+            )
+        return _from_directory(Path(pretrained_path), kwargs)
+    if config is None:
+        raise UserError("hf_causal_lm needs a config (model_type plus its keys) or a pretrained_path; set model.net.config")
+    return AutoModelForCausalLM.from_config(make_config(config), **kwargs)
+
+
+def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
+    """The transformers config for ``{"model_type": ..., **keys}``; unknown keys are refused.
+
+    transformers stores any keyword it does not know as an attribute and never reads it
+    again, so a misspelt ``hidden_sizee`` would silently train the default width.
+    """
+    keys = dict(config)
+    model_type = keys.pop("model_type", None)
+    if model_type is None:
+        raise UserError("hf_causal_lm config needs model_type (e.g. llama, qwen2, mistral, gpt2); set model.net.config.model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        raise UserError(
+            f"model_type={model_type!r} has no causal-LM model in transformers {transformers.__version__}"
+            f"{close_matches(str(model_type), names)}; e.g. llama, qwen2, mistral, gpt2"
+        )
+    config_class = CONFIG_MAPPING[model_type]
+    known = {f.name for f in dataclasses.fields(config_class)} | set(config_class.attribute_map) | _LEGACY_KEYS
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise UserError(
+            f"{unknown[0]!r} is not a {config_class.__name__} key{close_matches(unknown[0], known)}; "
+            f"check model.net.config.{unknown[0]} against the model's config.json"
+        )
+    return AutoConfig.for_model(model_type, **keys)
+
+
+def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"model.net.pretrained_path={str(path)!r} has no config.json; point it at a directory written by "
+            "save_pretrained (nothing is downloaded)"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
+    except OSError as err:  # e.g. config.json but no weights file
+        raise UserError(f"model.net.pretrained_path={str(path)!r}: {str(err).strip().splitlines()[0]}") from None
