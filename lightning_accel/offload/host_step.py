@@ -154,8 +154,9 @@ def host_update(
     """For the ``optimizer.step(closure)`` calls inside: run the closure, then update the
     parameters of each of ``batches()`` (asked after the closure, when the gradients are
     final) in turn, calling ``after_batch(batch)`` right after each batch's update while its
-    tensors are still warm, then everything else; the CPU parameters on the fused kernel
-    when ``fuse``.
+    tensors are still warm, then everything else; the CPU parameters on the fused kernel.
+    Without ``fuse`` the step is the user's, untouched (their optimizer may keep counters
+    in its param groups, which the temporary groups would drop).
 
     The optimizer's step hooks (and an LR scheduler's step counter) run once per update
     call, i.e. once per batch plus once for the rest, and after the closure. Calls from
@@ -167,7 +168,7 @@ def host_update(
     caller = threading.get_ident()
 
     def update(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        if threading.get_ident() != caller:
+        if threading.get_ident() != caller or not fuse:
             return step(closure, **kwargs)
         loss = None
         if closure is not None:
