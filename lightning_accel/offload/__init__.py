@@ -1,5 +1,6 @@
-"""L2L (layer-to-layer) CPU offload mechanism: plan, host store, streamer, executor, and the
-optional one-step delayed update and host-memory activation offload the executor uses.
+"""L2L (layer-to-layer) CPU offload mechanism: plan, host store, streamer, executor, the host
+optimizer step (fused CPU kernels, thread budget), and the optional one-step delayed update
+and host-memory activation offload the executor uses.
 
 Nothing here imports Lightning; :class:`lightning_accel.strategies.L2LOffloadStrategy`
 wires it into a Trainer.

@@ -42,6 +42,12 @@ device, and hands the host gradients (after Lightning's clipping) to
 update first, so what is validated, saved and left at the end includes every update.
 ``offload_activations=True`` parks the checkpointed blocks' saved inputs in host memory
 between forward and backward.
+
+The host step and the host-side copies run within the rank's CPU budget
+(:func:`lightning_accel.cpu_budget.cpu_budget`: affinity, cgroup quota,
+``SLURM_CPUS_PER_TASK``, local ranks; not ``os.cpu_count()``): torch's intra-op threads,
+in the main thread and in the host-step threads, are lowered to it for the fit and put
+back at teardown (:mod:`lightning_accel.offload.host_threads`).
 """
 
 from __future__ import annotations
@@ -56,11 +62,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_accel.models.block_policy import BlockPolicy
+from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
@@ -159,6 +166,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self._last_stats = OffloadStats()
         self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
         self._threads: HostThreads | None = None
+        self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
 
     @property
     @override
@@ -255,9 +263,18 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self._executor = L2LExecutor(
             self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks,
             delayed_update=self.delayed_update, offload_activations=self.offload_activations,
-            init_worker=self._threads.init_worker,
+            init_worker=self._threads.init_worker, owner=type(self).__name__,
         )
         self._executor.attach()
+        if self._cache_settings is None and self.checkpoint_blocks:
+            # transformers models cache keys and values by default; a recomputed block would append them twice
+            self._cache_settings = disable_kv_cache(self.model)
+            if self._cache_settings:
+                rank_zero_warn(
+                    f"L2LOffloadStrategy: `use_cache=True` is incompatible with recomputing blocks (the KV cache would "
+                    f"grow twice). Setting `use_cache=False` ({', '.join(self._cache_settings)}) for this run; "
+                    "restored at teardown"
+                )
         copies = (
             "the device is the host in fp32, so blocks compute on their masters (no copies)"
             if self._executor.streamer.alias
@@ -268,7 +285,10 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             *(["block-boundary activations parked on the host"] if self.offload_activations else []),
             self._threads.describe(),
         ]
-        rank_zero_info(f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras))
+        said = f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
+        if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
+            self._plan_said = said
+            rank_zero_info(said)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -414,6 +434,9 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         if self._threads is not None:
             self._threads.restore()
             self._threads = None
+        if self._cache_settings is not None:
+            self._cache_settings.restore()
+            self._cache_settings = None
         super().teardown()
 
 
