@@ -59,3 +59,18 @@ def test_recipe_file_path_is_accepted(tmp_path) -> None:
     copy.write_text(resolve_recipe("resnet-tiny_cpu").read_text())
     cfg = compose_recipe(str(copy), ["trainer.max_steps=3"])
     assert cfg.trainer.max_steps == 3 and cfg.data._target_.endswith("ShapesDataModule")
+
+
+
+def test_offload_precision_option_reaches_the_plugins() -> None:
+    # precision=offload-* sets `plugins`; train.yaml's own `plugins: []` must not override it
+    # (it did while train.yaml listed _self_ last: the L2L recipes trained with fp32 copies)
+    seen = []
+    for name in RECIPES:
+        cfg = compose_recipe(name, with_hydra=True)
+        choice = cfg.hydra.runtime.choices.get("precision") or ""
+        if choice.startswith("offload-"):
+            (plugin,) = cfg.plugins
+            assert plugin._target_.endswith("OffloadPrecision") and plugin.precision == choice.removeprefix("offload-"), name
+            seen.append(name)
+    assert {"gpt-tiny_l2l_cpu", "gpt-5b_l2l-bf16_1gpu"} <= set(seen)

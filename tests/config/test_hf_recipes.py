@@ -1,0 +1,125 @@
+"""The recipes for real architectures: their configs are the published ones, GPU ones refuse
+the CPU, and shrunk copies train end to end through `lightning-accel run`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from lightning_accel.config.compose import compose_recipe
+from lightning_accel.config.errors import UserError
+from lightning_accel.config.validate import check_launchable
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lightning-accel[hf]'")
+
+# (recipe, model class, parameter count as published: Llama 3.2 1B "1.23B", Qwen2.5-7B "7.61B")
+REAL = [
+    ("llama-3.2-1b_l2l-bf16_1gpu", "LlamaForCausalLM", 1_235_814_400),
+    ("qwen2.5-7b_l2l-bf16_1gpu", "Qwen2ForCausalLM", 7_615_616_512),
+]
+
+
+def _meta_net(recipe: str, overrides: list[str] | None = None) -> torch.nn.Module:
+    cfg = compose_recipe(recipe, overrides or [])
+    with torch.device("meta"):
+        return instantiate(cfg.model.net, _convert_="all")
+
+
+@pytest.mark.parametrize(("recipe", "cls", "count"), REAL, ids=[r for r, _, _ in REAL])
+def test_real_architecture_has_the_published_size(recipe: str, cls: str, count: int) -> None:
+    net = _meta_net(recipe)
+    assert type(net).__name__ == cls
+    assert sum(p.numel() for p in net.parameters()) == count
+    assert net.config.use_cache is False
+
+
+def test_llama_3_2_1b_config_values() -> None:
+    c = _meta_net("llama-3.2-1b_l2l-bf16_1gpu").config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (2048, 16, 32, 8)
+    assert (c.intermediate_size, c.vocab_size, c.head_dim, c.tie_word_embeddings) == (8192, 128256, 64, True)
+    assert c.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_qwen2_5_7b_config_values() -> None:
+    c = _meta_net("qwen2.5-7b_l2l-bf16_1gpu").config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (3584, 28, 28, 4)
+    assert (c.intermediate_size, c.vocab_size, c.tie_word_embeddings) == (18944, 152064, False)
+    assert c.rope_parameters["rope_theta"] == 1_000_000.0
+
+
+def test_seven_b_recipe_streams_the_resident_unit() -> None:
+    # 1.09B embedding + head parameters kept on the device in fp32 with AdamW state would be
+    # 17.4 GB of the 24 GB: the recipe must stream them (see its memory arithmetic)
+    cfg = compose_recipe("qwen2.5-7b_l2l-bf16_1gpu")
+    assert cfg.strategy.offload_resident is True and cfg.plugins[0].precision == "bf16-mixed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("recipe", [r for r, _, _ in REAL])
+def test_gpu_recipes_refuse_the_cpu(recipe: str) -> None:
+    with pytest.raises(UserError, match=rf"recipe '{re.escape(recipe)}' needs 1 CUDA GPU\(s\).*override accelerator=cpu"):
+        check_launchable(compose_recipe(recipe), recipe)
+
+
+def test_ls_shows_the_architectures(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel import cli
+
+    assert cli.main(["ls"]) == 0
+    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["llama-3.2-1b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:llama (1.2B)", "gpux1"]
+    assert rows["qwen2.5-7b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:qwen2 (7.6B)", "gpux1"]
+    assert rows["llama-tiny_gpipe-2proc_cpu"][1:3] == ["hf_causal_lm:llama (217.7K)", "cpux2"]
+
+
+def test_litgpt_option_composes_and_builds(tmp_path: Path) -> None:
+    pytest.importorskip("litgpt", reason="needs the hf extra")
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# @package _global_\ndefaults:\n  - train\n  - override /model: litgpt\n  - _self_\n")
+    net = _meta_net(str(recipe), ["model.net.name=Llama-3.2-1B"])
+    assert net.config.name == "Llama-3.2-1B" and net.config.padded_vocab_size == 256  # the byte corpus' vocabulary
+    assert net.max_seq_length == 128  # data.block_size
+
+
+# --- end to end, in a subprocess like a user -----------------------------------------------
+
+# the real recipe, shrunk to seconds on the CPU: same strategy, callbacks and model class
+SHRINK_TO_CPU = [
+    "accelerator=cpu", "precision=offload-32-true", "data.num_workers=0", "data.pin_memory=false",
+    "data.block_size=32", "data.batch_size=4", "data.max_bytes=300000",
+    "model.net.config.hidden_size=64", "model.net.config.intermediate_size=128", "model.net.config.num_hidden_layers=2",
+    "model.net.config.num_attention_heads=4", "model.net.config.num_key_value_heads=2", "model.net.config.vocab_size=256",
+    "trainer.max_steps=12", "trainer.accumulate_grad_batches=1", "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+]
+E2E = [
+    ("llama-tiny_cpu", ["data.block_size=32", "data.max_bytes=300000", "trainer.max_steps=12", "trainer.val_check_interval=6",
+                        "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]),
+    ("llama-3.2-1b_l2l-bf16_1gpu", [*SHRINK_TO_CPU, "model.net.config.head_dim=16"]),
+    ("qwen2.5-7b_l2l-bf16_1gpu", SHRINK_TO_CPU),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "overrides"), E2E, ids=[r for r, _ in E2E])
+def test_recipe_trains_through_the_cli(recipe: str, overrides: list[str], cli_env: dict[str, str], tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", recipe, *overrides], env=cli_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_json,) = (tmp_path / "outputs" / recipe).glob("*/run.json")
+    status = json.loads(run_json.read_text())
+    assert status["status"] == "completed" and status["global_step"] == 12
+    with open(status["metrics_csv"]) as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0] - 0.5, losses  # from ln(256) = 5.5 down
+    # the checkpoint keeps transformers' parameter names, so it loads into the plain model
+    state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    assert "net.model.layers.1.self_attn.q_proj.weight" in state and "net.lm_head.weight" in state
