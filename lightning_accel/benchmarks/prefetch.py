@@ -153,7 +153,7 @@ def _workloads(text: str) -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-accel bench prefetch", description=__doc__.splitlines()[0])
     p.add_argument("--workloads", type=_workloads, default=list(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}")
-    p.add_argument("--sweep", type=_ints, default=[1, 2, 4, 8], help="hand-set num_workers tried on each workload")
+    p.add_argument("--sweep", type=_ints, default=[2, 4, 8], help="hand-set num_workers tried on each workload")
     p.add_argument("--steady-steps", type=int, default=20, help="steady wait: median over this many last steps")
     g = p.add_argument_group("seed004")
     g.add_argument("--steps", type=int, default=40, help="training steps")

@@ -5,7 +5,10 @@ injected, limits computed) and already called ``iter()`` on it in
 ``FitLoop.setup_data``. Replacing the entry in ``fit_loop._combined_loader.flattened``
 and calling ``iter()`` on the data fetcher again makes the first epoch, and every later
 one, draw from the replacement; no batch has been trained on yet, so nothing is lost. The
-length is unchanged, so the limits Lightning computed stay valid.
+length is unchanged, so the limits Lightning computed stay valid. A torchdata
+``StatefulDataLoader`` hands its iterator's state over, so the replacement serves the
+order that loader would have, mid-epoch after a resume included; any other loader is
+kept when fit resumed part-way through an epoch (its position is unknown).
 
 For a loader without a length (a stream), Lightning's fetcher has already read one batch
 ahead, and without workers that read moved the dataset's own position. It is thrown away
@@ -20,6 +23,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_accel.prefetch.loader_state import is_stateful_loader
+
 
 def swap_train_loader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> str | None:
     """Replace the single train loader ``L`` with ``wrap(L)``; returns why not, or ``None`` on success."""
@@ -27,12 +32,17 @@ def swap_train_loader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> str | 
     combined = fit_loop._combined_loader
     if combined is None or fit_loop._data_fetcher is None:
         return "no train loader is set up"
-    if fit_loop.epoch_loop.batch_progress.current.ready:
-        return "fit resumed part-way through an epoch"
     loaders = list(combined.flattened)
     if len(loaders) != 1:
         return f"{len(loaders)} train loaders; only a single train loader is supported"
+    stateful = is_stateful_loader(loaders[0])
+    if fit_loop.epoch_loop.batch_progress.current.ready and not stateful:
+        return "fit resumed part-way through an epoch"
     replacement = wrap(loaders[0])
+    if stateful and hasattr(replacement, "load_state_dict"):
+        # The user's iterator stands where the checkpoint left it (or at the epoch's start):
+        # the replacement serves the same order from there.
+        replacement.load_state_dict(loaders[0].state_dict())
     read_here = _batches_read_in_process(combined)
     if read_here and hasattr(replacement, "rewind"):
         replacement.rewind(read_here)

@@ -61,7 +61,7 @@ from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget, spread
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.stream import why_not_resumable
-from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader
+from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader, tunable_loader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 
 
@@ -158,7 +158,7 @@ class PrefetchTuner(Callback):
         cached = self._cached(trainer)
         try:
             # A cache hit serves with the tuned settings from the very first batch.
-            why_not = swap_train_loader(trainer, lambda loader: TunableLoader(loader, cached, self.stream_switch))
+            why_not = swap_train_loader(trainer, lambda loader: tunable_loader(loader, cached, self.stream_switch))
         except RebuildError as err:
             why_not = str(err)
         if why_not is not None:

@@ -47,7 +47,7 @@ def check_rebuildable(loader: Any, workers: bool = True) -> None:
             "train_dataloader() or drop PrefetchTuner"
         )
     batch_sampler = loader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler and not _torchdata_batch_sampler(batch_sampler):
         raise RebuildError(
             f"custom batch_sampler {type(batch_sampler).__name__} cannot be re-created; tune num_workers by hand "
             "or use DataLoader(sampler=..., batch_size=...)"
@@ -63,6 +63,12 @@ def check_rebuildable(loader: Any, workers: bool = True) -> None:
                     f"dataset {type(loader.dataset).__name__} cannot be pickled for '{method}' workers ({err}); "
                     "make it picklable or keep num_workers=0"
                 ) from None
+
+
+def _torchdata_batch_sampler(batch_sampler: Any) -> bool:
+    """torchdata's stateful ``BatchSampler`` (what a ``StatefulDataLoader`` builds): torch's, plus a state."""
+    cls = type(batch_sampler)
+    return cls.__name__ == "BatchSampler" and cls.__module__ == "torchdata.stateful_dataloader.sampler"
 
 
 def rebuild_loader(

@@ -119,8 +119,10 @@ class PrefetchSearch:
         """Least predicted wait; among near-ties (within ``negligible`` of a step, or the noise) the fewest workers."""
         if not self.trials:
             return None
-        least = min(self.trials, key=lambda t: t.wait_s)
-        close = [t for t in self.trials if t.wait_s <= least.wait_s + max(self.negligible * self.step_s, noise(t, least))]
+        # Trials the budget no longer allows (it shrinks once items turn out CPU-bound) are out; the start stays.
+        pool = [t for i, t in enumerate(self.trials) if i == 0 or self._fits(t.settings)]
+        least = min(pool, key=lambda t: t.wait_s)
+        close = [t for t in pool if t.wait_s <= least.wait_s + max(self.negligible * self.step_s, noise(t, least))]
         return min(close, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s))
 
     def _done(self) -> bool:
@@ -199,6 +201,11 @@ class PrefetchSearch:
 
     def _climb_candidates(self) -> list[LoaderSettings]:
         best = self.best
+        if best is not None and any(not self._fits(t.settings) for t in self._worker_trials()):
+            # The budget shrank below counts already measured (CPU-bound items): what it still allows.
+            top = self._settings(self.budget.max_workers)
+            if best.settings.num_workers < self.budget.max_workers and not self._tried(top):
+                return [top]
         if best is None or best.settings.num_workers < 2:
             return []
         w = best.settings.num_workers

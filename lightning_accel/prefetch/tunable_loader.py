@@ -22,6 +22,11 @@ Between changes the inner loader lives on, so ``persistent_workers`` keeps its w
 across epochs; a replaced one shuts down on a background thread (joining busy workers
 can take a whole item's latency).
 
+When the user's loader is torchdata's ``StatefulDataLoader`` (map-style), the epoch's
+batches are drawn through an index twin of it (:mod:`~lightning_accel.prefetch.loader_state`),
+and :class:`StatefulTunableLoader` checkpoints the state that loader would have after the
+batches served, in its own format: a resumed run, tuned or not, continues exactly.
+
 Every inner loader stamps each batch with the (system-wide monotonic) time its worker
 finished it: ``stamps`` holds them for the batches served by the current settings, so
 a caller can measure how fast those workers produce, unblurred by the batches they had
@@ -38,12 +43,14 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from lightning_accel.prefetch.loader_rebuild import (
+    RebuildError,
     check_rebuildable,
     is_iterable,
     more_workers_than_cores,
     rebuild_loader,
     settings_of,
 )
+from lightning_accel.prefetch.loader_state import IndexTwin, is_stateful_loader
 from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.stream import handover_at, handover_position, positioned_copy, stream_state
@@ -185,6 +192,7 @@ class TunableLoader:
         self.stream_switch = stream_switch
         # Resumable: a map-style epoch, or a stream following the position protocol.
         self.resumable = not is_iterable(loader) or stream_state(loader.dataset) is not None
+        self._twin = IndexTwin(loader) if is_stateful_loader(loader) and not is_iterable(loader) else None
         self.switches = 0  # how many times an inner loader was replaced (for tests and reports)
         self.restarts = 0  # of those, stream restarts from the beginning (stream_switch="restart")
         self.stamps: list[float] = []  # finish times of the batches served under ``settings``
@@ -367,7 +375,8 @@ class TunableLoader:
             self._inner.first = 0
         else:
             source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
-            self._batches = list(source)  # this epoch's order, drawn from the user's sampler exactly once
+            # This epoch's order, drawn from the user's sampler exactly once.
+            self._batches = self._twin.draw_epoch() if self._twin is not None else list(source)
             if self._inner is None or self._inner.plan is None:
                 self._inner = _Inner(self.loader, self.settings, _Plan())
             assert self._inner.plan is not None
@@ -390,3 +399,40 @@ class TunableLoader:
         finally:
             self._batches = None
             self._in_epoch = False
+
+
+class StatefulTunableLoader(TunableLoader):
+    """A :class:`TunableLoader` over a map-style ``StatefulDataLoader``: checkpoints that loader's state.
+
+    Lightning saves ``state_dict()`` with each checkpoint and loads it on resume; the
+    state is the user's loader's own format after the batches served this epoch, so it
+    loads into the user's loader (an untuned run) as well as into this one.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self._twin is not None
+        return self._twin.state_after(self._consumed)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next epoch continues from ``state``; must come between epochs."""
+        assert self._twin is not None
+        if self._in_epoch:
+            raise RuntimeError("load_state_dict mid-epoch: load the state before iterating the loader")
+        self._twin.load_state_dict(state)
+
+
+def tunable_loader(loader: Any, settings: LoaderSettings | None = None, stream_switch: str = "next_epoch") -> TunableLoader:
+    """The wrapper for ``loader``: :class:`StatefulTunableLoader` for a map-style ``StatefulDataLoader``.
+
+    A ``StatefulDataLoader`` over an iterable dataset is refused (:class:`RebuildError`):
+    its per-worker state cannot be carried across re-built loaders yet, and dropping it
+    would silently lose the exact resume its user asked for.
+    """
+    if is_stateful_loader(loader):
+        if is_iterable(loader):
+            raise RebuildError(
+                "a StatefulDataLoader over an iterable dataset keeps per-worker state that re-built loaders cannot "
+                "carry yet; keep it untuned, or use a plain DataLoader over a stream with a 'position' state"
+            )
+        return StatefulTunableLoader(loader, settings, stream_switch)
+    return TunableLoader(loader, settings, stream_switch)

@@ -24,7 +24,7 @@ def test_data_bound_run_gets_workers_and_every_sample_once(sleepy, recorder, mak
     with caplog.at_level(logging.INFO):
         make_trainer([tuner]).fit(model, loader)
     assert sorted(model.indices) == list(range(64))  # the switch mid-epoch lost and repeated nothing
-    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2
+    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2, tuner.report()
     trials = tuner.search.trials
     # Online: training ran on each candidate in turn, then on the best if the last tried was not it.
     assert tuner.loader.switches == len(trials) - 1 + (trials[-1].settings != tuner.chosen)

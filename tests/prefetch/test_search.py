@@ -147,3 +147,15 @@ def test_default_budget_follows_the_cpu_budget(monkeypatch):
     monkeypatch.setattr(search_module, "cpu_budget", lambda ranks: CpuBudget(max(1, 3 // ranks), "affinity", ranks, "given"))
     assert default_budget(local_world_size=1).max_workers == 12  # 4 x 3 cores for I/O-bound items
     assert default_budget(local_world_size=2).max_workers == 4
+
+
+def test_a_budget_shrunk_after_measuring_drops_the_trials_it_no_longer_allows():
+    search = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=MB, budget=Budget(16, 10_000 * MB))
+    search.record(search.propose(), 0.8)
+    eight = search.propose()
+    assert eight.num_workers == 8
+    search.record(eight, 0.3)
+    search.budget = Budget(2, 10_000 * MB)  # the tuner learnt the items are CPU-bound: 2 cores
+    assert search.best.settings == LoaderSettings()  # 8 workers are out; the start stays
+    nxt = search.propose()
+    assert nxt is not None and nxt.num_workers <= 2  # the search goes on within the new budget
