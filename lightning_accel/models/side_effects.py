@@ -161,8 +161,9 @@ class BufferRestore:
     def __init__(self) -> None:
         self._mutable: dict[int, list[str]] = {}  # id(block) -> buffers its forward writes
 
-    def observe(self, block: nn.Module, before: Mapping[str, tuple[int, int]]) -> None:
-        changed = mutated_buffers(block, before)
+    def observe(self, block: nn.Module, before: Mapping[str, tuple[int, int]], exempt: tuple[type, ...] = ()) -> None:
+        """Note the buffers ``block`` wrote since ``before`` (its :func:`buffer_versions`)."""
+        changed = mutated_buffers(block, before, exempt)
         if changed:
             known = self._mutable.setdefault(id(block), [])
             known.extend(n for n in changed if n not in known)

@@ -16,6 +16,13 @@ for the backward: one block's recomputation and one block's weight copy less per
 (With ``offload_activations`` it is checkpointed like the others, so that every block's
 saved input goes to the host.)
 
+A recomputation must not repeat what the block's forward wrote besides its output
+(:mod:`lightning_accel.models.side_effects`): a block to be checkpointed that is called
+with a transformers KV cache is refused before it runs (the recomputation would append
+its keys and values again), and the buffers a block's forward writes (BatchNorm running
+statistics, a litgpt ``KVCache`` written at ``input_pos``, counters) are put back after
+its recomputation, so they change once per step, as in plain training.
+
 The caller brackets the backward pass with :meth:`begin_backward` /
 :meth:`end_backward` (the Lightning strategy does it in ``pre_backward`` /
 ``post_backward``) so the wrapper knows which direction to prefetch in.
@@ -41,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal
 from lightning_accel.offload.activations import ActivationOffload
 from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_step import FOLD_MIN_NUMEL, group_units
@@ -66,6 +74,7 @@ class L2LExecutor:
         delayed_update: bool = False,
         offload_activations: bool = False,
         init_worker: Callable[[], None] | None = None,
+        owner: str = "L2LExecutor",
     ) -> None:
         if offload_activations and not checkpoint_blocks:
             raise ValueError(
@@ -76,6 +85,8 @@ class L2LExecutor:
         self.plan = plan
         self.device = device
         self.checkpoint_blocks = checkpoint_blocks
+        self.owner = owner  # who refuses, in errors raised during a forward (the strategy's name)
+        self._restore = BufferRestore()  # buffers a block writes, put back after its recomputation
         self.stats = OffloadStats()
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
         self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
@@ -150,6 +161,7 @@ class L2LExecutor:
 
     def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoint_blocks and torch.is_grad_enabled() and index != self._turn:
+            self._refuse_cache(index, args, kwargs)
             if self.activations is not None:
                 # the only tensors saved outside the checkpoint are the block's inputs
                 with self.activations.hooks():
@@ -180,12 +192,29 @@ class L2LExecutor:
             # raises out of the forward once it has what backward needs), so nothing after
             # the call is guaranteed to run in the backward pass.
             self._pending_grads[index] = sum(1 for _, p in unit.params if p.requires_grad)
-        out = self._originals[index](*args, **kwargs)
+        module = unit.module
+        assert module is not None
+        if self._backward:  # a recomputation: whatever it writes to the block's buffers is undone
+            with self._restore.recompute(module):
+                out = self._originals[index](*args, **kwargs)
+        elif not grad_follows and torch.is_grad_enabled():  # a checkpointed forward: see what a recomputation would repeat
+            before = buffer_versions(module)
+            out = self._originals[index](*args, **kwargs)
+            self._restore.observe(module, before)
+        else:
+            out = self._originals[index](*args, **kwargs)
         if not grad_follows:
             # checkpointed forward (or no grad): only the block's inputs are kept, so the
             # weights can go now and come back for the recomputation in backward.
             self._release_block(index)
         return out
+
+    def _refuse_cache(self, index: int, args: tuple, kwargs: dict) -> None:
+        argument = cache_argument(args, kwargs)
+        if argument is not None:
+            value = kwargs[argument] if argument in kwargs else args[int(argument[5:-1])]
+            unit = self.plan.blocks[index]
+            raise RuntimeError(describe_cache_refusal(self.owner, unit.name, unit.module, argument, value, "recomputing it in backward"))
 
     def _release_block(self, index: int) -> None:
         self.streamer.release(index, self.plan.blocks[index])

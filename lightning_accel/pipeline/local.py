@@ -28,6 +28,13 @@ BatchNorm layers never update their running statistics during recomputation; wit
 (:mod:`lightning_accel.pipeline.batchnorm`); call :meth:`finish_batch` after the last
 micro-batch.
 
+Other state a block's forward writes would be written once per micro-batch and again by
+its recomputation (:mod:`lightning_accel.models.side_effects`): a block about to be
+re-materialized that is called with a transformers KV cache is refused before it runs
+(the recomputation would append to the cache again); buffers a block writes are put back
+after each recomputation, and refused when a second micro-batch writes them again (plain
+training writes them once per batch).
+
 On CUDA the host issues micro-batch ``i + 1``'s first stage while later devices still
 run micro-batch ``i`` (kernel launches are asynchronous), so the stages overlap on the
 devices' own streams, and copies between stages run on per-device copy streams
@@ -46,10 +53,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from lightning_accel.models.block_policy import Block
+from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal, mutated_buffers
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.partition import stage_of_block
 from lightning_accel.pipeline.streams import StageCopier
@@ -90,6 +99,7 @@ class LocalPipeline:
         devices: Sequence[torch.device],
         checkpoint_stop: int = 0,
         deferred_batch_norm: bool = False,
+        owner: str = "LocalPipeline",
     ) -> None:
         if sum(balance) != len(blocks):
             raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but there are {len(blocks)} blocks")
@@ -114,6 +124,8 @@ class LocalPipeline:
         self._last_output: tuple[int, weakref.ref] | None = None  # (block, its latest output), to see links
         self._pending: dict[int, tuple[Tensor, Tensor]] = {}  # block -> (expected input, output) of a stage run
         self._originals: dict[int, Callable[..., Any]] = {}  # block -> its class's forward, bound
+        self.owner = owner  # who refuses, in errors raised during a forward (the strategy's name)
+        self._restore = BufferRestore()  # buffers a block writes, put back after its recomputation
 
     @property
     def stages(self) -> int:
@@ -211,7 +223,7 @@ class LocalPipeline:
     def _stage_run(self, first: int) -> Callable[..., tuple[Tensor, ...]]:
         """The forward of the stage that starts at block ``first``, returning every block's output."""
         last = max(k for k, s in enumerate(self._stage_of) if s == self._stage_of[first])
-        forwards = [self._originals[k] for k in range(first, last + 1)]
+        forwards = [self._guarded(k, self._originals[k]) for k in range(first, last + 1)]
 
         def run(*args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
             outputs = [forwards[0](*args, **kwargs)]
@@ -220,6 +232,41 @@ class LocalPipeline:
             return tuple(outputs)
 
         return run
+
+    def _guarded(self, k: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` of block ``k`` with its buffer writes watched in a micro-batch and undone in a recomputation.
+
+        BatchNorm is left to :class:`DeferredBatchNorm`, which already keeps its statistics out of
+        recomputations and, when asked, updates them once per batch.
+        """
+        block = self.blocks[k]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            current = self._current
+            if current is None:  # recomputation in backward
+                with self._restore.recompute(block.module):
+                    return forward(*args, **kwargs)
+            before = buffer_versions(block.module)
+            output = forward(*args, **kwargs)
+            written = mutated_buffers(block.module, before, exempt=(_BatchNorm,))
+            if written and current > 0:
+                raise RuntimeError(
+                    f"{self.owner}: block {block.name!r} ({type(block.module).__name__}) writes buffer "
+                    f"{block.name}.{written[0]} in its forward, which runs once per micro-batch, not once per batch as "
+                    "in plain training; HINT: chunks=1, or keep that state out of the block's forward"
+                )
+            self._restore.observe(block.module, before, exempt=(_BatchNorm,))
+            return output
+
+        return run
+
+    def _refuse_cache(self, k: int, args: tuple, kwargs: dict) -> None:
+        """A block about to be re-materialized must not get a KV cache: the recomputation would append to it again."""
+        argument = cache_argument(args, kwargs)
+        if argument is not None:
+            value = kwargs[argument] if argument in kwargs else args[int(argument[5:-1])]
+            block = self.blocks[k]
+            raise RuntimeError(describe_cache_refusal(self.owner, block.name, block.module, argument, value, "re-materializing it in backward"))
 
     def _mover(self, device: torch.device) -> Any:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -255,15 +302,16 @@ class LocalPipeline:
                 )
             moved_args, moved_kwargs = self.copy(args, device), self.copy(kwargs, device)
             if current < self.checkpoint_stop and torch.is_grad_enabled():
+                self._refuse_cache(k, args, kwargs)
                 if first and self.stage_chained(stage) and k + 1 < len(self.blocks) and self._stage_of[k + 1] == stage:
                     outputs = checkpoint(self._stage_run(k), *moved_args, use_reentrant=False, **moved_kwargs)
                     for j in range(1, len(outputs)):
                         self._pending[k + j] = (outputs[j - 1], outputs[j])
                     self._last_output = (k, weakref.ref(outputs[0]))
                     return outputs[0]
-                output = checkpoint(original, *moved_args, use_reentrant=False, **moved_kwargs)
+                output = checkpoint(self._guarded(k, original), *moved_args, use_reentrant=False, **moved_kwargs)
             else:
-                output = original(*moved_args, **moved_kwargs)
+                output = self._guarded(k, original)(*moved_args, **moved_kwargs)
             self._observe(k, args, kwargs, output)
             return output
 

@@ -36,13 +36,14 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
+from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
@@ -150,6 +151,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.loss_reduction = loss_reduction
         self.deferred_batch_norm = deferred_batch_norm
         self.pipeline: LocalPipeline | None = None
+        self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
 
     def _net(self) -> nn.Module:
         """The network the blocks live in: the LightningModule's ``net`` if it has one (zoo tasks), else itself."""
@@ -160,14 +162,18 @@ class GPipeStrategy(SingleDeviceStrategy):
 
     def _place(self, net: nn.Module, blocks: list[Block], balance: list[int], why: str) -> None:
         self.pipeline = LocalPipeline(
-            net, blocks, balance, self.devices, checkpoint_stop(self.checkpoint, self.chunks), self.deferred_batch_norm
+            net, blocks, balance, self.devices, checkpoint_stop(self.checkpoint, self.chunks), self.deferred_batch_norm,
+            owner=type(self).__name__,
         )
         self.pipeline.place()
         placed = ", ".join(f"{n} on {d}" for n, d in zip(balance, self.devices))
-        rank_zero_info(
+        plan = (
             f"GPipeStrategy: {len(blocks)} blocks in {len(balance)} stages ({placed}; {why}), "
             f"chunks={self.chunks}, checkpoint={self.checkpoint!r}"
         )
+        if plan != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
+            self._plan_said = plan
+            rank_zero_info(plan)
 
     def _place_by_time(self, sample: Any, rest: tuple, kwargs: dict) -> None:
         """Time every block on ``sample`` (the first micro-batch), split by those times, place."""
@@ -208,6 +214,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.model.to(self.root_device)
         net = self._net()
         blocks = find_blocks(net, self.blocks)  # no blocks: say so now, not at the first batch
+        self._disable_kv_cache()
         stages = min(len(self.devices), len(blocks))
         if not isinstance(self.balance, str):
             self._place(net, blocks, check_balance(self.balance, len(blocks), len(self.devices)), "balance given")
@@ -215,6 +222,18 @@ class GPipeStrategy(SingleDeviceStrategy):
             self._place(net, blocks, balance_by_cost(block_bytes([b.module for b in blocks]), stages), f"balance={self.balance!r}")
         # else by_time: needs a sample, so the first training_step places (see the module docstring)
         self._warn_batch_norm(net)
+
+    def _disable_kv_cache(self) -> None:
+        """transformers models cache keys and values by default; a re-materialized block would append them twice."""
+        if self._cache_settings is None:
+            assert self.model is not None
+            self._cache_settings = disable_kv_cache(self.model)
+            if self._cache_settings:
+                rank_zero_warn(
+                    f"{type(self).__name__}: `use_cache=True` is incompatible with re-materializing blocks (the KV cache "
+                    f"would grow twice). Setting `use_cache=False` ({', '.join(self._cache_settings)}) for this run; "
+                    "restored at teardown"
+                )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -240,4 +259,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         if self.pipeline is not None:
             self.pipeline.restore()
             self.pipeline = None
+        if self._cache_settings is not None:
+            self._cache_settings.restore()
+            self._cache_settings = None
         super().teardown()
