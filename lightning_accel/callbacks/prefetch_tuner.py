@@ -267,9 +267,11 @@ class PrefetchTuner(Callback):
         n = len(self.meter)
         waits, steps = self.meter.waits[self._skip : n], self.meter.steps[self._skip : n]
         samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
-        self.search.record(start, sum(samples) / len(samples), spread(samples))
+        self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
         if start.num_workers == 0:
             self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
+            if measured.wait_cpu_share < self.cpu_busy_threshold:
+                self.search.headroom = 1.5  # I/O-bound: spare workers are cheap, a count that just keeps up is not
         else:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
         self._search_from = len(self.meter)
@@ -344,7 +346,7 @@ class PrefetchTuner(Callback):
         # their finish times span one item as the w workers make them together: the second
         # round, past the burst of forking and starting all at once.
         items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(needed - w)]
-        self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w)
+        self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
         if candidate.num_workers:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
         self._trying = None

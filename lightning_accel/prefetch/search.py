@@ -12,7 +12,10 @@ side of it (or, after a jump, halfway down), then a deeper ``prefetch_factor``; 
 stops as soon as the predicted wait is negligible or the gains flatten. Every measurement
 carries its spread (the standard error of its samples, taken on the spot): a gain within
 twice the combined spread is noise, so it neither counts as progress nor lets more
-workers win over fewer. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
+workers win over fewer. With two or three samples a spread is itself rough, so a
+candidate faster than every sample of the incumbent (by more than its own noise) wins
+too. Items that wait on I/O get ``headroom``: workers cost little there, and a count
+that only just keeps up turns every hiccup into waiting. ``pin_memory`` and ``persistent_workers`` are decided by rule, not by
 measurement: pinning only helps a CUDA copy, and persistence only saves the worker
 start-up at each epoch boundary. The object is pure: it never touches a loader or a
 clock, so the policy is tested against a simulated loader with a known optimum.
@@ -57,6 +60,7 @@ class Trial:
     interval_s: float  # measured seconds between batches, loader alone
     wait_s: float  # predicted wait per step: max(0, interval_s - step_s), or interval_s without workers
     spread_s: float = 0.0  # standard error of interval_s from its samples (0: a single sample)
+    fastest_s: float | None = None  # the fastest sample of interval_s, when there were several
 
 
 def noise(a: Trial, b: Trial) -> float:
@@ -91,6 +95,7 @@ class PrefetchSearch:
     min_gain: float = 0.1
     max_trials: int = 12
     guess: bool = True  # start the doubling where the model says (False: at 2, or twice the start)
+    headroom: float = 1.0  # the model's worker count is multiplied by this (e.g. 1.5 for I/O-bound items)
     trials: list[Trial] = field(default_factory=list)
     _queue: list[LoaderSettings] = field(default_factory=list)
     _phase: str = "start"
@@ -103,27 +108,45 @@ class PrefetchSearch:
             persistent_workers=workers > 0,
         )
 
-    def record(self, settings: LoaderSettings, interval_s: float, spread_s: float = 0.0) -> Trial:
+    def _wait(self, settings: LoaderSettings, interval_s: float) -> float:
         # Without workers the loader only runs while the step waits for it: no overlap.
-        wait = interval_s if settings.num_workers == 0 else max(0.0, interval_s - self.step_s)
-        trial = Trial(settings, interval_s, wait, spread_s)
+        return interval_s if settings.num_workers == 0 else max(0.0, interval_s - self.step_s)
+
+    def record(
+        self, settings: LoaderSettings, interval_s: float, spread_s: float = 0.0, fastest_s: float | None = None
+    ) -> Trial:
+        trial = Trial(settings, interval_s, self._wait(settings, interval_s), spread_s, fastest_s)
         self.trials.append(trial)
         return trial
 
     def beats(self, candidate: Trial, incumbent: Trial) -> bool:
-        """``candidate`` waits less than ``incumbent`` by more than the noise of both measurements."""
-        return incumbent.wait_s - candidate.wait_s > noise(candidate, incumbent)
+        """``candidate`` waits less than ``incumbent`` by more than the noise of both measurements,
+        or less than the incumbent's fastest sample by more than its own noise."""
+        if incumbent.wait_s - candidate.wait_s > noise(candidate, incumbent):
+            return True
+        if incumbent.fastest_s is None:
+            return False
+        return self._wait(incumbent.settings, incumbent.fastest_s) - candidate.wait_s > 2.0 * candidate.spread_s
+
+    def _better(self, u: Trial, t: Trial) -> bool:
+        """``u`` waits less than ``t`` by more than a negligible wait and beyond the noise."""
+        return t.wait_s - u.wait_s > self.negligible * self.step_s and self.beats(u, t)
 
     @property
     def best(self) -> Trial | None:
-        """Least predicted wait; among near-ties (within ``negligible`` of a step, or the noise) the fewest workers."""
+        """The fewest workers (then buffers) among the trials no other trial is :meth:`_better` than.
+
+        So more workers win only by more than the noise, and a noisy trial with fewer
+        workers does not win by its noise either.
+        """
         if not self.trials:
             return None
         # Trials the budget no longer allows (it shrinks once items turn out CPU-bound) are out; the start stays.
         pool = [t for i, t in enumerate(self.trials) if i == 0 or self._fits(t.settings)]
-        least = min(pool, key=lambda t: t.wait_s)
-        close = [t for t in pool if t.wait_s <= least.wait_s + max(self.negligible * self.step_s, noise(t, least))]
-        return min(close, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s))
+        for t in sorted(pool, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s)):
+            if not any(self._better(u, t) for u in pool if u is not t):
+                return t
+        return min(pool, key=lambda t: t.wait_s)  # "better" is not transitive: fall back to the least wait
 
     def _done(self) -> bool:
         best = self.best
@@ -177,7 +200,7 @@ class PrefetchSearch:
         """
         w = max(2, 2 * self.start.num_workers)
         item_s = self.trials[0].interval_s * max(1, self.start.num_workers)
-        needed = item_s / self.step_s if self.step_s > 0 else w
+        needed = self.headroom * item_s / self.step_s if self.step_s > 0 else w
         while self.guess and w < needed and self._fits(self._settings(2 * w)):
             w *= 2
         first = self._settings(w)

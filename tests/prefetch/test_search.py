@@ -159,3 +159,33 @@ def test_a_budget_shrunk_after_measuring_drops_the_trials_it_no_longer_allows():
     assert search.best.settings == LoaderSettings()  # 8 workers are out; the start stays
     nxt = search.propose()
     assert nxt is not None and nxt.num_workers <= 2  # the search goes on within the new budget
+
+
+def test_a_candidate_faster_than_every_sample_of_a_rough_start_wins():
+    # Two samples under heavy load (256 and 549 ms) give a 146 ms standard error: the 2.4x faster
+    # candidate is inside twice the combined spread, yet faster than both samples.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.045, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.4027, spread_s=0.1466, fastest_s=0.256)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.1669, spread_s=0.0095, fastest_s=0.15)
+    assert two.wait_s > 0 and search.beats(two, start)
+    # Issue 15's 1%: not faster than the start's fastest sample, and within the noise.
+    start = Trial(LoaderSettings(), 0.0687, 0.0687, 0.002, fastest_s=0.0670)
+    eight = Trial(LoaderSettings(8, 2), 0.0731, 0.0681, 0.002)
+    assert not search.beats(eight, start)
+
+
+def test_headroom_jumps_past_the_count_that_only_just_keeps_up():
+    # 0.2 s items, 0.05 s step: 4 workers keep up exactly; with headroom 1.5 the first jump is to 8.
+    plain = PrefetchSearch(LoaderSettings(), step_s=0.05, batch_bytes=MB, budget=Budget(8, 10_000 * MB))
+    roomy = PrefetchSearch(LoaderSettings(), step_s=0.05, batch_bytes=MB, budget=Budget(8, 10_000 * MB), headroom=1.5)
+    assert [s.num_workers for s in run(plain, io_bound(0.2))][:2] == [0, 4]
+    assert [s.num_workers for s in run(roomy, io_bound(0.2))][:2] == [0, 8]
+
+
+def test_a_noisy_trial_with_fewer_workers_does_not_win_by_its_noise():
+    # Measured on a loaded machine: one worker's item times scattered (50.9 +- 20 ms) over a 6.2 ms step.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.0062, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.0341, 0.0008, fastest_s=0.0335)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.0219, 0.0012, fastest_s=0.0205)
+    search.record(LoaderSettings(1, 2, persistent_workers=True), 0.0509, 0.0200, fastest_s=0.0309)
+    assert search.best is two and search.beats(two, start)
