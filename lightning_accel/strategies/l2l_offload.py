@@ -78,8 +78,10 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
     """Train on one device with the model's blocks offloaded to host memory.
 
     Args:
-        blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class),
-            class names/classes (``["GPTBlock"]``), or a callable ``model -> modules``.
+        blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class, or
+            each child of a mixed ``nn.Sequential``; see
+            :func:`lightning_accel.models.block_policy.find_blocks`), class names/classes
+            (``["GPTBlock"]``), or a callable ``model -> modules``.
         prefetch_blocks: how many blocks ahead to copy while one computes (device memory
             grows by one block per step of depth; 1 hides the copy behind compute).
         offload_resident: also keep the non-block parameters on the host, streamed in for
