@@ -1,11 +1,29 @@
 """The multi-process pipeline: one stage (or several, interleaved) per rank on ``torch.distributed.pipelining``.
 
-Each rank builds only its own stage from the user's block network (``pre`` joins the
-first stage, ``post`` the last), hands it to a :class:`PipelineStage`, and runs one of
-PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``). The schedule chunks the
-batch, sends activations forward and gradients back between ranks, and accumulates
-each micro-batch's gradients into the stage's parameters, scaled by ``1 / chunks`` so a
-mean loss matches plain training.
+Each rank runs the model's own forward on every micro-batch; its stages' blocks compute,
+the other ranks' blocks are receive and send points
+(:mod:`lightning_accel.pipeline.boundaries`), so a model that calls its blocks from its
+own loop with masks, position ids or rotary tables (transformers, litgpt) runs
+unchanged, and what it computes before the first block is recomputed on every rank. A
+:class:`StageModule` per stage hands that to a :class:`PipelineStage`, and one of
+PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``;
+:data:`lightning_accel.pipeline.schedule.SCHEDULE_TABLE`) sends activations forward and
+gradients back between ranks. The blocks of other ranks' stages are on the ``meta``
+device; what is outside the blocks (embeddings, final norm, head, tied weights) is on
+every rank and its gradients are summed over the pipeline after each step (each rank
+has the part its stages used), as Megatron all-reduces the embedding shared by its
+first and last stage. Gradients are scaled by ``1 / chunks`` so a mean loss matches
+plain training.
+
+Why this design and not the ``torch.distributed.pipelining`` tracer (``pipeline()``
+with split points at block boundaries), which did trace tiny Llama, GPT-2, Qwen2,
+Mistral and litgpt GPT: a traced stage is a new ``GraphModule`` with its own parameter
+names, the user's ``training_step`` (the loss, ``self.log``) would have to run outside
+it on the traced output, the graph is specialized to one input shape (every new batch
+shape is a new trace), and the model must trace at all (data-dependent control flow,
+Python-side caches). Running the model's own code keeps the user's module, names,
+checkpoints and loss code, at the cost of recomputing the pre-block work on every rank
+and keeping the non-block weights on every rank.
 
 Failure: a neighbour that dies makes the transport raise (gloo closes the connection;
 a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
@@ -39,7 +57,7 @@ micro-batch count), so shapes may change per batch and no rank needs to know the
 size in advance; the last stage's rank concatenates the outputs in order. One exception:
 ``interleaved_1f1b`` on 2 ranks off the CPU evaluates the batch whole, since there the two
 ranks send each other activations and NCCL would deadlock on crossing sends (see
-:meth:`RankPipeline._eval_chunks`).
+:meth:`RankPipeline.eval_chunks`).
 
 :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
 inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
@@ -57,17 +75,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-import torch.utils.checkpoint
+from torch.distributed.pipelining import PipelineStage
 
-from lightning_accel.models.blocks import require_block_network
-from lightning_accel.pipeline.microbatch import gather
+from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
+from lightning_accel.pipeline.boundaries import StageBoundaries
 from lightning_accel.pipeline.local import checkpoint_stop
+from lightning_accel.pipeline.microbatch import batch_size, gather, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
-from lightning_accel.pipeline.schedule import check_schedule, clock_cycles
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, clock_cycles
 from lightning_accel.pipeline.timeline import Event
 
-__all__ = ["RankPipeline", "StageModule", "average_gradients", "mesh_coordinates", "pipeline_mesh", "stage_indices"]
+__all__ = [
+    "RankPipeline",
+    "StageModule",
+    "average_gradients",
+    "mesh_coordinates",
+    "pipeline_mesh",
+    "stage_indices",
+    "sum_gradients",
+]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
 _MAX_DIMS = 8
@@ -149,76 +175,115 @@ class _Recorder:
 
 
 class StageModule(nn.Module):
-    """The slice of a block network one stage runs: ``pre`` (first stage), some blocks, ``post`` (last stage).
+    """One pipeline stage as torch's ``PipelineStage`` runs it: the model's own forward on a micro-batch, with this
+    stage's blocks computing and the others' as boundaries (:class:`StageBoundaries`).
 
-    It holds the user's modules themselves, not copies, and remembers each parameter's
-    name in the user's network so checkpoints keep those names. ``remat_stop``: the
-    micro-batches of a step with index below it are re-materialized (one
-    ``torch.utils.checkpoint`` around the stage: only the stage's input is kept, and
-    backward runs the stage's forward again), counted by :attr:`microbatch`, which
-    :class:`RankPipeline` resets before each step.
+    Its submodules are the stage's blocks (the user's modules themselves, not copies). The
+    first stage's input is the micro-batch index; a later stage's, the activation the
+    previous stage sent (micro-batches arrive in order, so the index is counted). The last
+    stage returns the micro-batch's loss. ``remat_stop``: micro-batches of a step with an
+    index below it re-materialize the stage's blocks (counted by :attr:`microbatch`, which
+    :class:`RankPipeline` resets before each step).
     """
 
-    def __init__(self, net: nn.Module, balance: Sequence[int], stage: int, remat_stop: int = 0) -> None:
+    def __init__(self, pipe: RankPipeline, stage: int, remat_stop: int = 0) -> None:
         super().__init__()
-        self.remat_stop, self.microbatch = remat_stop, 0
-        block_net = require_block_network(net, "the multi-process GPipe pipeline")
-        start = sum(balance[:stage])
-        self.stage, self.first, self.last = stage, stage == 0, stage == len(balance) - 1
+        self.pipe, self.stage, self.remat_stop, self.microbatch = pipe, stage, remat_stop, 0
+        self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
         self.recorder: _Recorder | None = None
-        self.pre = block_net.pre if self.first else None
-        self.blocks = nn.ModuleList(block_net.blocks[start : start + balance[stage]])
-        self.post = block_net.post if self.last else None
-        mine = {id(p) for p in self.parameters()}
-        self.user_names = {id(p): n for n, p in net.named_parameters(remove_duplicate=False) if id(p) in mine}
-        outside = [block_net.pre] * (not self.first) + [block_net.post] * (not self.last) + [
-            b for i, b in enumerate(block_net.blocks) if not start <= i < start + balance[stage]
-        ]
-        # a tensor both here and in another stage (GPT's tied embedding and head) would need its
-        # gradient summed across ranks; refuse it rather than train two diverging copies
-        shared = sorted(self.user_names[id(p)] for m in outside for p in m.parameters() if id(p) in mine)
-        if shared:
-            raise ValueError(
-                f"parameter {shared[0]} is shared between pipeline stage {stage} and another stage; the "
-                "multi-process pipeline cannot keep one tensor on two ranks. HINT: untie it (e.g. GPT(tie_weights=False))"
-            )
 
     def forward(self, x: Tensor) -> Tensor:
-        recorder = self.recorder
-        if x.device.type == "meta":  # the stage's shape inference, not a micro-batch
-            return self._run(x)
-        remat = self.microbatch < self.remat_stop and torch.is_grad_enabled()
+        index = int(x.reshape(-1)[0]) if self.stage == 0 else self.microbatch
         self.microbatch += 1
-        if recorder is None:
-            return self._rematerialized(x) if remat else self._run(x)
-        index, start = recorder.next_forward(self.stage), time.time()
-        x = self.pre(x) if self.pre is not None else x
-        # backward of this micro-batch ends when its gradient reaches the stage input (after pre on stage 0)
-        x = _Mark.apply(x, lambda: recorder.end_backward(self.stage, index)) if x.requires_grad else x
-        out = self._rematerialized(x, pre=False) if remat else self._run(x, pre=False)
-        out = _Mark.apply(out, lambda: recorder.start_backward(self.stage, index))
-        recorder.events.append(Event(self.stage, "F", index, start, time.time()))
+        received = None if self.stage == 0 else x
+        remat = index < self.remat_stop
+        recorder, mark = self.recorder, None
+        if recorder is not None:
+            position, start = recorder.next_forward(self.stage), time.time()
+            mark = lambda t: _Mark.apply(t, lambda: recorder.end_backward(self.stage, position))  # noqa: E731
+        last = self.stage == len(self.pipe.balance) - 1
+        if last and self.pipe._inferring:
+            # torch's shape inference runs each stage once more before the first step; the last stage's output is a
+            # loss (no shape to learn), so a stand-in keeps the user's code (and its side effects) to one run per micro-batch
+            if received is None:
+                return torch.zeros(1, device=self.pipe.device, requires_grad=True)
+            return (received * 0).sum().reshape(1)  # its gradient: dense zeros shaped like the input
+        out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+        if last:
+            if not isinstance(out, Tensor) or out.numel() != 1:
+                raise ValueError(
+                    f"the last pipeline stage's forward must return the micro-batch's loss (one number), got "
+                    f"{type(out).__name__}{tuple(out.shape) if isinstance(out, Tensor) else ''}"
+                )
+            out = out.reshape(1)  # torch's schedule concatenates the last stage's outputs: one row per micro-batch
+        else:
+            out = out.contiguous()  # what the transport sends (a block may return a view)
+        if recorder is not None:
+            out = _Mark.apply(out, lambda: recorder.start_backward(self.stage, position))
+            recorder.events.append(Event(self.stage, "F", position, start, time.time()))
         return out
 
-    def _rematerialized(self, x: Tensor, pre: bool = True) -> Tensor:
-        """The stage under one checkpoint: its input is all it keeps; the RNG is replayed, so dropout recomputes alike."""
-        return torch.utils.checkpoint.checkpoint(self._run, x, pre, use_reentrant=False)
 
-    def _run(self, x: Tensor, pre: bool = True) -> Tensor:
-        if pre and self.pre is not None:
-            x = self.pre(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.post(x) if self.post is not None else x
+def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Sequence[int]) -> list[nn.Parameter]:
+    """The parameters outside every block (on every rank), in one order all ranks share; refuses a tensor that a block of
+    one stage shares with another stage's block or with the model outside the blocks (it would live on two ranks)."""
+    stage_of: dict[int, tuple[int, str]] = {}
+    start = 0
+    for s, count in enumerate(balance):
+        for block in blocks[start : start + count]:
+            for n, t in [*block.module.named_parameters(), *block.module.named_buffers()]:
+                seen = stage_of.setdefault(id(t), (s, f"{block.name}.{n}"))
+                if seen[0] != s:
+                    raise ValueError(
+                        f"{seen[1]} is shared between pipeline stages {seen[0]} and {s}; the multi-process pipeline "
+                        "cannot keep one block tensor on two ranks. HINT: untie it, or choose blocks (blocks=...) that "
+                        "do not share weights"
+                    )
+        start += count
+    in_blocks = {id(m) for b in blocks for m in b.module.modules()}
+    resident: list[nn.Parameter] = []
+    kept: set[int] = set()
+    for name, module in net.named_modules(remove_duplicate=False):
+        if id(module) in in_blocks:
+            continue
+        for n, p in module.named_parameters(recurse=False):
+            if id(p) in stage_of:
+                raise ValueError(
+                    f"{name}.{n} is also {stage_of[id(p)][1]}, a block's parameter; the pipeline keeps what is outside "
+                    "the blocks on every rank and a block on one. HINT: untie it"
+                )
+            if id(p) not in kept:
+                kept.add(id(p))
+                resident.append(p)
+    return resident
 
-    def user_state_dict(self) -> dict[str, Tensor]:
-        """This stage's parameters under their names in the user's network."""
-        return {self.user_names[id(p)]: p.detach() for p in self.parameters()}
+
+@torch.no_grad()
+def sum_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None) -> None:
+    """Each gradient becomes its sum over ``group``; a parameter with no gradient on any rank keeps none (as in plain
+    training, where an optimizer then skips it). Every rank passes the same parameters, in the same order."""
+    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    present = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+    dist.all_reduce(present, group=group)
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.dtype, g.device), []).append(i)
+    for indices in by_kind.values():  # one all-reduce per dtype and device
+        flat = torch.cat([grads[i].reshape(-1) for i in indices])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for i in indices:
+            grads[i].copy_(flat[offset : offset + grads[i].numel()].view_as(grads[i]))
+            offset += grads[i].numel()
+    for p, g, anywhere in zip(params, grads, present.tolist()):
+        p.grad = g if anywhere else None
 
 
 def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
     """Stages rank ``rank`` runs: one, or two for ``interleaved_1f1b`` (``rank`` and ``rank + world_size``)."""
-    return [rank, rank + world_size] if schedule == "interleaved_1f1b" else [rank]
+    return [rank + k * world_size for k in range(SCHEDULE_TABLE[schedule].stages_per_rank)]
 
 
 def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
@@ -289,15 +354,25 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None,
 class RankPipeline:
     """This rank's stages of ``net`` and the schedule that drives them.
 
+    ``net`` is any model whose forward calls its blocks (``blocks``: a policy for
+    :func:`lightning_accel.models.block_policy.find_blocks`, or the blocks found); each
+    rank runs the model's own forward, its stages' blocks computing and the others'
+    becoming receive and send points (:mod:`lightning_accel.pipeline.boundaries`). The
+    blocks of other ranks' stages go to the ``meta`` device; everything outside the blocks
+    (embeddings, norms, heads, their tied weights) stays on every rank, and after each
+    step its gradients are summed over the pipeline's ranks (each rank has the part its
+    stages' forward used), so every rank holds the whole gradient and steps it alike.
+
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
     ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
     over the micro-batch (``scale_grads=True``: gradients are divided by ``chunks``, so they
     equal those of the batch mean), or a sum (``scale_grads=False``). ``group``: the ranks
     of this pipeline (the mesh's ``pp`` group; ``None``: every rank), whose size is the
-    ``world_size`` above. ``checkpoint``: which micro-batches each stage re-materializes,
-    ``"always"``, ``"except_last"`` (the last one's backward follows its forward at once on
-    the last stage, so keeping it costs little) or ``"never"`` (torch's schedules keep every
-    micro-batch's activations in flight: all M with ``gpipe``, up to S with ``1f1b``).
+    ``world_size`` above. ``checkpoint``: which micro-batches each stage re-materializes
+    (its blocks, each under ``torch.utils.checkpoint``), ``"always"``, ``"except_last"``
+    (the last one's backward follows its forward at once on the last stage, so keeping it
+    costs little) or ``"never"`` (torch's schedules keep every micro-batch's activations in
+    flight: all M with ``gpipe``, up to S with ``1f1b``).
     """
 
     def __init__(
@@ -305,44 +380,62 @@ class RankPipeline:
         net: nn.Module,
         balance: Sequence[int],
         chunks: int,
-        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        loss_fn: Callable[[Any, Any], Tensor] | None = None,
         schedule: str = "gpipe",
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
         record: bool = False,
         scale_grads: bool = True,
         checkpoint: str = "never",
+        blocks: BlockPolicy | Sequence[Block] = "auto",
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         stages = len(stage_indices(0, self.world_size, schedule)) * self.world_size
         check_schedule(schedule, chunks, stages)
-        block_net = require_block_network(net, "the multi-process GPipe pipeline")
+        found = list(blocks) if isinstance(blocks, (list, tuple)) and all(isinstance(b, Block) for b in blocks) else find_blocks(net, blocks)  # type: ignore[arg-type]
         if len(balance) != stages:
             raise ValueError(
                 f"schedule {schedule!r} on {self.world_size} ranks runs {stages} stages but balance has "
                 f"{len(balance)} ({list(balance)}); give {stages} entries"
             )
-        self.balance = check_balance(balance, len(block_net.blocks), stages)
+        self.balance = check_balance(balance, len(found), stages)
+        self.net, self.loss_fn, self.scale_grads = net, loss_fn, scale_grads
         self.chunks, self.schedule_name, self.device = chunks, schedule, torch.device(device)
         self.indices = stage_indices(self.rank, self.world_size, schedule)
+        self.blocks = [b.module for b in found]
+        self.block_names = [b.name for b in found]
+        self.resident = _check_stage_tensors(net, found, self.balance)
+        for k, block in enumerate(self.blocks):  # other ranks' blocks: names, shapes and dtypes stay, storage goes
+            if not any(k in self._stage_range(s) for s in self.indices):
+                block.to("meta")
+        net._apply(lambda t: t if t.is_meta else t.to(self.device))
+        self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         stop = checkpoint_stop(checkpoint, chunks)
-        self.modules = [StageModule(net, self.balance, s, stop).to(self.device) for s in self.indices]
+        self.modules = [StageModule(self, s, stop) for s in self.indices]
         self.recorder = _Recorder() if record else None
-        self._shapes: tuple[tuple[int, ...] | None, tuple[int, ...] | None] | None = None
+        self._shapes: Any = None
         for m in self.modules:
             m.recorder = self.recorder
-        self.loss_fn, self._inferring = loss_fn, False
-        self._schedule_kwargs = {"n_microbatches": chunks, "loss_fn": self._loss, "scale_grads": scale_grads}
+        self._inferring = False
+        self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
+        self._losses: list[Tensor] = []
+        self._schedule_kwargs = {"n_microbatches": chunks, "loss_fn": self._loss, "scale_grads": False}
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.schedule: Any = self._build_schedule()
 
-    def _loss(self, output: Tensor, target: Tensor) -> Tensor:
-        if self._inferring and torch.is_floating_point(output):
-            # torch's shape inference: it runs the loss on micro-batch 0 once more, only for the shapes of the
-            # gradients it sends back; a stand-in keeps the user's loss (and its side effects) to one call per micro-batch
-            return output.sum()
-        return self.loss_fn(output, target)
+    def _stage_range(self, stage: int) -> range:
+        start = sum(self.balance[:stage])
+        return range(start, start + self.balance[stage])
+
+    def _loss(self, output: Tensor, _target: Tensor) -> Tensor:
+        """The last stage returns the micro-batch's loss itself; the schedule's loss function only scales it."""
+        output = output.reshape(())
+        if self._inferring:
+            # torch's shape inference runs the last stage once more, only for the shapes of the gradients it sends back
+            return output
+        self._losses.append(output.detach())
+        return output / self.chunks if self.scale_grads else output
 
     def _build_schedule(self) -> Any:
         """Fresh stages over this rank's modules, and the schedule driving them (stages fix their shapes at their first step)."""
@@ -350,12 +443,7 @@ class RankPipeline:
             PipelineStage(m, s, len(self.balance), self.device, group=self.group)
             for m, s in zip(self.modules, self.indices)
         ]
-        if self.schedule_name == "gpipe":
-            schedule: Any = ScheduleGPipe(stages[0], **self._schedule_kwargs)
-        elif self.schedule_name == "1f1b":
-            schedule = Schedule1F1B(stages[0], **self._schedule_kwargs)
-        else:
-            schedule = ScheduleInterleaved1F1B(stages, **self._schedule_kwargs)
+        schedule: Any = SCHEDULE_TABLE[self.schedule_name].build(stages, **self._schedule_kwargs)
         initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
         if initialize is not None:
 
@@ -387,52 +475,72 @@ class RankPipeline:
         return len(self.balance) - 1 in self.indices
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.modules for p in m.parameters()]
+        """What this rank trains: its stages' blocks' parameters, then everything outside the blocks."""
+        return [*(p for m in self.modules for p in m.parameters()), *self.resident]
 
-    def step(self, inputs: Tensor | None = None, target: Tensor | None = None, shape: Any = None) -> Tensor | None:
-        """Forward and backward of one batch; returns the batch loss (mean of the micro-batch losses) on the last stage's rank.
+    def train_step(self, forward: Callable[[int], Tensor], shape: Any = None) -> Tensor | None:
+        """Forward and backward of one batch in ``chunks`` micro-batches; every rank of the pipeline calls it.
 
-        ``shape``: a hashable key, equal on every rank, that changes when the batch shapes do
-        (the batch's tensor shapes); a new key gets a schedule of its own. Without it, a batch
-        shaped unlike the first one is refused.
+        ``forward(i)`` runs the model's own code on micro-batch ``i`` (the same batch on every
+        rank) and returns that micro-batch's loss (on the last stage's rank; the others stop
+        at their stage's end). ``shape``: a hashable key, equal on every rank, that changes
+        when the batch shapes do; a new key gets a schedule of its own (stages fix their
+        activation shapes at their first step). Without it, a batch shaped unlike the first
+        one is refused. Returns the mean of the micro-batch losses on the last stage's rank.
         """
-        if inputs is not None and inputs.size(0) % self.chunks:
-            raise ValueError(
-                f"the batch size {inputs.size(0)} is not divisible by chunks={self.chunks}; the multi-process "
-                "pipeline needs equal micro-batches for its loss to match plain training (drop_last=True and a "
-                "batch size that is a multiple of chunks)"
-            )
-        shapes = (None if inputs is None else tuple(inputs.shape), None if target is None else tuple(target.shape))
         if shape is not None:
             if not self._by_shape:
                 self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
             elif shape not in self._by_shape:
                 self._by_shape[shape] = self._build_schedule()
             schedule = self._by_shape[shape]
-        elif self._shapes is None:
-            self._shapes, schedule = shapes, self.schedule
-        elif shapes != self._shapes:
-            raise ValueError(
-                f"batch shapes (inputs, target) {shapes} differ from the first step's {self._shapes}; the stages fixed "
-                "their activation shapes at the first step and every rank must send the same. HINT: drop_last=True on "
-                "the DataLoader, and pad or crop inputs to one shape"
-            )
         else:
             schedule = self.schedule
-        losses: list[Tensor] = []
+        self._losses = []
         if self.recorder is not None:
             self.recorder.reset()
         self._restart_microbatches()
-        args = (inputs.to(self.device),) if self.holds_first and inputs is not None else ()
+        self._forward = forward
+        index = torch.arange(self.chunks, device=self.device)
         try:
             schedule.step(
-                *args,
-                target=target.to(self.device) if self.holds_last and target is not None else None,
-                losses=losses if self.holds_last else None,
+                *((index,) if self.holds_first else ()),
+                target=index if self.holds_last else None,
+                losses=[] if self.holds_last else None,
             )
         except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
             raise self._exchange_error("step", err) from err
-        return torch.stack(losses).mean() if losses else None
+        finally:
+            self._forward = lambda i: None
+        sum_gradients(self.resident, self.group)
+        losses = self._losses[-self.chunks :]
+        return torch.stack(losses).mean() if self.holds_last and losses else None
+
+    def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
+        """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch
+        (``target`` is only read on the last stage's rank)."""
+        if self.loss_fn is None:
+            raise ValueError("step() needs the loss_fn given to RankPipeline; or call train_step(forward)")
+        if batch_size(inputs) % self.chunks:
+            raise ValueError(
+                f"the batch size {batch_size(inputs)} is not divisible by chunks={self.chunks}; the multi-process "
+                "pipeline needs equal micro-batches for its loss to match plain training (drop_last=True and a "
+                "batch size that is a multiple of chunks)"
+            )
+        shapes = tuple(tuple(t.shape) for t in tensors_in((inputs, target)))
+        if shape is None:
+            if self._shapes is None:
+                self._shapes = shapes
+            elif shapes != self._shapes:
+                raise ValueError(
+                    f"batch shapes (inputs, target) {shapes} differ from the first step's {self._shapes}; the stages "
+                    "fixed their activation shapes at the first step and every rank must send the same. HINT: "
+                    "drop_last=True on the DataLoader, and pad or crop inputs to one shape"
+                )
+        xs = scatter(map_tensors(inputs, lambda t: t.to(self.device)), self.chunks)
+        ys = scatter(map_tensors(target, lambda t: t.to(self.device)), self.chunks) if target is not None else [None] * self.chunks
+        loss_fn = self.loss_fn
+        return self.train_step(lambda i: loss_fn(self.net(xs[i]), ys[i]), shape)
 
     def _exchange_error(self, what: str, err: Exception) -> RuntimeError:
         """One error naming this rank, its stages and its neighbours (global ranks: what the other ranks' logs name)."""
@@ -445,44 +553,46 @@ class RankPipeline:
         )
 
     @torch.no_grad()
-    def forward(self, inputs: Tensor | None = None) -> Any:
-        """Evaluation: the batch in up to ``chunks`` micro-batches streamed through the stages, no gradients.
+    def evaluate(self, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
+        """Evaluation of a batch of ``size`` samples (every rank of the pipeline calls it), no gradients.
 
-        ``inputs`` on the first stage's rank; returns the last stage's outputs of the
-        micro-batches, concatenated in order, on its rank (``None`` elsewhere). The split is
-        ``torch.tensor_split``'s into ``min(chunks, batch size)`` pieces, so any batch size works
-        and the result is the whole batch's output (for a model that treats samples
-        independently in eval mode, as ``model.eval()`` makes BatchNorm and dropout).
+        ``run(i)`` runs the model's own code on micro-batch ``i`` of the batch split by
+        ``torch.tensor_split`` into :meth:`eval_chunks` pieces; ``run(None)`` on the whole batch.
+        The micro-batches stream through the stages on GPipe's forward clock
+        (:func:`lightning_accel.pipeline.schedule.clock_cycles`): a rank runs micro-batch ``i``
+        while the next runs ``i - 1``, its sends non-blocking (waited for before it returns),
+        so the ranks compute at once and a stage holds one micro-batch's activations. The last
+        stage's rank concatenates what reached it and runs ``run(None)`` once, on the whole
+        batch (so the user's step sees the batch it was given); returns that there, ``None``
+        elsewhere. ``whole_on_last=False``: the last stage runs per micro-batch too and returns
+        the micro-batches' outputs concatenated (for a model that treats samples
+        independently in eval mode, the whole batch's output). Each tensor goes after a small header (dtype, shape), so shapes may change
+        per batch.
         """
-        count = len(self.balance)
+        count, last = len(self.balance), len(self.balance) - 1
+        m = self.eval_chunks(size)
         ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
+        arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
         try:
-            if self.holds_first:
-                if inputs is None:
-                    raise ValueError(f"rank {self._global(self.rank)} runs the first stage: pass forward(inputs)")
-                x = inputs.to(self.device)
-                parts = torch.tensor_split(x, self._eval_chunks(x.size(0)))
-                ready = {(0, i): part for i, part in enumerate(parts)}
-                m = len(parts)
-            else:  # this rank's first op is micro-batch 0 of its first stage: its header says how many follow
-                first = self.indices[0]
-                ready[(first, 0)], m = _recv(self._global((first - 1) % self.world_size), self.device, self.group)
-            outputs: list[Any] = []
             pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, waited for before returning
             # clock k runs (micro-batch i, stage s) with i + s == k: each rank computes micro-batch i while the next
             # rank computes i - 1; messages between two ranks go in this one order, so blocking receives cannot deadlock
-            for cycle in clock_cycles(m, count):
+            for cycle in clock_cycles(m, count) if count > 1 else []:
                 for i, s in cycle:
                     if s not in self.indices:
                         continue
-                    x = ready.pop((s, i), None)
-                    if x is None:
+                    x = None if s == 0 else ready.pop((s, i), None)
+                    if s > 0 and x is None:
                         x, _ = _recv(self._global((s - 1) % self.world_size), self.device, self.group)
-                    y = self.modules[self.indices.index(s)]._run(x)  # _run: not recorded on the timeline
+                    if s == last and whole_on_last:
+                        arrived.append(x)
+                        continue
+                    if s == last:
+                        arrived.append(self.boundaries.run(s, x, lambda i=i: run(i)))
+                        continue
+                    y = self.boundaries.run(s, x, lambda i=i: run(i))
                     nxt = (s + 1) % self.world_size
-                    if s == count - 1:
-                        outputs.append(y)
-                    elif nxt == self.rank:
+                    if nxt == self.rank:
                         ready[(s + 1, i)] = y
                     else:
                         pending += _isend(y, self._global(nxt), self.group, m)
@@ -492,14 +602,25 @@ class RankPipeline:
             raise
         except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
             raise self._exchange_error("evaluation", err) from err
-        return gather(outputs) if self.holds_last else None
+        if not self.holds_last:
+            return None
+        if not whole_on_last:
+            return gather(arrived) if count > 1 else gather([run(i) for i in range(m)])
+        return self.boundaries.run(last, gather(arrived) if count > 1 else None, lambda: run(None))
 
-    def _eval_chunks(self, size: int) -> int:
+    def forward(self, inputs: Any) -> Any:
+        """:meth:`evaluate` of ``net(inputs)``: every rank passes the batch; the output on the last stage's rank."""
+        inputs = map_tensors(inputs, lambda t: t.to(self.device))
+        size = batch_size(inputs)
+        parts = scatter(inputs, self.eval_chunks(size))
+        return self.evaluate(size, lambda i: self.net(inputs if i is None else parts[i]), whole_on_last=False)
+
+    def eval_chunks(self, size: int) -> int:
         """Micro-batches for an evaluation batch of ``size``: ``min(chunks, size)``, at least 1; but 1 where two ranks
         send each other activations (interleaved on 2 ranks) off the CPU: NCCL runs a pair's sends and receives in
         one stream, in order, and a send waits for its receive, so streaming both ways would deadlock; one
         micro-batch sends and receives in the same order on both ranks (gloo sends in the background: no such limit)."""
-        if self.schedule_name == "interleaved_1f1b" and self.world_size == 2 and self.device.type != "cpu":
+        if SCHEDULE_TABLE[self.schedule_name].eval_whole_on_pairs and self.world_size == 2 and self.device.type != "cpu":
             return 1
         return max(1, min(self.chunks, size))
 

@@ -16,11 +16,14 @@ picture and the bubble figure are read off the same data.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 __all__ = [
     "Action",
     "SCHEDULES",
+    "SCHEDULE_TABLE",
+    "ScheduleSpec",
     "bubble_fraction",
     "check_schedule",
     "clock_cycles",
@@ -30,7 +33,45 @@ __all__ = [
     "simulate",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What the multi-process pipeline needs to know about one schedule, in one place.
+
+    ``torch_class``: its class in ``torch.distributed.pipelining``; ``stages_per_rank``: 1,
+    or 2 for an interleaved (looped) schedule; ``needs_chunks_per_stage``: at least as many
+    micro-batches as stages (1F1B's steady state); ``rounds``: micro-batches go in rounds of
+    the stage count, so ``chunks`` must be a multiple of the rounds; ``eval_whole_on_pairs``:
+    evaluation sends the batch whole where two ranks send each other activations off the
+    CPU (NCCL would deadlock on crossing streamed sends; see ``RankPipeline.eval_chunks``).
+    """
+
+    name: str
+    torch_class: str
+    stages_per_rank: int = 1
+    needs_chunks_per_stage: bool = False
+    rounds: bool = False
+    eval_whole_on_pairs: bool = False
+
+    def build(self, stages: Sequence[Any], **kwargs: Any) -> Any:
+        """The torch schedule over this rank's ``PipelineStage`` objects (one, or several for a looped schedule)."""
+        import torch.distributed.pipelining as pipelining
+
+        cls = getattr(pipelining, self.torch_class)
+        return cls(list(stages) if self.stages_per_rank > 1 else stages[0], **kwargs)
+
+
+SCHEDULE_TABLE: dict[str, ScheduleSpec] = {
+    spec.name: spec
+    for spec in (
+        ScheduleSpec("gpipe", "ScheduleGPipe"),
+        ScheduleSpec("1f1b", "Schedule1F1B", needs_chunks_per_stage=True),
+        ScheduleSpec(
+            "interleaved_1f1b", "ScheduleInterleaved1F1B", stages_per_rank=2, needs_chunks_per_stage=True, rounds=True,
+            eval_whole_on_pairs=True,
+        ),
+    )
+}
+SCHEDULES = tuple(SCHEDULE_TABLE)
 
 
 class Action(NamedTuple):
@@ -126,13 +167,14 @@ def check_schedule(name: str, chunks: int, stages: int) -> None:
     """Refuse, before any work, a schedule the chosen (chunks, stages) cannot run."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    if name in ("1f1b", "interleaved_1f1b") and chunks < stages:
+    spec = SCHEDULE_TABLE[name]
+    if spec.needs_chunks_per_stage and chunks < stages:
         raise ValueError(
             f"schedule {name!r} needs at least as many micro-batches as stages (chunks={chunks}, stages={stages}); "
             f"set chunks >= {stages} or schedule='gpipe'"
         )
     rounds = max(1, chunks // stages)
-    if name == "interleaved_1f1b" and chunks % rounds != 0:
+    if spec.rounds and chunks % rounds != 0:
         raise ValueError(
             f"schedule 'interleaved_1f1b' runs micro-batches in rounds of {stages} and needs chunks to be a "
             f"multiple of the {rounds} rounds (chunks={chunks}, stages={stages}); set chunks={rounds * stages}"

@@ -28,11 +28,16 @@ One training step, for ``S`` ranks in a pipeline (one stage each, two for ``inte
 - every rank of the pipeline loads the same batch (the ranks are stages of one model, not
   copies) and runs :class:`lightning_accel.pipeline.RankPipeline`'s
   schedule, which sends activations forward and gradients back between ranks;
-- the first rank feeds its stage what the user's ``training_step`` passes to the network
-  (it runs ``training_step`` until the network is called, and stops there);
-- the last rank runs the user's ``training_step`` once per micro-batch as the schedule's
-  loss function, with the network returning the last stage's output for that
-  micro-batch, so the user's loss and logging code is unchanged;
+- every rank runs the user's ``training_step`` on each micro-batch, and with it the
+  model's own forward: the blocks (``blocks=``, found by
+  :func:`lightning_accel.models.block_policy.find_blocks`) of its stages compute, the
+  other ranks' blocks are receive and send points
+  (:mod:`lightning_accel.pipeline.boundaries`), and a rank that does not hold the last
+  stage stops after its last block. So a transformers or litgpt model, whose forward
+  computes masks, position ids and rotary tables before its blocks and passes them to
+  each, runs unchanged; the last rank runs ``training_step`` to its end, so the user's
+  loss and logging code is unchanged; a transformers ``config.use_cache`` is turned off
+  for training (and back on at teardown);
 - the last rank broadcasts the batch loss and what ``training_step`` logged (reduced over
   the micro-batches like the loss) to every rank, and every rank returns that loss and
   logs those values: rank 0 owns the progress bar and the loggers, as Lightning expects,
@@ -52,14 +57,15 @@ it decides to step, every rank's found-inf flag is summed over all ranks, so eve
 skips the step (and lowers the scale) when any stage overflowed: one scaler step per
 batch, the same on every rank, as plain training takes it.
 
-Memory: each rank keeps only its own stages. At setup, rank 0 sends every other rank the
-starting weights of that rank's stages (through the first rank of each pipeline, then over
-the replicas), then each rank moves the other stages' modules
-to the ``meta`` device (names and shapes stay, storage is freed) and the optimizer is
-given only this rank's parameters, so gradients and optimizer state are split too.
-Anything outside the block network (a LightningModule's own parameters) stays on every
-rank, is trained by the last rank (which runs ``training_step``) and is broadcast from
-it before evaluation and saving. After ``fit`` the module stays split: on each rank it
+Memory: each rank keeps only its own stages' blocks. At setup, rank 0 sends every other
+rank the starting weights of that rank's blocks (through the first rank of each pipeline,
+then over the replicas), then each rank moves the other stages' blocks to the ``meta``
+device (names and shapes stay, storage is freed) and the optimizer is given only this
+rank's parameters, so gradients and optimizer state are split too. Everything outside the
+blocks (embeddings, final norm, head, a LightningModule's own parameters) stays on every
+rank: each rank's forward uses part of it (the first stage the embedding, the last the
+head), their gradients are summed over the pipeline's ranks, and every rank steps them
+alike; tied weights (GPT-2's embedding and head) need nothing more. After ``fit`` the module stays split: on each rank it
 holds that rank's stages (``trainer.validate``/``test`` and ``trainer.save_checkpoint``
 still work on it); load the checkpoint for the whole model. What is not split: every
 rank builds the whole model on the CPU before setup (rank 0 sends from it), so the model
@@ -130,7 +136,8 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_accel.models.blocks import require_block_network
+from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
+from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.pipeline.distributed import (
     RankPipeline,
     average_gradients,
@@ -140,7 +147,13 @@ from lightning_accel.pipeline.distributed import (
 )
 from lightning_accel.pipeline.local import CHECKPOINT_MODES
 from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
+from lightning_accel.pipeline.partition import (
+    balance_by_cost,
+    block_bytes,
+    check_balance,
+    profile_block_times,
+    stage_of_block,
+)
 from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
 from lightning_accel.pipeline.schedule import check_schedule
 from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result
@@ -218,14 +231,6 @@ def _summaries_without_example(trainer: pl.Trainer) -> None:
         callback._summary = without_example  # type: ignore[method-assign]
 
 
-class _NetInput(Exception):
-    """Raised by the network's stand-in on the first rank: carries what ``training_step`` fed it."""
-
-    def __init__(self, inputs: Tensor) -> None:
-        super().__init__("pipeline input captured")
-        self.inputs = inputs
-
-
 @contextmanager
 def _patched(obj: nn.Module, name: str, fn: Callable[..., Any]) -> Iterator[None]:
     """Shadow ``obj.name`` with ``fn`` (an instance attribute) for the duration of the block."""
@@ -301,6 +306,9 @@ class DistributedGPipeStrategy(DDPStrategy):
             ``interleaved_1f1b``), ``"by_size"`` (parameter and buffer bytes) or ``"by_time"``
             (forward + backward seconds of each block on the LightningModule's
             ``example_input_array``, measured once on rank 0; see the module docstring).
+        blocks: which submodules are the blocks that stages split at: a policy for
+            :func:`lightning_accel.models.block_policy.find_blocks` (``"auto"``, block classes
+            or a callable), as for ``GPipeStrategy`` and ``L2LOffloadStrategy``.
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
         checkpoint: re-materialization per stage and micro-batch, as in ``GPipeStrategy``:
             ``"always"``, ``"except_last"`` or ``"never"`` (the default here: raw
@@ -329,6 +337,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         pipeline_parallel_size: int | None = None,
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
+        blocks: BlockPolicy = "auto",
         **kwargs: Any,
     ) -> None:
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
@@ -363,6 +372,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.chunks, self.schedule, self.loss_reduction, self.checkpoint = chunks, schedule, loss_reduction, checkpoint
         self.balance = balance if isinstance(balance, str) else list(balance)
         self._pp_size = pipeline_parallel_size
+        self.blocks = blocks
+        self._resident_ids: set[int] = set()  # parameters outside the blocks: on every rank of the pipeline
+        self._cache_settings: CacheSettings | None = None
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
         self._sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.pipeline: RankPipeline | None = None
@@ -373,7 +385,6 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._warned_ragged = False
         self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
-        self._step_loss: Callable[[Tensor, Tensor], Tensor] | None = None
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
 
     # -- placement ----------------------------------------------------------------------------
@@ -497,17 +508,18 @@ class DistributedGPipeStrategy(DDPStrategy):
         assert self.lightning_module is not None
         _to_device(self.lightning_module, self.root_device)  # the meta stages (other ranks') stay meta
 
-    def _balance(self, block_net: Any, stages: int) -> list[int]:
+    def _balance(self, blocks: list[Block], stages: int) -> list[int]:
         if not isinstance(self.balance, str):
             return list(self.balance)
-        if stages > len(block_net.blocks):
+        if stages > len(blocks):
             raise ValueError(
-                f"{self.pipeline_parallel_size} ranks per pipeline run {stages} stages but {type(block_net).__name__} has "
-                f"{len(block_net.blocks)} blocks; use at most {len(block_net.blocks)} stages (trainer devices)"
+                f"{self.pipeline_parallel_size} ranks per pipeline run {stages} stages but {type(self._net()).__name__} has "
+                f"{len(blocks)} blocks; use at most {len(blocks)} stages (trainer devices)"
             )
+        modules = [b.module for b in blocks]
         if self.balance == "by_size" or stages == 1:  # by_time with one stage: nothing to measure
-            return balance_by_cost(block_bytes(list(block_net.blocks)), stages)
-        self._block_times = self._agreed_block_times(list(block_net.blocks))
+            return balance_by_cost(block_bytes(modules), stages)
+        self._block_times = self._agreed_block_times(modules)
         balance = balance_by_cost(self._block_times, stages)
         rank_zero_info(
             f"DistributedGPipeStrategy: balance='by_time' {balance}: " + ", ".join(f"{t * 1e3:.2f}" for t in self._block_times)
@@ -545,15 +557,15 @@ class DistributedGPipeStrategy(DDPStrategy):
         return payload[0]
 
     def _split(self) -> None:
-        """Build this rank's stages; on first use give them rank 0's weights and free the other stages."""
+        """Build this rank's stages; on first use give them rank 0's weights and free the other ranks' blocks."""
         module, net = self.lightning_module, self._net()
         assert module is not None
-        block_net = require_block_network(net, "DistributedGPipeStrategy")
+        blocks = find_blocks(net, self.blocks)
         ranks = self.pipeline_parallel_size
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks
         check_schedule(self.schedule, self.chunks, stages)
         layout = getattr(module, _LAYOUT, None)  # set when an earlier fit split this module
-        balance = self._balance(block_net, stages) if layout is None else list(layout[2])
+        balance = self._balance(blocks, stages) if layout is None else list(layout[2])
         if layout is not None and layout != (ranks, self.schedule == "interleaved_1f1b", tuple(balance)):
             raise ValueError(
                 f"this module was split for {layout[0]} ranks with balance {list(layout[2])} by an earlier run; it "
@@ -567,36 +579,32 @@ class DistributedGPipeStrategy(DDPStrategy):
                 f"schedule {self.schedule!r} on {ranks} ranks runs {stages} stages but balance has {len(balance)} "
                 f"({balance}); give {stages} entries"
             )
-        check_balance(balance, len(block_net.blocks), stages)
-        # each parameter and buffer belongs to the rank of its stage; what no stage holds
-        # (anything outside the network) is used by training_step, which runs on the last rank
+        check_balance(balance, len(blocks), stages)
+        self._cache_settings = disable_kv_cache(net)
+        if self._cache_settings:
+            rank_zero_info(
+                f"DistributedGPipeStrategy: set {', '.join(self._cache_settings)} = False for training (each micro-batch "
+                "and stage would write the KV cache again)"
+            )
+        # each block's parameters and buffers belong to the rank of its stage; everything outside the blocks
+        # (embeddings, norms, heads, the LightningModule's own tensors) is on every rank, trained alike there
         stage_of: dict[int, int] = {}
-        for s, count in enumerate(balance):
-            start = sum(balance[:s])
-            modules = [block_net.blocks[i] for i in range(start, start + count)]
-            modules += [block_net.pre] * (s == 0) + [block_net.post] * (s == len(balance) - 1)
-            for m in modules:
-                for t in [*m.parameters(), *m.buffers()]:
-                    stage_of.setdefault(id(t), s)
+        for k, s in enumerate(stage_of_block(balance)):
+            for t in [*blocks[k].module.parameters(), *blocks[k].module.buffers()]:
+                stage_of.setdefault(id(t), s)
         tensors = self._tensors()
         self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]  # pp ranks
         self._shared = [id(t) not in stage_of for t in tensors]  # resident on every rank
         if layout is None:
             self._send_initial_weights(tensors)
+        # the other ranks' blocks go to the meta device there (names, shapes and dtypes stay for checkpoints)
         self.pipeline = RankPipeline(
-            net, balance, self.chunks, self._loss_fn, schedule=self.schedule, device=self.root_device,
-            group=self._pp_group, scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,
+            module, balance, self.chunks, schedule=self.schedule, device=self.root_device, group=self._pp_group,
+            scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,
+            blocks=[Block(f"{b.name}", b.module) for b in blocks],
         )
+        self._resident_ids = {id(p) for p in self.pipeline.resident}
         if layout is None:
-            start = lambda s: sum(balance[:s])  # noqa: E731
-            mine = self.pipeline.indices
-            others = [block_net.pre] * (0 not in mine) + [block_net.post] * (len(balance) - 1 not in mine)
-            others += [
-                b for i, b in enumerate(block_net.blocks)
-                if not any(start(s) <= i < start(s) + balance[s] for s in mine)
-            ]
-            for m in others:
-                m.to("meta")  # frees the storage; names, shapes and dtypes stay for checkpoints
             object.__setattr__(module, _LAYOUT, (ranks, self.schedule == "interleaved_1f1b", tuple(balance)))
         self.model_to_device()
 
@@ -639,7 +647,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             for group in optimizer.param_groups:
                 params = group["params"]
                 full.append(list(range(offset, offset + len(params))))
-                mine = [owner.get(id(p), (pp - 1, True))[0] == pp_rank for p in params]
+                mine = [owner.get(id(p), (pp - 1, True))[0] == pp_rank or owner.get(id(p), (pp - 1, True))[1] for p in params]
                 kept.extend(offset + j for j, m in enumerate(mine) if m)
                 offset += len(params)
                 for p, m in zip(params, mine):
@@ -664,28 +672,6 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     # -- one training step --------------------------------------------------------------------
 
-    def _loss_fn(self, output: Tensor, index: Tensor) -> Tensor:
-        assert self._step_loss is not None
-        return self._step_loss(output, index)
-
-    def _net_input(self, batch: Any, rest: tuple, kwargs: dict, hook: str = "training_step") -> Tensor:
-        """Run the user's ``hook`` (``training_step``, ``validation_step``, ...) until it calls the network; return what it fed it."""
-        module, net = self.lightning_module, self._net()
-        assert module is not None
-
-        def capture(x: Tensor, *_: Any, **__: Any) -> Tensor:
-            raise _NetInput(x)
-
-        try:
-            with _patched(net, "forward", capture), _patched(module, "log", lambda *a, **k: None):
-                getattr(module, hook)(batch, *rest, **kwargs)
-        except _NetInput as found:
-            return found.inputs
-        raise ValueError(
-            f"{hook} never called the network ({type(net).__name__}); the first pipeline stage runs on what "
-            f"{hook} passes to it. HINT: compute the loss from self.net(x) (or self(x)) in {hook}"
-        )
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         module, pipe = self.lightning_module, self.pipeline
@@ -705,19 +691,18 @@ class DistributedGPipeStrategy(DDPStrategy):
         sizes = [batch_size(mb) for mb in micro]
         outputs: list[Any] = [None] * self.chunks
         logs: list[list[tuple[str, Any, dict]]] = [[] for _ in range(self.chunks)]
-        net = self._net()
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             scaler.scale(torch.zeros((), device=self.root_device))  # ranks without the loss need the scale too
 
-        def step_loss(output: Tensor, index: Tensor) -> Tensor:
-            i = int(index.reshape(-1)[0])
+        def forward(i: int) -> Tensor:
+            """The user's ``training_step`` on micro-batch ``i``: every rank runs it, up to its stage's end."""
             logs[i] = []  # should torch run a micro-batch's loss twice, keep the last
 
             def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
                 logs[i].append((name, _loggable(value), kw))
 
-            with _patched(net, "forward", lambda *_, **__: output), _patched(module, "log", log):
+            with _patched(module, "log", log):
                 out = module.training_step(micro[i], *rest, **kwargs)
             if out is None:
                 raise ValueError("training_step returned None (skip the batch), but the pipeline has already run it")
@@ -725,15 +710,12 @@ class DistributedGPipeStrategy(DDPStrategy):
             loss = out["loss"] if isinstance(out, Mapping) else out
             return scaler.scale(loss) if scaler is not None else loss  # the schedule's backward: scaled gradients
 
-        self._step_loss = step_loss
-        inputs = self._net_input(batch, rest, dict(kwargs)) if pipe.holds_first else None
-        target = torch.arange(self.chunks, device=self.root_device) if pipe.holds_last else None
         params = pipe.parameters()
         earlier = [p.grad for p in params]  # accumulated batches: the schedule must not rescale them
         for p in params:
             p.grad = None
         with self.precision_plugin.train_step_context():
-            pipe.step(inputs, target, shape=_shapes(batch))  # a smaller last batch gets a schedule of its own
+            pipe.train_step(forward, shape=_shapes(batch))  # a smaller last batch gets a schedule of its own
         self._pending = [p.grad for p in params]
         for p, g in zip(params, earlier):
             p.grad = g
@@ -807,10 +789,13 @@ class DistributedGPipeStrategy(DDPStrategy):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks
         (the replicas hold the same averaged gradients, so summing over them too would count each stage ``dp`` times)."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
         squares = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for g in grads:
-            squares += g.detach().double().pow(2).sum()
+        counted = self._coords[0] == self.pipeline_parallel_size - 1  # what every rank holds: counted on one
+        for p, g in zip(params, grads):
+            if counted or id(p) not in self._resident_ids:
+                squares += g.detach().double().pow(2).sum()
         dist.all_reduce(squares, group=self._pp_group)  # each parameter on one rank of the pipeline
         coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
         for g in grads:
@@ -819,34 +804,37 @@ class DistributedGPipeStrategy(DDPStrategy):
     # -- evaluation ---------------------------------------------------------------------------
 
     def _eval_step(self, hook: str, args: tuple, kwargs: dict, return_output: bool = False) -> Any:
-        """The batch through the stages in order; the user's ``hook`` on the last rank, its logs replayed on every rank."""
+        """The batch through the stages in micro-batches; the user's ``hook`` on the whole batch at the last stage (its
+        logs replayed on every rank). Every rank runs ``hook`` up to its stages' ends, its logging silenced."""
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        inputs = self._net_input(batch, rest, dict(kwargs), hook) if pipe.holds_first else None
-        output = pipe.forward(inputs)
+        size = batch_size(batch)
+        parts = scatter(batch, pipe.eval_chunks(size))
         payload: list[Any] = [[], None]
-        out = None
-        if pipe.holds_last:
-            paths = {id(m): n for n, m in module.named_modules()}
-            records, real_log = payload[0], module.log
+        paths = {id(m): n for n, m in module.named_modules()}
+        records, real_log = payload[0], module.log
 
-            def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
-                real_log(name, value, *a, **kw)
-                if isinstance(value, Metric):
-                    if id(value) not in paths:
-                        raise ValueError(
-                            f"{hook} logged {name!r}, a Metric that is not a submodule of the LightningModule; the "
-                            "pipeline's other ranks cannot log the same one. HINT: assign it as an attribute in __init__"
-                        )
-                    records.append((name, ("metric", paths[id(value)], _metric_state(value)), a, kw))
-                else:
-                    records.append((name, _loggable(value), a, kw))
+        def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
+            real_log(name, value, *a, **kw)
+            if isinstance(value, Metric):
+                if id(value) not in paths:
+                    raise ValueError(
+                        f"{hook} logged {name!r}, a Metric that is not a submodule of the LightningModule; the "
+                        "pipeline's other ranks cannot log the same one. HINT: assign it as an attribute in __init__"
+                    )
+                records.append((name, ("metric", paths[id(value)], _metric_state(value)), a, kw))
+            else:
+                records.append((name, _loggable(value), a, kw))
 
-            with _patched(self._net(), "forward", lambda *_, **__: output), _patched(module, "log", log):
-                out = getattr(module, hook)(batch, *rest, **kwargs)
-            if return_output:
-                payload[1] = apply_to_collection(out, Tensor, lambda t: t.detach().cpu())
+        def run(i: int | None) -> Any:
+            # i None: the whole batch on the last stage, where the step's logging counts
+            with _patched(module, "log", log if i is None else lambda *_, **__: None):
+                return getattr(module, hook)(batch if i is None else parts[i], *rest, **kwargs)
+
+        out = pipe.evaluate(size, run)
+        if pipe.holds_last and return_output:
+            payload[1] = apply_to_collection(out, Tensor, lambda t: t.detach().cpu())
         dist.broadcast_object_list(payload, src=self._pp_global(self.pipeline_parallel_size - 1), group=self._pp_group)
         if pipe.holds_last:
             return out
@@ -984,7 +972,10 @@ class DistributedGPipeStrategy(DDPStrategy):
     def teardown(self) -> None:
         # _owners and _opt_index stay: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
         # (one per process, see _process_mesh: nothing to destroy here)
-        self.pipeline, self._pending, self._step_loss = None, [], None
+        self.pipeline, self._pending = None, []
+        if self._cache_settings is not None:
+            self._cache_settings.restore()
+            self._cache_settings = None
         self._step_signature_cache = None  # every rank of the pipeline tears down: the next fit starts afresh
         module = self.lightning_module
         if module is not None:

@@ -33,8 +33,10 @@ def evaluate(out: str, schedule: str, rank: int) -> None:
     pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule)
     seen: dict[int, list[int]] = {s: [] for s in pipe.indices}
     for stage, module in zip(pipe.indices, pipe.modules):
-        module.blocks[0].register_forward_pre_hook(lambda _, args, stage=stage: seen[stage].append(args[0].size(0)))
-    outputs = {size: pipe.forward(eval_batch(size) if pipe.holds_first else None) for size in EVAL_SIZES}
+        module.blocks[0].register_forward_pre_hook(  # not its shadow runs, while another stage of this rank runs
+            lambda _, args, stage=stage: seen[stage].append(args[0].size(0)) if pipe.boundaries.active_stage == stage else None
+        )
+    outputs = {size: pipe.forward(eval_batch(size)) for size in EVAL_SIZES}  # every rank passes the batch
     torch.save({"outputs": outputs, "seen": seen}, os.path.join(out, f"eval-{schedule}-rank{rank}.pt"))
 
 
@@ -60,7 +62,7 @@ def main() -> None:
         except RuntimeError as err:
             print(f"rank {rank} error: {err}", flush=True)
             os._exit(4)  # do not wait in destroy_process_group for a dead peer
-        grads = {n: p.grad for m in pipe.modules for n, p in zip(m.user_state_dict(), m.parameters())}
+        grads = {n: p.grad for n, p in net.named_parameters() if not p.is_meta}
         torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()]}, os.path.join(out, f"{schedule}-rank{rank}.pt"))
     if mode == "train":  # rank r's gradients are r + 1 (and one parameter without a gradient)
         params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in

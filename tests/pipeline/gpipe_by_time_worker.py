@@ -94,7 +94,8 @@ class Losses(pl.Callback):
 def main(out: str) -> None:
     torch.set_num_threads(1)
     model, losses = UnevenRegressor(), Losses()
-    strategy = DistributedGPipeStrategy(chunks=CHUNKS, balance="by_time", timeout=60)
+    # the blocks are of two classes (Repeated, then MLPBlocks): "auto" looks for one class, so name them
+    strategy = DistributedGPipeStrategy(chunks=CHUNKS, balance="by_time", timeout=60, blocks=lambda net: list(net.blocks))
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, callbacks=[losses],

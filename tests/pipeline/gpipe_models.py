@@ -39,12 +39,12 @@ def val_loader() -> DataLoader:
 
 
 def stage_names(task: LanguageModelTask, balance: list[int], ranks: int) -> list[set[str]]:
-    """The parameter names each rank's stages hold (stage ``s`` on rank ``s % ranks``): pre with the first, post with the last."""
+    """The parameter names each rank holds (stage ``s`` on rank ``s % ranks``): its stages' blocks, and everything
+    outside the blocks (pre and post: on every rank)."""
     net, names = task.net, [set() for _ in range(ranks)]
+    outside = {f"net.{n}" for n, _ in net.named_parameters() if not n.startswith("blocks.")}
     for s, count in enumerate(balance):
         start = sum(balance[:s])
-        modules = [(f"blocks.{i}", net.blocks[i]) for i in range(start, start + count)]
-        modules += [("pre", net.pre)] * (s == 0) + [("post", net.post)] * (s == len(balance) - 1)
-        for prefix, m in modules:
-            names[s % ranks] |= {f"net.{prefix}.{n}" for n, _ in m.named_parameters()}
+        for i in range(start, start + count):
+            names[s % ranks] |= {f"net.blocks.{i}.{n}" for n, _ in net.blocks[i].named_parameters()} | outside
     return names

@@ -41,14 +41,16 @@ def main() -> None:
                 pipe = RankPipeline(net, [1, 3], chunks, F.mse_loss, schedule=schedule, checkpoint=mode)
                 calls = [0]
                 for block in pipe.modules[0].blocks:
-                    # a pre-hook: the recompute stops once it has what backward needs, maybe inside the last block
-                    block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+                    # a pre-hook on the block's first layer (the recompute calls the block's forward, not the block), as
+                    # the recompute stops once it has what backward needs, maybe inside the last block
+                    first = next(block.children(), block)
+                    first.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
                 pipe.step(x, y)
                 for p in pipe.parameters():
                     p.grad = None
                 calls[0] = 0
                 pipe.step(x, y)
-                grads = {n: p.grad for n, p in zip(pipe.modules[0].user_state_dict(), pipe.parameters())}
+                grads = {n: p.grad for n, p in net.named_parameters() if not p.is_meta}
                 results[(schedule, mode, chunks)] = {"grads": grads, "calls": calls[0], "blocks": len(pipe.modules[0].blocks)}
     torch.save(results, os.path.join(out, f"remat-rank{rank}.pt"))
     dist.destroy_process_group()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel.models import GPT, MLP
-from lightning_accel.pipeline.distributed import StageModule, mesh_coordinates, stage_indices
+from lightning_accel.pipeline.distributed import mesh_coordinates, stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
 
@@ -69,7 +69,12 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
     for schedule in schedules:
         ranks = [torch.load(tmp_path / f"{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
         grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
-        assert grads.keys() == ref_grads.keys(), schedule  # each parameter on exactly one rank, under the user's name
+        assert grads.keys() == ref_grads.keys(), schedule  # under the user's names
+        # each block on one rank; pre and post (outside the blocks) on both, their gradients summed over the ranks
+        shared = set(ranks[0]["grads"]) & set(ranks[1]["grads"])
+        assert shared == {n for n in ref_grads if not n.startswith("blocks.")}, schedule
+        for name in shared:
+            torch.testing.assert_close(ranks[0]["grads"][name], ranks[1]["grads"][name], rtol=0, atol=0)
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
         assert ranks[0]["loss"] is None  # the loss lives on the last stage: rank 1 (stage 1, or 3 when interleaved)
@@ -151,33 +156,59 @@ def test_a_rank_dying_mid_step_ends_every_rank_with_an_error_naming_it(tmp_path)
     assert time.monotonic() - start < 45
 
 
-def test_stage_modules_split_the_network_and_keep_names():
+def test_stage_boundaries_run_the_models_own_forward_stage_by_stage():
+    """Stage 0 stops after its last block and returns that output; stage 1, its predecessor's blocks on meta, takes the
+    received activation in their place and runs the model's forward to the end: together, the whole model's output."""
+    import copy
+
+    from lightning_accel.pipeline.boundaries import StageBoundaries
+
+    torch.manual_seed(0)
     net = MLP(6, 3, hidden=8, depth=4)
-    first, last = StageModule(net, [1, 3], 0), StageModule(net, [1, 3], 1)
-    assert set(first.user_state_dict()) == {"pre.weight", "pre.bias", *(f"blocks.0.{n}" for n, _ in net.blocks[0].named_parameters())}
-    assert {*first.user_state_dict(), *last.user_state_dict()} == set(dict(net.named_parameters()))
     x = torch.randn(2, 6)
-    torch.testing.assert_close(last(first(x)), net(x))
+    expected = net(x)
+    first, last = copy.deepcopy(net), copy.deepcopy(net)
+    for k in (1, 2, 3):
+        first.blocks[k].to("meta")
+    last.blocks[0].to("meta")
+    hidden = StageBoundaries(list(first.blocks), [1, 3]).run(0, None, lambda: first(x))
+    torch.testing.assert_close(hidden, first.blocks[0](first.pre(x)))
+    torch.testing.assert_close(StageBoundaries(list(last.blocks), [1, 3]).run(1, hidden, lambda: last(x)), expected)
     assert stage_indices(1, 2, "1f1b") == [1] and stage_indices(1, 2, "interleaved_1f1b") == [1, 3]
 
 
-def test_mesh_coordinates_put_the_pipeline_outermost():
-    """Rank = pp_rank * dp + dp_rank, as torch's init_device_mesh((pp, dp)) lays out (checked on 4 ranks elsewhere)."""
-    assert [mesh_coordinates(r, 6, 3) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert [mesh_coordinates(r, 2, 2) for r in range(2)] == [(0, 0), (1, 0)]  # one replica: rank = stage
-    with pytest.raises(ValueError, match=r"world size 6 is not a multiple of 4 pipeline ranks; HINT: run a multiple of 4"):
-        mesh_coordinates(0, 6, 4)
+def test_a_block_returning_two_tensors_is_refused():
+    from lightning_accel.pipeline.boundaries import StageBoundaries
+
+    class Two(nn.Module):
+        def forward(self, x):
+            return x, x + 1
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Two(), Two()])
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](x)[0])
+
+    net = Net()
+    with pytest.raises(ValueError, match=r"block 'blocks.0' returned 2 tensors.*HINT: choose blocks"):
+        StageBoundaries(list(net.blocks), [1, 1], ["blocks.0", "blocks.1"]).run(0, None, lambda: net(torch.ones(1)))
 
 
-def test_tied_weights_across_stages_are_refused():
-    net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)
-    with pytest.raises(ValueError, match=r"parameter post.lm_head.weight is shared between pipeline stage 1.*untie"):
-        StageModule(net, [1, 1], 1)
+def test_a_block_tensor_shared_with_the_rest_of_the_model_is_refused():
+    from lightning_accel.pipeline.distributed import _check_stage_tensors
+    from lightning_accel.models.block_policy import find_blocks
 
-
-def test_a_network_without_blocks_is_refused():
-    with pytest.raises(TypeError, match="the multi-process GPipe pipeline needs a block network, but Sequential has no nn.Module `pre`"):
-        StageModule(nn.Sequential(nn.Linear(2, 2)), [1], 0)
+    net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32, tie_weights=False)
+    net.post.lm_head.weight = next(net.blocks[1].parameters())  # a head tied to a block's weight
+    with pytest.raises(ValueError, match=r"post.lm_head.weight is also blocks.1.*a block's parameter.*HINT: untie it"):
+        _check_stage_tensors(net, find_blocks(net), [1, 1])
+    tied = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)  # embedding = head: both outside
+    assert len(_check_stage_tensors(tied, find_blocks(tied), [1, 1])) == len(list(tied.parameters())) - sum(
+        len(list(b.parameters())) for b in tied.blocks
+    )
 
 
 @pytest.fixture

@@ -51,9 +51,12 @@ def test_by_time_splits_as_the_measured_times_say_and_every_rank_agrees(two_rank
     assert len(times) == 4 and times[0] > 10 * max(times[1:]), times
     assert two_ranks[1]["times"] == times  # broadcast, not measured again
     assert two_ranks[0]["balance"] == two_ranks[1]["balance"] == balance_by_cost(times, 2) == [1, 3]
-    for r, rank in enumerate(two_ranks):  # stage 0 (rank 0): pre and block 0; stage 1: blocks 1-3 and post
-        names = list(rank["resident"])
-        assert names and all(n.startswith(("net.pre.", "net.blocks.0.")) == (r == 0) for n in names), (r, names)
+    for r, rank in enumerate(two_ranks):  # stage 0 (rank 0): block 0; stage 1: blocks 1-3; pre and post on both
+        blocks = {n.split(".")[2] for n in rank["resident"] if n.startswith("net.blocks.")}
+        assert blocks == ({"0"} if r == 0 else {"1", "2", "3"}), (r, blocks)
+        assert {n for n in rank["resident"] if not n.startswith("net.blocks.")} == {
+            n for n, _ in UnevenRegressor().named_parameters() if not n.startswith("net.blocks.")
+        }
 
 
 def test_by_time_trains_like_plain_lightning(two_ranks):
@@ -65,6 +68,8 @@ def test_by_time_trains_like_plain_lightning(two_ranks):
         torch.testing.assert_close(rank["val"], ref_val, rtol=1e-10, atol=0)
     weights = {**two_ranks[0]["resident"], **two_ranks[1]["resident"]}
     assert set(weights) == set(ref_weights)
+    for name in set(two_ranks[0]["resident"]) & set(two_ranks[1]["resident"]):  # pre, post: the same on both ranks
+        torch.testing.assert_close(two_ranks[0]["resident"][name], two_ranks[1]["resident"][name], rtol=0, atol=0)
     for name, weight in ref_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -95,13 +100,13 @@ def test_by_time_without_example_input_array_says_how_to_fix_it(one_rank):
     """Two stages on one rank (interleaved_1f1b): the split needs the times, and there is no sample."""
     with pytest.raises(ValueError, match=r"balance='by_time' times each block before the first batch, on NoExample\."
                                          r"example_input_array, which is None\. HINT: set self\.example_input_array"):
-        _fit_one_rank(NoExample(), schedule="interleaved_1f1b", balance="by_time")
+        _fit_one_rank(NoExample(), schedule="interleaved_1f1b", balance="by_time", blocks=lambda net: list(net.blocks))
 
 
 def test_by_time_on_one_rank_leaves_the_blocks_where_they_were(one_rank):
     """interleaved_1f1b on one rank: 2 stages, timed on this rank's device; the blocks come back to the CPU whole."""
     model = UnevenRegressor()
-    trainer = _fit_one_rank(model, schedule="interleaved_1f1b", balance="by_time")
+    trainer = _fit_one_rank(model, schedule="interleaved_1f1b", balance="by_time", blocks=lambda net: list(net.blocks))
     times = trainer.strategy._block_times
     assert times[0] > 10 * max(times[1:]) and balance_by_cost(times, 2) == [1, 3]
     assert all(not p.is_meta for p in model.parameters())  # one rank holds every stage

@@ -1,0 +1,212 @@
+"""Stage boundaries inside a model's own forward: one rank runs its blocks, the others' become receive and send points.
+
+Why this and not a traced graph: the models people bring (transformers Llama, GPT-2,
+Qwen2, Mistral, litgpt GPT) call their blocks from their own loop with extra
+arguments (attention masks, position ids, rotary cos/sin) that the model computes
+before the first block. Here every rank runs the model's own code, unchanged, on its
+micro-batch: what comes before the first block (embeddings, masks, rotary tables) is
+recomputed on each rank, so every block gets the arguments the model gives it, and
+the user's module, parameter names and loss code stay as they are. Only each stage's
+block output crosses ranks.
+
+While :meth:`StageBoundaries.run` runs the model for stage ``s`` (blocks
+``start .. end - 1``):
+
+- a block before ``start`` (another rank's, on the ``meta`` device) runs on ``meta``
+  (shapes only, no arithmetic, no storage); its output becomes zeros on this rank's
+  device, and the last one's output is the activation received from stage ``s - 1``,
+  so the model's own code between blocks carries it to block ``start``;
+- blocks ``start .. end - 1`` run as usual;
+- after block ``end - 1`` the forward stops (unless ``s`` is the last stage) and
+  :meth:`run` returns that block's output, which goes to stage ``s + 1``; the last
+  stage runs on to the model's output and the loss.
+
+A block must return one tensor, or a tuple/list/dict whose only tensor is the hidden
+state (transformers' ``(hidden_states,)``, ``(hidden_states, None)``): that is the one
+activation a stage sends. Outside :meth:`run` the blocks run as usual (on a model whose
+other stages are on ``meta`` that fails, as any use of freed weights does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from lightning_accel.models.side_effects import cache_argument, describe_cache_refusal
+from lightning_accel.pipeline.microbatch import map_tensors, tensors_in
+
+__all__ = ["StageBoundaries"]
+
+
+class _StageOutput(BaseException):
+    """Stops the model's forward after a stage's last block (a BaseException: a user's ``except Exception`` cannot eat it)."""
+
+    def __init__(self, output: Tensor) -> None:
+        super().__init__("stage output")
+        self.output = output
+
+
+class _Active(NamedTuple):
+    start: int
+    end: int
+    last: bool
+    received: Tensor | None
+    remat: bool
+    mark: Callable[[Tensor], Tensor] | None
+
+
+def _hidden(output: Any, name: str) -> Tensor:
+    """The one tensor in a block's output: the activation a stage sends on."""
+    found = tensors_in(output)
+    if len(found) != 1:
+        raise ValueError(
+            f"block {name!r} returned {len(found)} tensors; a pipeline stage sends one activation to the next. "
+            "HINT: choose blocks (blocks=...) whose output is the hidden state alone"
+        )
+    return found[0]
+
+
+class StageBoundaries:
+    """Installs stage boundaries on ``blocks`` (modules of one model, in call order) for the stages of ``balance``.
+
+    ``names``: the blocks' names, for errors. :meth:`restore` removes the boundaries.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], balance: Sequence[int], names: Sequence[str] | None = None) -> None:
+        if sum(balance) != len(blocks):
+            raise ValueError(f"balance {list(balance)} sums to {sum(balance)} but there are {len(blocks)} blocks")
+        self.blocks, self.balance = list(blocks), list(balance)
+        self.names = list(names) if names is not None else [f"block {k}" for k in range(len(blocks))]
+        self.starts = [sum(self.balance[:s]) for s in range(len(self.balance))]
+        self._active: _Active | None = None
+        for k, block in enumerate(self.blocks):
+            block.forward = self._boundary(k, block.forward)  # type: ignore[method-assign]  # instance attribute
+
+    def restore(self) -> None:
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+
+    @property
+    def active_stage(self) -> int | None:
+        """The stage :meth:`run` is running now (a block's hooks fire for its shadow runs too: this tells them apart)."""
+        if self._active is None:
+            return None
+        return next(s for s, start in enumerate(self.starts) if start == self._active.start)
+
+    def stage_range(self, stage: int) -> range:
+        return range(self.starts[stage], self.starts[stage] + self.balance[stage])
+
+    def run(
+        self,
+        stage: int,
+        received: Tensor | None,
+        forward: Callable[[], Any],
+        remat: bool = False,
+        mark: Callable[[Tensor], Tensor] | None = None,
+    ) -> Any:
+        """``forward()`` (the model's own code on one micro-batch) as stage ``stage``: returns its last block's output,
+        or for the last stage what ``forward`` returns. ``received``: stage ``stage - 1``'s output (None for stage 0).
+
+        ``remat``: each of the stage's blocks runs under ``torch.utils.checkpoint`` (only its inputs are kept; backward
+        runs it again), so only the blocks are recomputed, never the model's or the user's code around them (a loss, a
+        ``self.log``). ``mark``: applied to the first tensor the stage's first block gets (a timeline's marker)."""
+        if (stage == 0) != (received is None):
+            raise ValueError(f"stage {stage} {'takes no' if stage == 0 else 'needs the'} activation of the previous stage")
+        blocks = self.stage_range(stage)
+        last = stage == len(self.balance) - 1
+        with self._running(_Active(blocks.start, blocks.stop, last, received, remat, mark)):
+            try:
+                result = forward()
+            except _StageOutput as stop:
+                return stop.output
+        if not last:
+            raise ValueError(
+                f"the model's forward returned without calling {self.names[blocks.stop - 1]!r}, the last block of "
+                f"pipeline stage {stage}; every block must run on every micro-batch, in the order found"
+            )
+        return result
+
+    @contextmanager
+    def _running(self, active: _Active) -> Iterator[None]:
+        previous, self._active = self._active, active
+        try:
+            yield
+        finally:
+            self._active = previous
+
+    def _boundary(self, k: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            active = self._active
+            if active is None:
+                return original(*args, **kwargs)
+            if k < active.start:  # another stage's block: shapes only; the last one hands over the received activation
+                with torch.no_grad(), _on_meta(self.blocks[k]):
+                    out = original(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
+                if k == active.start - 1:
+                    assert active.received is not None
+                    _hidden(out, self.names[k])
+                    return map_tensors(out, lambda _t: active.received)
+                device = active.received.device if active.received is not None else None
+                return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
+            cache = cache_argument(args, kwargs)
+            if cache is not None:
+                value = kwargs[cache] if cache in kwargs else args[int(cache[5:-1])]
+                raise ValueError(describe_cache_refusal(
+                    "pipeline", self.names[k], self.blocks[k], cache, value,
+                    "each micro-batch and stage runs the block on its own part of the batch, and a recomputation",
+                ))
+            if k >= active.end:
+                raise RuntimeError(f"block {self.names[k]!r} ran after the last block of its stage; the stage should have stopped")
+            if k == active.start and active.mark is not None:
+                args, kwargs = _mark_first(args, kwargs, active.mark)
+            if active.remat and torch.is_grad_enabled():
+                out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            else:
+                out = original(*args, **kwargs)
+            if k == active.end - 1 and not active.last:
+                raise _StageOutput(_hidden(out, self.names[k]))
+            return out
+
+        return forward
+
+
+def _mark_first(args: tuple, kwargs: dict, mark: Callable[[Tensor], Tensor]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with ``mark`` applied to the first tensor among them that requires grad."""
+    done = [False]
+
+    def once(t: Tensor) -> Tensor:
+        if done[0] or not t.requires_grad:
+            return t
+        done[0] = True
+        return mark(t)
+
+    args = map_tensors(args, once)
+    return args, map_tensors(kwargs, once)
+
+
+@contextmanager
+def _on_meta(module: nn.Module) -> Iterator[None]:
+    """``module`` with meta stand-ins for its tensors that have storage (a block this rank holds for another of its
+    stages, run here for shapes only), its own tensors back afterwards."""
+    swapped: list[tuple[nn.Module, str, bool, Tensor]] = []
+    for m in module.modules():
+        for table, is_param in ((m._parameters, True), (m._buffers, False)):
+            for name, t in list(table.items()):
+                if t is not None and not t.is_meta:
+                    swapped.append((m, name, is_param, t))
+                    meta = t.detach().to("meta")
+                    table[name] = nn.Parameter(meta, requires_grad=t.requires_grad) if is_param else meta
+    try:
+        yield
+    finally:
+        for m, name, is_param, t in swapped:
+            (m._parameters if is_param else m._buffers)[name] = t
+
+
+def _to_meta(t: Tensor) -> Tensor:
+    return t.detach().to("meta")
