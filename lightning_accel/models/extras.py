@@ -9,7 +9,9 @@ as one line before any run starts, instead of a traceback minutes into it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 from lightning_accel.config.errors import UserError
 
@@ -33,3 +35,16 @@ def import_extra(module: str, extra: str, needed_by: str) -> ModuleType:
             f'{needed_by} needs {module.split(".")[0]}, which is not installed; it comes with the {extra} extra: '
             f'pip install "lightning-accel[{extra}]"'
         ) from None
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every mapping a dict and every list a list, recursively.
+
+    Hydra hands a builder its nested config as OmegaConf containers; transformers' config
+    dataclasses type-check their fields (``rope_parameters`` must be a ``dict``).
+    """
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [plain(v) for v in value]
+    return value

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_accel.config.errors import UserError, close_matches
-from lightning_accel.models.extras import import_extra
+from lightning_accel.models.extras import import_extra, plain
 
 transformers = import_extra("transformers", "hf", "model=hf_causal_lm")
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig  # noqa: E402
@@ -77,7 +77,7 @@ def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
     transformers stores any keyword it does not know as an attribute and never reads it
     again, so a misspelt ``hidden_sizee`` would silently train the default width.
     """
-    keys = dict(config)
+    keys = plain(config)
     model_type = keys.pop("model_type", None)
     if model_type is None:
         raise UserError("hf_causal_lm config needs model_type (e.g. llama, qwen2, mistral, gpt2); set model.net.config.model_type")

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from lightning_accel.config.errors import UserError, close_matches
-from lightning_accel.models.extras import import_extra
+from lightning_accel.models.extras import import_extra, plain
 
 import_extra("litgpt", "hf", "model=litgpt")
 from litgpt import GPT, Config  # noqa: E402
@@ -26,7 +26,7 @@ from litgpt.config import name_to_config  # noqa: E402
 
 def litgpt_gpt(name: str | None = None, config: Mapping[str, Any] | None = None) -> nn.Module:
     """litgpt's ``GPT`` for a named config (``"Llama-3.2-1B"``, ``"pythia-14m"``) and/or Config fields."""
-    fields = dict(config or {})
+    fields = plain(config or {})
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = [k for k in fields if k not in known]
     if unknown:

@@ -48,6 +48,16 @@ def test_other_model_types_and_legacy_rope_keys() -> None:
     assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rope_parameters["rope_type"] == "llama3"
 
 
+def test_config_from_hydra_is_made_plain() -> None:
+    # Hydra passes nested OmegaConf containers; transformers type-checks rope_parameters as a dict
+    from omegaconf import OmegaConf
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    net = hf_causal_lm(OmegaConf.create({**TINY_LLAMA, "max_position_embeddings": 256, "rope_parameters": rope}))
+    assert net.config.rope_parameters == rope
+
+
 def test_dtype_and_attention_implementation_are_passed_on() -> None:
     net = hf_causal_lm(TINY_LLAMA, dtype="float64", attn_implementation="eager")
     assert {p.dtype for p in net.parameters()} == {torch.float64}
