@@ -23,7 +23,9 @@ What it handles:
   finds it among the call's arguments; the strategies refuse such a call before the
   forward runs (a cache is Python state, nothing we can snapshot and put back).
 - buffers a block writes in place or replaces during its forward (litgpt's ``KVCache``
-  written when the forward gets ``input_pos``, BatchNorm running statistics, counters):
+  written when the forward gets ``input_pos``, BatchNorm running statistics, counters;
+  a litgpt model with a cache set by ``set_kv_cache`` but called without ``input_pos``, as
+  training does, writes nothing and trains as it is):
   :func:`buffer_versions` / :func:`mutated_buffers` see them through the tensors' version
   counters, which every in-place op bumps: a dictionary of a block's buffers before the
   call and a comparison after it, no copies and no hooks on the model, so it is cheap

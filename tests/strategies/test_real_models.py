@@ -103,6 +103,22 @@ def test_use_cache_is_restored_after_fit_and_the_cache_is_never_built() -> None:
     assert task.net.config.use_cache is True  # the user's setting, back after fit
 
 
+@pytest.mark.parametrize("kind", ["l2l", "gpipe-always"])
+def test_litgpt_with_a_kv_cache_set_trains_like_plain_lightning(kind: str) -> None:
+    # litgpt writes its KVCache only when forward gets input_pos (generation); a training forward leaves it
+    # alone, so a model prepared for generation trains as it is, neither refused nor changed
+    def with_cache() -> CausalLM:
+        task = real_task("litgpt", torch.float64)
+        task.net.set_kv_cache(batch_size=8, dtype=torch.float64)
+        return task
+
+    plain, task = with_cache(), with_cache()
+    fit(plain)
+    fit(task, _strategy(kind))
+    assert_same_weights(plain, task, rtol=0, atol=1e-10)
+    assert task.net.transformer.h[0].attn.kv_cache is not None
+
+
 class CachingLM(CausalLM):
     """Asks for the KV cache explicitly, which no config setting can turn off."""
 
