@@ -1,0 +1,83 @@
+"""A user script training models this project did not write with ``DistributedGPipeStrategy`` on 2 CPU processes.
+
+Run as ``python real_models_worker.py OUT_DIR CASES``: CASES is a comma-separated list of
+``model:schedule`` (models of ``tests/strategies/real_models.py`` plus ``qwen2`` and ``mistral``),
+one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts rank 1 from
+this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
+model's seeded initialization; rank 0 saves ``{model}-{schedule}.ckpt`` (the gathered
+checkpoint). ``llama:gpipe`` is also trained 2 steps, saved, and resumed from that
+checkpoint in a fresh Trainer to step 4 (``llama-gpipe-resumed.ckpt``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
+import real_models  # noqa: E402
+from real_models import VOCAB, lm_loader  # noqa: E402
+
+STEPS, CHUNKS = 4, 4
+
+
+def build_qwen2() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def build_mistral() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.MistralForCausalLM(cfg)
+
+
+real_models.BUILDERS.update(qwen2=build_qwen2, mistral=build_mistral)
+
+
+def task(name: str) -> pl.LightningModule:
+    return real_models.real_task(name, torch.float64)
+
+
+def trainer(schedule: str, steps: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, schedule=schedule, timeout=60),
+        max_steps=steps, precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False,
+    )
+
+
+def main() -> None:
+    out, cases = Path(sys.argv[1]), [c.split(":") for c in sys.argv[2].split(",")]
+    torch.set_num_threads(1)
+    for name, schedule in cases:
+        t = trainer(schedule, STEPS)
+        t.fit(task(name), lm_loader())
+        t.save_checkpoint(out / f"{name}-{schedule}.ckpt")
+        if (name, schedule) == ("llama", "gpipe"):
+            t = trainer(schedule, STEPS // 2)
+            t.fit(task(name), lm_loader())
+            t.save_checkpoint(out / "llama-gpipe-half.ckpt")
+            t = trainer(schedule, STEPS)
+            t.fit(task(name), lm_loader(), ckpt_path=out / "llama-gpipe-half.ckpt")
+            t.save_checkpoint(out / "llama-gpipe-resumed.ckpt")
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
