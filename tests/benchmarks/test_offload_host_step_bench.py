@@ -23,7 +23,8 @@ def test_host_step_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert "host optimizer step, blocks shaped like GPT blocks of width 32" in out
     assert _row(out, "torch AdamW(fused=True)")[3:] == ["1.00", "1.00"]  # the baseline of the "x fused" columns
     for label in ("torch AdamW, foreach/fused unset", "l2l_offload host step (fp32", "  same, one optimizer call per block",
-                  "fused step, then bf16 shadow refresh", "l2l_offload host step, bf16 shadows folded", "host memory copy"):
+                  "fused step, then bf16 shadow refresh", "l2l_offload host step, bf16 shadows folded", "host memory copy",
+                  "in-place a += b"):
         assert all(float(v) > 0 for v in _row(out, label)[1:])
     assert "(no DeepSpeedCPUAdam row: " in out or "DeepSpeedCPUAdam " in out
     assert _row(out, "tiny")[2] != "0"  # the per-call table
