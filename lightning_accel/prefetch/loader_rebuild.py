@@ -77,6 +77,7 @@ def rebuild_loader(
     plan: Iterable | None = None,
     collate_fn: Callable | None = None,
     dataset: Any = None,
+    generator: Any = None,
 ) -> DataLoader:
     """A copy of ``loader`` with ``settings`` (and ``collate_fn`` when given, e.g. one wrapping the user's).
 
@@ -84,14 +85,15 @@ def rebuild_loader(
     index lists (the batches still to serve), for ``batch_size=None`` an iterable of
     indices. Without it the user's own (batch) sampler object is shared, so its
     shuffle order and generator state carry over. ``dataset`` replaces an iterable
-    dataset (a copy positioned mid-stream, see ``prefetch.stream``).
+    dataset (a copy positioned mid-stream, see ``prefetch.stream``); ``generator`` the
+    loader's own (which then seeds only the workers: a plan has no randomness).
     """
     check_rebuildable(loader, workers=settings.num_workers > 0)
     common: dict[str, Any] = dict(
         collate_fn=collate_fn if collate_fn is not None else loader.collate_fn,
         worker_init_fn=loader.worker_init_fn,
         timeout=loader.timeout if settings.num_workers else 0,
-        generator=loader.generator,
+        generator=generator if generator is not None else loader.generator,
         multiprocessing_context=loader.multiprocessing_context if settings.num_workers else None,
         pin_memory_device=loader.pin_memory_device,
         **settings.as_kwargs(),

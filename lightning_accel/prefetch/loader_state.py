@@ -11,14 +11,21 @@ dataset that returns its indices (no I/O, no decoding). The twin draws each epoc
 batches, recording its state at the epoch's start; the state after ``n`` batches is a
 second twin, loaded with that start state and advanced by ``n`` index batches, asked
 for its ``state_dict``: torchdata's own code writes the format. That second twin works on
-a copy of the sampler, so the user's sampler is never rewound.
+a copy of the sampler and its generator, under a forked global RNG, so neither the user's
+sampler nor any random stream training uses moves: a checkpoint changes nothing.
+
+Random numbers: drawing an epoch through the twin consumes what the user's loader would
+(its base seed, from the loader's generator or the global one, and the sampler's
+permutation), so a tuned run draws the same orders as an untuned one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -56,7 +63,7 @@ class IndexTwin:
         self._start: dict[str, Any] | None = None  # the twin's state where the current epoch (or resume) began
         self._resume: dict[str, Any] | None = None  # loaded by load_state_dict, used by the next epoch
 
-    def _twin(self, batch_sampler: Any) -> DataLoader:
+    def _twin(self, batch_sampler: Any, generator: torch.Generator | None) -> DataLoader:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = self.loader
@@ -69,7 +76,7 @@ class IndexTwin:
             _Indices(len(loader.dataset)),  # type: ignore[arg-type]
             num_workers=w,
             collate_fn=_identity,
-            generator=loader.generator,
+            generator=generator,
             multiprocessing_context=loader.multiprocessing_context if w else None,
             **kwargs,
         )
@@ -79,29 +86,32 @@ class IndexTwin:
 
     def draw_epoch(self) -> list:
         """This epoch's (remaining, after a loaded state) batches of indices, advancing the user's sampler once."""
-        twin = self._twin(self._sampler())
-        if self._resume is not None:
-            twin.load_state_dict(self._resume)
-            self._resume = None
-        self._start = twin.state_dict()  # before any batch: where this epoch (or its resumed part) begins
-        batches = list(twin)
-        return batches
+        resume, self._resume = self._resume, None
+        # A resumed epoch's order comes from the state; the twin's own draws must not move the global RNG.
+        with torch.random.fork_rng(devices=[]) if resume is not None else contextlib.nullcontext():
+            twin = self._twin(self._sampler(), self.loader.generator)
+            if resume is not None:
+                twin.load_state_dict(resume)
+            self._start = twin.state_dict()  # before any batch: where this epoch (or its resumed part) begins
+            return list(twin)
 
     def state_after(self, n: int) -> dict[str, Any]:
         """The user's loader's ``state_dict()`` had it served the first ``n`` batches of :meth:`draw_epoch`."""
         if self._start is None:
             return self._resume if self._resume is not None else {}
         dataset = self.loader.dataset
-        sampler = copy.deepcopy(self._sampler(), memo={id(dataset): dataset})  # the user's sampler is not rewound
-        twin = self._twin(sampler)
-        twin.load_state_dict(self._start)
-        iterator = iter(twin)
-        for _ in range(n):
-            next(iterator)
-        state = twin.state_dict()
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        # Copies (sharing only the dataset): the user's sampler and generator are not rewound.
+        sampler, generator = copy.deepcopy((self._sampler(), self.loader.generator), memo={id(dataset): dataset})
+        with torch.random.fork_rng(devices=[]):
+            twin = self._twin(sampler, generator)
+            twin.load_state_dict(self._start)
+            iterator = iter(twin)
+            for _ in range(n):
+                next(iterator)
+            state = twin.state_dict()
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

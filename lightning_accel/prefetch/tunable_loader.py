@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+import torch
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,7 +110,17 @@ class _Inner:
         self.settings = settings
         self.plan = plan
         self.first, self.position = first, position
-        self.loader = rebuild_loader(template, settings, plan, collate_fn=_Stamped(template.collate_fn), dataset=dataset)
+        # Its own generator for the workers' base seed: starting an inner loader must not draw from the
+        # user's (which also shuffles) or the global one, or the tuned run's orders and RNG would drift.
+        seed = template.generator.initial_seed() if template.generator is not None else torch.initial_seed()
+        self.loader = rebuild_loader(
+            template,
+            settings,
+            plan,
+            collate_fn=_Stamped(template.collate_fn),
+            dataset=dataset,
+            generator=torch.Generator().manual_seed(seed + first),
+        )
         self.iterator: Any = None
         self.restart = False  # a stream started again from its beginning (counted when it takes over)
 

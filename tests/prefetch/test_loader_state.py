@@ -96,3 +96,27 @@ def test_plain_loaders_stay_stateless_and_iterable_stateful_loaders_are_refused(
 
     with pytest.raises(RebuildError, match=r"a StatefulDataLoader over an iterable dataset keeps per-worker state"):
         tunable_loader(StatefulDataLoader(Stream(8), batch_size=2))
+
+
+def test_checkpoints_move_no_random_stream_and_orders_match_an_untuned_loader():
+    # E's data modules: shuffle from the loader's own seeded generator (data/loaders.py seeded_loader).
+    def seeded() -> StatefulDataLoader:
+        return StatefulDataLoader(Indices(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+
+    user = seeded()
+    untuned = []
+    for _ in range(2):
+        untuned.append([b.tolist() for b in user])
+    tuned_user = seeded()
+    tuned = tunable_loader(tuned_user)
+    served = []
+    for _ in range(2):
+        epoch = []
+        for batch in tuned:
+            epoch.append(batch.tolist())
+            before = (torch.get_rng_state(), tuned_user.generator.get_state())
+            tuned.state_dict()  # a checkpoint
+            after = (torch.get_rng_state(), tuned_user.generator.get_state())
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+        served.append(epoch)
+    assert served == untuned
