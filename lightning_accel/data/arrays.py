@@ -13,11 +13,11 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
-from lightning_accel.data.loaders import seeded_loader
+from torch.utils.data import Dataset, Subset
+
+from lightning_accel.data.loaders import LoaderDataModule
 
 __all__ = ["ArrayDataModule", "ArrayPairs"]
 
@@ -86,7 +86,7 @@ class ArrayPairs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return _as_tensor(self.inputs[index]), _as_tensor(self.targets[index])
 
 
-class ArrayDataModule(L.LightningDataModule):
+class ArrayDataModule(LoaderDataModule):
     """Supervised ``(input, target)`` rows from a user's ``.npz`` or pair of ``.npy`` files.
 
     ``mmap=True`` memory-maps ``.npy`` files so arrays larger than RAM work and worker
@@ -106,7 +106,7 @@ class ArrayDataModule(L.LightningDataModule):
         mmap: bool = True,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory)
         file = Path(path).expanduser()
         if not file.is_file():
             what = "is not a file" if file.exists() else "does not exist"
@@ -146,17 +146,11 @@ class ArrayDataModule(L.LightningDataModule):
         self.inputs_key = inputs_key
         self.targets_key = targets_key
         self.val_fraction = val_fraction
-        self.batch_size = batch_size
-        self.seed = seed
-        self.num_workers = num_workers
         self.mmap = mmap
-        self.pin_memory = pin_memory
         self.num_rows = rows
         self.num_val = n_val
         self.input_shape = tuple(inputs_shape[1:])  # per example
         self.target_shape = tuple(targets_shape[1:])
-        self.train_set: Subset | None = None
-        self.val_set: Subset | None = None
 
     def _load(self) -> tuple[np.ndarray, np.ndarray]:
         if self.path.suffix == ".npz":
@@ -173,21 +167,3 @@ class ArrayDataModule(L.LightningDataModule):
         # Sorted within each split: memmap reads stay roughly sequential; the loader shuffles.
         self.val_set = Subset(dataset, np.sort(order[: self.num_val]).tolist())
         self.train_set = Subset(dataset, np.sort(order[self.num_val :]).tolist())
-
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return seeded_loader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup()
-        return self._loader(self.val_set, shuffle=False) if self.num_val else []

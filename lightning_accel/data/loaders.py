@@ -1,11 +1,24 @@
-"""DataLoaders with a shuffled order that is a function of the seed alone."""
+"""Resumable loaders: a shuffled order that is a function of the seed, and a position that
+survives a checkpoint.
+
+Every data module here builds its loaders through :func:`seeded_loader`, which returns
+torchdata's ``StatefulDataLoader``. Lightning saves a stateful loader's ``state_dict`` in
+each checkpoint and loads it on resume, so a run killed mid-epoch continues with the next
+batch of the same permutation instead of replaying the epoch's first batches.
+:class:`LoaderDataModule` is the base that turns a module's ``train_set`` / ``val_set`` /
+``test_set`` into such loaders.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+__all__ = ["LoaderDataModule", "seeded_loader"]
 
 
 def seeded_loader(
@@ -17,18 +30,68 @@ def seeded_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     **kwargs: Any,
-) -> DataLoader:
-    """A DataLoader whose shuffle draws from its own ``torch.Generator`` seeded with ``seed``
-    (so two runs with the same seed see the same order, whatever else consumed the global
-    RNG), with workers kept alive between epochs when there are any."""
-    generator = torch.Generator().manual_seed(seed) if shuffle else None
-    return DataLoader(
+) -> StatefulDataLoader:
+    """A resumable loader whose order and worker seeds come from its own ``torch.Generator``.
+
+    The generator is seeded with ``seed`` for every loader, shuffled or not: a DataLoader
+    without one draws its workers' base seed from the *global* RNG each time an epoch
+    starts, so a validation pass would shift the dropout masks of the training that
+    follows, and a resumed run (which skips that pass) would diverge. Workers stay alive
+    between epochs when there are any.
+    """
+    return StatefulDataLoader(
         dataset,
         batch_size=batch_size,
         shuffle=shuffle,
-        generator=generator,
+        generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         **kwargs,
     )
+
+
+class LoaderDataModule(L.LightningDataModule):
+    """A data module whose ``setup`` fills ``train_set``, ``val_set`` and ``test_set``;
+    this base serves them as :func:`seeded_loader` loaders.
+
+    An empty validation split gives ``[]`` (Lightning then skips validation); an empty
+    test split is refused with the option that sizes it (``test_option``).
+    """
+
+    test_option = "data.test_fraction=<a fraction such as 0.1>"
+
+    def __init__(self, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> StatefulDataLoader:
+        assert dataset is not None, "setup() fills the splits"
+        return seeded_loader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup()
+        return self._loader(self.val_set, shuffle=False) if len(self.val_set or ()) else []  # type: ignore[arg-type]
+
+    def test_dataloader(self) -> DataLoader:
+        self.setup()
+        if not len(self.test_set or ()):  # type: ignore[arg-type]
+            raise ValueError(f"the test split is empty; pass {self.test_option}")
+        return self._loader(self.test_set, shuffle=False)

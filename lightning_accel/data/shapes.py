@@ -9,11 +9,11 @@ does not change the images that remain.
 
 from __future__ import annotations
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-from lightning_accel.data.loaders import seeded_loader
+from torch.utils.data import TensorDataset
+
+from lightning_accel.data.loaders import LoaderDataModule
 
 __all__ = ["SHAPE_KINDS", "ShapesDataModule", "render_shapes"]
 
@@ -96,8 +96,10 @@ def _draw(seed: int, split: int, count: int, num_classes: int, image_size: int, 
     return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
 
 
-class ShapesDataModule(L.LightningDataModule):
+class ShapesDataModule(LoaderDataModule):
     """Shape classification with ``num_classes`` of the kinds in ``SHAPE_KINDS``."""
+
+    test_option = "data.test_samples=<an integer >= 1>"
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class ShapesDataModule(L.LightningDataModule):
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory)
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or not 2 <= num_classes <= len(SHAPE_KINDS):
             raise ValueError(f"num_classes={num_classes!r} is not in [2, {len(SHAPE_KINDS)}]; pass data.num_classes=<2..{len(SHAPE_KINDS)}>")
         if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
@@ -133,14 +135,7 @@ class ShapesDataModule(L.LightningDataModule):
         self.train_samples = train_samples
         self.val_samples = val_samples
         self.test_samples = test_samples
-        self.batch_size = batch_size
         self.noise = float(noise)
-        self.seed = seed
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
-        self.test_set: TensorDataset | None = None
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -157,27 +152,3 @@ class ShapesDataModule(L.LightningDataModule):
             self.train_set = self._split("train", self.train_samples)
             self.val_set = self._split("val", self.val_samples)
             self.test_set = self._split("test", self.test_samples)
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return seeded_loader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup()
-        return self._loader(self.val_set, shuffle=False) if self.val_samples else []
-
-    def test_dataloader(self) -> DataLoader:
-        self.setup()
-        if not self.test_samples:
-            raise ValueError("the test split is empty; pass data.test_samples=<an integer >= 1>")
-        return self._loader(self.test_set, shuffle=False)

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from lightning_accel.data.corpus import stdlib_corpus
-from lightning_accel.data.loaders import seeded_loader
+from lightning_accel.data.loaders import LoaderDataModule
 
 __all__ = ["ByteTokenizer", "ByteWindows", "TextDataModule"]
 
@@ -73,7 +72,7 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name}={value!r} is not a positive integer; pass data.{name}=<an integer >= 1>")
 
 
-class TextDataModule(L.LightningDataModule):
+class TextDataModule(LoaderDataModule):
     """Next-byte prediction over the stdlib corpus (default) or a user's text file.
 
     Arguments are validated in ``__init__``, file size included, because the CLI
@@ -95,7 +94,7 @@ class TextDataModule(L.LightningDataModule):
         cache_dir: str | None = None,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory)
         if source not in _SOURCES:
             raise ValueError(f"data.source={source!r} is not one of {', '.join(_SOURCES)}; pass data.source=stdlib or data.source=file")
         if source == "stdlib" and path is not None:
@@ -122,18 +121,11 @@ class TextDataModule(L.LightningDataModule):
         self.source = source
         self.path = str(Path(path).expanduser()) if path is not None else None
         self.block_size = block_size
-        self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
-        self.seed = seed
-        self.num_workers = num_workers
         self.max_bytes = max_bytes
         self.cache_dir = cache_dir
-        self.pin_memory = pin_memory
         self.tokenizer = ByteTokenizer()
-        self.train_set: ByteWindows | None = None
-        self.val_set: ByteWindows | None = None
-        self.test_set: ByteWindows | None = None
         if source == "file":
             self.split_bounds(Path(self.path).stat().st_size)  # raises now if the file is too small
 
@@ -187,28 +179,3 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = ByteWindows(data[:train_end], self.block_size)
         self.val_set = ByteWindows(data[train_end:val_end], self.block_size)
         self.test_set = ByteWindows(data[val_end:], self.block_size)
-
-    def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
-        return seeded_loader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup()
-        # An empty list tells Lightning "no validation" instead of failing the fit.
-        return self._loader(self.val_set, shuffle=False) if self.val_fraction > 0 else []
-
-    def test_dataloader(self) -> DataLoader:
-        self.setup()
-        if self.test_fraction <= 0:
-            raise ValueError("the test split is empty; pass data.test_fraction=<a fraction such as 0.1>")
-        return self._loader(self.test_set, shuffle=False)
