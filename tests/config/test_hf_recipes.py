@@ -77,7 +77,7 @@ def test_ls_shows_the_architectures(capsys: pytest.CaptureFixture[str]) -> None:
     rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows["llama-3.2-1b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:llama (1.2B)", "gpux1"]
     assert rows["qwen2.5-7b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:qwen2 (7.6B)", "gpux1"]
-    assert rows["llama-tiny_gpipe-2proc_cpu"][1:3] == ["hf_causal_lm:llama (217.7K)", "cpux2"]
+    assert rows["llama-tiny_gpipe-2proc_cpu"][1:3] == ["hf_causal_lm:llama (201.3K)", "cpux2"]
 
 
 def test_litgpt_option_composes_and_builds(tmp_path: Path) -> None:
@@ -125,3 +125,27 @@ def test_recipe_trains_through_the_cli(recipe: str, overrides: list[str], cli_en
     # the checkpoint keeps transformers' parameter names, so it loads into the plain model
     state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     assert "net.model.layers.1.self_attn.q_proj.weight" in state and "net.lm_head.weight" in state
+
+
+@pytest.mark.slow
+def test_llama_pipeline_recipe_trains_in_two_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
+    recipe = "llama-tiny_gpipe-2proc_cpu"
+    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", recipe, "trainer.max_steps=8",
+                           "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+                           "data.max_bytes=300000", "trainer.enable_progress_bar=false"],
+                          env=cli_env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two ranks, one stage each
+    (run_json,) = (tmp_path / "outputs" / recipe).glob("*/run.json")
+    status = json.loads(run_json.read_text())
+    assert status["status"] == "completed" and status["global_step"] == 8
+    with open(status["metrics_csv"]) as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < losses[0] - 0.4, losses
+    # the gathered checkpoint loads, strictly, into the plain transformers model the recipe describes
+    from lightning_accel.models.hf import hf_causal_lm
+
+    cfg = compose_recipe(recipe)
+    net = hf_causal_lm(cfg.model.net.config)
+    state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    net.load_state_dict({k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}, strict=True)
