@@ -314,7 +314,10 @@ class PrefetchTuner(Callback):
     def _next_candidate(self) -> None:
         assert self.loader is not None and self.search is not None
         candidate = self.search.propose()
-        if candidate is not None:
+        # Serving with more workers than a budget that shrank (CPU-bound items): the next
+        # candidate, within it, is tried however late; it is the way back into the budget.
+        over = not self.search.budget.allows(self.loader.settings, self.search.batch_bytes)
+        if candidate is not None and not over:
             lead = self._lead(candidate)
             # The verdict on a candidate needs 2 w of its batches after the hand-over.
             if len(self.meter) + lead + 2 * max(1, candidate.num_workers) > self.max_search_steps:
