@@ -108,6 +108,18 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
         importlib.import_module("lightning_accel.models.hf")
 
 
+def test_builders_are_exported_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_accel.models as models
+
+    assert models.hf_causal_lm is hf_causal_lm
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "lightning_accel.models.hf")
+    with pytest.raises(MissingExtraError, match=r"lightning-accel\[hf\]"):
+        models.hf_causal_lm  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'hf_causal_llm'"):
+        models.hf_causal_llm  # noqa: B018
+
+
 def test_validate_reports_the_missing_extra_as_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     from lightning_accel import cli
 
