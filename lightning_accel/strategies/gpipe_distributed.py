@@ -90,8 +90,11 @@ at fit start, which would fail on a split module (the other ranks' stages are on
 the strategy makes the Trainer's summary callbacks leave it out (no in/out sizes).
 
 Batches: a batch of another shape (a smaller last batch) gets a schedule of its own;
-one whose size is not a multiple of ``chunks`` is skipped, with one warning, as
-``drop_last=True`` would (equal micro-batches are what make the loss match plain training).
+one whose size is not a multiple of ``chunks`` is left out of the training loader, with
+one warning, as ``drop_last=True`` would (equal micro-batches are what make the loss match
+plain training; Lightning refuses a step skipped by ``training_step`` under more than one
+process); a loader whose ``batch_size`` is not a multiple of ``chunks`` is refused at the
+start of training, since every batch would be left out.
 The user's ``training_step`` runs once per micro-batch: torch's shape inference, which
 would run the loss on micro-batch 0 again, gets a stand-in loss.
 
@@ -294,11 +297,37 @@ def _reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence
     return out
 
 
+class _DropRagged:
+    """A training loader that leaves out batches whose size is not a multiple of ``chunks`` (``warn(size)`` for
+    each), as ``drop_last=True`` would leave out a smaller last batch; everything else is the loader's own."""
+
+    def __init__(self, loader: Any, chunks: int, warn: Callable[[int], None]) -> None:
+        self.loader, self.chunks, self.warn = loader, chunks, warn
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            size = batch_size(batch)
+            if size % self.chunks:
+                self.warn(size)
+                continue
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # batch_size, sampler, state_dict, ...: the loader's
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
 class DistributedGPipeStrategy(DDPStrategy):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
-        chunks: micro-batches per batch (M); a batch whose size is not a multiple of it is skipped with a warning.
+        chunks: micro-batches per batch (M). A training loader's batch_size must be a multiple of it (refused at the
+            start of training otherwise); a smaller last batch that is not is skipped with a warning, as
+            ``drop_last=True`` would.
         schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (fewer
             activations alive) or ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
             needs ``chunks`` >= stages).
@@ -679,13 +708,13 @@ class DistributedGPipeStrategy(DDPStrategy):
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         size = batch_size(batch)
         if size % self.chunks:  # every rank sees the same batch, so every rank skips it
-            if not self._warned_ragged:
-                rank_zero_warn(
-                    f"DistributedGPipeStrategy skips batches whose size is not a multiple of chunks={self.chunks} "
-                    f"(got {size}; micro-batches must be equal for the loss to match plain training). "
-                    "HINT: a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
+            self._warn_ragged(size)
+            if self.world_size > 1:  # Lightning refuses a skipped step there; the loaders we wrap never get here
+                raise ValueError(
+                    f"DistributedGPipeStrategy got a batch of {size}, not a multiple of chunks={self.chunks}, from a "
+                    "training loader it did not wrap (reloaded?). HINT: drop_last=True and a batch_size that is a "
+                    f"multiple of {self.chunks}"
                 )
-                self._warned_ragged = True
             return None
         micro = scatter(batch, self.chunks)
         sizes = [batch_size(mb) for mb in micro]
@@ -733,6 +762,33 @@ class DistributedGPipeStrategy(DDPStrategy):
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
         loss = loss.to(self.root_device)
         return {"loss": loss} if as_dict else loss
+
+    def _warn_ragged(self, size: int) -> None:
+        if not self._warned_ragged:
+            rank_zero_warn(
+                f"DistributedGPipeStrategy skips batches whose size is not a multiple of chunks={self.chunks} "
+                f"(got {size}; micro-batches must be equal for the loss to match plain training), as drop_last=True "
+                "would. HINT: a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
+            )
+            self._warned_ragged = True
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """A training loader: refuse a batch_size that is not a multiple of ``chunks`` (every batch would be skipped), and
+        leave out a smaller last batch that is not one (as ``drop_last=True``), before the first step; Lightning refuses
+        a step skipped by ``training_step`` in distributed training."""
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        if module is None or module._trainer is None or not module.trainer.training:  # evaluation: any batch size
+            return dataloader
+        size = getattr(dataloader, "batch_size", None)
+        if isinstance(size, int) and size % self.chunks:
+            raise ValueError(
+                f"DistributedGPipeStrategy(chunks={self.chunks}): the training DataLoader's batch_size={size} is "
+                f"not a multiple of chunks, so every batch would be skipped. HINT: a batch_size that is a multiple "
+                f"of {self.chunks} (e.g. {self.chunks * (size // self.chunks + 1)}), or chunks that divides {size}"
+            )
+        return _DropRagged(dataloader, self.chunks, self._warn_ragged)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

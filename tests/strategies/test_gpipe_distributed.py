@@ -312,6 +312,32 @@ def test_one_rank_last_batch_not_divisible_by_chunks_is_skipped_with_a_warning(o
     assert piped.samples == plain.samples == 32
 
 
+@pytest.mark.slow
+def test_two_ranks_leave_out_a_ragged_last_batch_and_refuse_a_batch_size_that_is_not_a_multiple(tmp_path):
+    """README: a batch that is not a multiple of chunks is skipped with a warning. On 2 ranks Lightning refuses a step
+    skipped by training_step, so the training loader leaves it out (34 samples, batches of 8, chunks=4: the last 2),
+    and training equals plain Lightning with drop_last=True; batch_size=6 would skip every batch: refused in one line."""
+    from ragged_worker import Regressor, data
+
+    result = run_user_script(PIPELINE_TESTS / "ragged_worker.py", [str(tmp_path)], 120, "2-process ragged batches")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "skips batches whose size is not a multiple of chunks=4 (got 2" in result.stdout
+    plain = Regressor()
+    pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, precision="64-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(plain, DataLoader(data(34), batch_size=8, drop_last=True))
+    piped = Regressor().double()
+    piped.load_state_dict(torch.load(tmp_path / "ragged.ckpt", weights_only=False)["state_dict"])
+    for name, weight in plain.state_dict().items():
+        torch.testing.assert_close(piped.state_dict()[name], weight, rtol=1e-12, atol=1e-14, msg=name)
+    for r in range(2):
+        message = (tmp_path / f"refused-rank{r}.txt").read_text()
+        assert message.startswith("DistributedGPipeStrategy(chunks=4): the training DataLoader's batch_size=6 is not a "
+                                  "multiple of chunks, so every batch would be skipped. HINT:"), message
+        assert "\n" not in message
+
+
 def test_a_module_split_by_one_fit_refuses_another_split(one_rank):
     """After fit the module stays split; a later run must use the same layout, or build a fresh model."""
     model = SumRegressor("mean")
