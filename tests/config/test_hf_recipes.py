@@ -91,9 +91,10 @@ def test_litgpt_option_composes_and_builds(tmp_path: Path) -> None:
 
 # --- end to end, in a subprocess like a user -----------------------------------------------
 
-# the real recipe, shrunk to seconds on the CPU: same strategy, callbacks and model class
+# the real recipe, shrunk to seconds on the CPU: same strategy, precision (bf16 autocast on the
+# CPU), callbacks and model class
 SHRINK_TO_CPU = [
-    "accelerator=cpu", "precision=offload-32-true", "data.num_workers=0", "data.pin_memory=false",
+    "accelerator=cpu", "data.num_workers=0", "data.pin_memory=false",
     "data.block_size=32", "data.batch_size=4", "data.max_bytes=300000",
     "model.net.config.hidden_size=64", "model.net.config.intermediate_size=128", "model.net.config.num_hidden_layers=2",
     "model.net.config.num_attention_heads=4", "model.net.config.num_key_value_heads=2", "model.net.config.vocab_size=256",
