@@ -224,8 +224,12 @@ class GPipeStrategy(SingleDeviceStrategy):
         self._warn_batch_norm(net)
 
     def _disable_kv_cache(self) -> None:
-        """transformers models cache keys and values by default; a re-materialized block would append them twice."""
-        if self._cache_settings is None:
+        """transformers models cache keys and values by default; a re-materialized block would append them twice.
+
+        Without re-materialization (``checkpoint="never"``, or ``"except_last"`` with one micro-batch) every
+        micro-batch's forward builds and drops its own cache, as plain training does: the setting stays.
+        """
+        if self._cache_settings is None and checkpoint_stop(self.checkpoint, self.chunks) > 0:
             assert self.model is not None
             self._cache_settings = disable_kv_cache(self.model)
             if self._cache_settings:
