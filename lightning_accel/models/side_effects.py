@@ -125,28 +125,34 @@ def describe_cache_refusal(owner: str, name: str, module: nn.Module, argument: s
 
 def buffer_versions(module: nn.Module) -> dict[str, tuple[int, int]]:
     """Each buffer of ``module`` (recursively) -> (tensor identity, version counter)."""
-    return {name: (id(buf), buf._version) for name, buf in module.named_buffers() if isinstance(buf, Tensor)}
+    return {
+        f"{m_name}.{b}" if m_name else b: (id(buf), buf._version)
+        for m_name, m in module.named_modules()
+        for b, buf in m._buffers.items()
+        if buf is not None
+    }
 
 
 def mutated_buffers(module: nn.Module, before: Mapping[str, tuple[int, int]], exempt: tuple[type, ...] = ()) -> list[str]:
     """Buffers of ``module`` written in place, replaced or added since ``before``.
 
     Buffers owned by a module of a class in ``exempt`` (e.g. BatchNorm, which a strategy
-    handles by itself) are left out.
+    handles by itself) are left out. One walk over the modules, no tensor read: tens of
+    microseconds for a transformer layer.
     """
-    skip = {f"{m_name}.{b}" if m_name else b for m_name, m in module.named_modules() if isinstance(m, exempt) for b in m._buffers} if exempt else set()
-    # BatchNorm's kernel updates the running statistics without bumping their version counter: known by class
-    stats = {
-        f"{m_name}.{b}" if m_name else b
-        for m_name, m in module.named_modules()
-        if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
-        for b in ("running_mean", "running_var")
-    }
-    return [
-        name
-        for name, buf in module.named_buffers()
-        if isinstance(buf, Tensor) and name not in skip and (name in stats or before.get(name) != (id(buf), buf._version))
-    ]
+    out = []
+    for m_name, m in module.named_modules():
+        if exempt and isinstance(m, exempt):
+            continue
+        # BatchNorm's kernel updates the running statistics without bumping their version counter: known by class
+        stats = isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+        for b, buf in m._buffers.items():
+            if buf is None:
+                continue
+            name = f"{m_name}.{b}" if m_name else b
+            if (stats and b in ("running_mean", "running_var")) or before.get(name) != (id(buf), buf._version):
+                out.append(name)
+    return out
 
 
 class BufferRestore:
