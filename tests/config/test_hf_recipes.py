@@ -80,6 +80,22 @@ def test_ls_shows_the_architectures(capsys: pytest.CaptureFixture[str]) -> None:
     assert rows["llama-tiny_gpipe-2proc_cpu"][1:3] == ["hf_causal_lm:llama (201.3K)", "cpux2"]
 
 
+def test_a_recipe_loads_a_local_directory_instead_of_its_config(tmp_path: Path) -> None:
+    from lightning_accel.models.hf import hf_causal_lm
+
+    saved = hf_causal_lm({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256})
+    saved.save_pretrained(tmp_path / "mine")
+    cfg = compose_recipe("llama-tiny_cpu", ["model.net.config=null", f"model.net.pretrained_path={tmp_path / 'mine'}"])
+    task = instantiate(cfg.model)
+    assert type(task.net).__name__ == "Qwen2ForCausalLM"
+    torch.testing.assert_close(task.net.state_dict(), saved.state_dict(), rtol=0, atol=0)
+    # leaving the recipe's config in place is refused with the fix
+    cfg = compose_recipe("llama-tiny_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}"])
+    with pytest.raises(Exception, match=r"the directory brings its own config: set model.net.config=null"):
+        instantiate(cfg.model)
+
+
 def test_litgpt_option_composes_and_builds(tmp_path: Path) -> None:
     pytest.importorskip("litgpt", reason="needs the hf extra")
     recipe = tmp_path / "mine.yaml"
