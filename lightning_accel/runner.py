@@ -9,8 +9,12 @@ finished and where its checkpoint, logs and metrics are.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +22,17 @@ import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.plugins.io import CheckpointIO
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_accel.atomic import atomic_write_text
+from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
+from lightning_accel.callbacks.random_state import RandomState
 from lightning_accel.config.errors import UserError
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
+from lightning_accel.run_dir import find_last_checkpoint, newest_checkpoint, this_process
 
 
 def build_model(cfg: DictConfig) -> pl.LightningModule:
@@ -63,15 +71,15 @@ def _named(cfg_node: DictConfig | None) -> list[Any]:
     return [instantiate(node) for node in cfg_node.values() if node is not None]
 
 
-def _resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
+def resolve_ckpt_path(cfg: DictConfig, recipe_root: Path) -> str | None:
+    """``cfg.ckpt_path`` as a file: ``last`` becomes the newest checkpoint of a run of this
+    recipe that built the same network (see :func:`lightning_accel.run_dir.find_last_checkpoint`)."""
+    ckpt_path = cfg.get("ckpt_path")
     if ckpt_path != "last":
         if ckpt_path is not None and not Path(ckpt_path).is_file():
             raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file or ckpt_path=last")
         return ckpt_path
-    candidates = sorted(output_dir.parent.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not candidates:
-        raise UserError(f"ckpt_path=last but no earlier run of this recipe under {output_dir.parent} has a last.ckpt; start without ckpt_path")
-    return str(candidates[-1])
+    return str(find_last_checkpoint(recipe_root, cfg))
 
 
 def _write_status(output_dir: Path, status: dict[str, Any]) -> None:
@@ -80,17 +88,32 @@ def _write_status(output_dir: Path, status: dict[str, Any]) -> None:
     atomic_write_text(output_dir / "run.json", json.dumps(status, indent=2, default=str))
 
 
+def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """Settings that depend on where the run prints: a progress bar redraws in place on a
+    terminal, but piped to a file each redraw is one more line."""
+    if cfg.trainer.get("enable_progress_bar") is None and not sys.stderr.isatty():
+        return {"enable_progress_bar": False}
+    return {}
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit the recipe and return its summary (final metrics and where things went)."""
     output_dir = Path(HydraConfig.get().runtime.output_dir)
-    status: dict[str, Any] = {"status": "running", "recipe": HydraConfig.get().job.config_name}
+    status: dict[str, Any] = {"status": "running", "recipe": HydraConfig.get().job.config_name, **this_process()}
     _write_status(output_dir, status)
     started = time.perf_counter()
+
+    def interrupted_now() -> None:  # a second Ctrl-C: no checkpoint, but a true run.json
+        status.update(status="interrupted", error="second Ctrl-C: exited without saving", seconds=round(time.perf_counter() - started, 1))
+        _write_status(output_dir, status)
+
+    interrupt = GracefulInterrupt(output_dir / "checkpoints", on_second=interrupted_now)
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data)
         model = build_model(cfg)
-        callbacks = _named(cfg.get("callbacks"))
+        # RNG states ride in every checkpoint, so a resumed run draws what the original would have.
+        callbacks = [*_named(cfg.get("callbacks")), RandomState(), interrupt]
         loggers = _named(cfg.get("logger"))
         trainer: pl.Trainer = instantiate(
             cfg.trainer,
@@ -98,30 +121,47 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             logger=loggers or False,
             strategy=build_strategy(cfg),
             plugins=build_plugins(cfg),
+            **_trainer_kwargs(cfg),
         )
-        trainer.fit(model, datamodule=datamodule, ckpt_path=_resolve_ckpt_path(cfg.get("ckpt_path"), output_dir))
-        final = trainer.validate(model, datamodule=datamodule, verbose=False)
+        resumed_from = resolve_ckpt_path(cfg, output_dir.parent)
+        if resumed_from is not None:
+            status["resumed_from"] = resumed_from
+            rank_zero_info(f"lightning-accel: resuming from {resumed_from}")
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resumed_from)
+        final = [] if interrupt.interrupted else trainer.validate(model, datamodule=datamodule, verbose=False)
     except BaseException as err:
-        status.update(status="failed", error=f"{type(err).__name__}: {err}", seconds=time.perf_counter() - started)
+        status.update(status="failed", error=f"{type(err).__name__}: {err}", seconds=round(time.perf_counter() - started, 1))
         _write_status(output_dir, status)
         raise
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
-    checkpoint = trainer.checkpoint_callback
     status.update(
-        status="completed",
+        status="interrupted" if interrupt.interrupted else "completed",
         seconds=round(time.perf_counter() - started, 1),
         global_step=trainer.global_step,
         metrics=metrics,
         output_dir=str(output_dir),
-        checkpoint=(checkpoint.last_model_path or checkpoint.best_model_path) if checkpoint else None,
+        checkpoint=interrupt.saved or _checkpoint_of(trainer, output_dir),
         metrics_csv=_metrics_file(trainer),
         config=str(output_dir / ".hydra" / "config.yaml"),
         log=str(output_dir / f"{HydraConfig.get().job.name}.log"),
     )
     _write_status(output_dir, status)
     if trainer.is_global_zero:
-        print(summary(status))
+        print(summary(status), flush=True)
+    if interrupt.interrupted:
+        sys.exit(EXIT_INTERRUPTED)
     return status
+
+
+def _checkpoint_of(trainer: pl.Trainer, output_dir: Path) -> str | None:
+    """The run's newest checkpoint: ModelCheckpoint's, else one in the run dir (a resumed
+    run that reached its end without a new one has the copy it resumed from: none)."""
+    checkpoint = trainer.checkpoint_callback
+    path = (checkpoint.last_model_path or checkpoint.best_model_path) if checkpoint else None
+    if path and Path(path).is_file():
+        return path
+    newest = newest_checkpoint(output_dir)
+    return str(newest) if newest is not None else None
 
 
 def _metrics_file(trainer: pl.Trainer) -> str | None:
@@ -134,11 +174,18 @@ def _metrics_file(trainer: pl.Trainer) -> str | None:
 
 def summary(status: dict[str, Any]) -> str:
     """The closing lines of a run: where everything went and the final metrics."""
-    metrics = "  ".join(f"{k}={v:.4f}" for k, v in sorted(status["metrics"].items()))
+    metrics = "  ".join(f"{k}={v:.4f}" for k, v in sorted(status["metrics"].items())) or "(not validated)"
+    if status["checkpoint"]:
+        checkpoint = status["checkpoint"]
+    elif status.get("resumed_from"):
+        checkpoint = f"(none new; resumed from {status['resumed_from']})"
+    else:
+        checkpoint = "(none: no ModelCheckpoint callback, e.g. callbacks=none)"
+    ended = "interrupted (Ctrl-C) after" if status["status"] == "interrupted" else "finished"
     return "\n".join(
         [
-            f"lightning-accel: {status['recipe']} finished {status['global_step']} steps in {status['seconds']} s",
-            f"  checkpoint: {status['checkpoint'] or '(none: callbacks=none)'}",
+            f"lightning-accel: {status['recipe']} {ended} {status['global_step']} steps in {status['seconds']} s",
+            f"  checkpoint: {checkpoint}",
             f"  metrics:    {status['metrics_csv'] or '(no CSV logger)'}",
             f"  logs:       {status['log']}",
             f"  config:     {status['config']}",
@@ -147,9 +194,73 @@ def summary(status: dict[str, Any]) -> str:
     )
 
 
+# Messages that are noise in our runs: Lightning's product tips, and deprecation warnings
+# raised inside third-party code (Lightning 2.6 on torch 2.13, torchdata 0.11) that a
+# user can do nothing about.
+_NOISE_MESSAGES = ("💡 Tip:",)
+KNOWN_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)`? is deprecated",
+    r".*'set_vital' is deprecated",
+)
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).lstrip().startswith(_NOISE_MESSAGES)
+
+
+class _Tee(io.TextIOBase):
+    """stdout that also appends to the run's log file (plans and summaries are printed)."""
+
+    def __init__(self, stream: Any, path: Path) -> None:
+        self.stream = stream
+        self.file = path.open("a", encoding="utf-8")
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.file.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def route_output() -> None:
+    """Lightning's messages and Python warnings go through Hydra's handlers (the console and
+    the run's log file) instead of Lightning's own stderr handler, which the log file never
+    saw; product tips and known third-party deprecations are dropped."""
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.addFilter(_DropNoise())
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = bool(root.handlers)
+    for pattern in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.captureWarnings(bool(root.handlers))
+
+
 def task(cfg: DictConfig) -> float | None:
     """Hydra task: train, and return ``cfg.optimized_metric`` for sweepers."""
     OmegaConf.resolve(cfg)
-    status = train(cfg)
+    route_output()
+    stdout = sys.stdout
+    tee = _Tee(stdout, Path(HydraConfig.get().runtime.output_dir) / f"{HydraConfig.get().job.name}.log")
+    sys.stdout = tee
+    try:
+        status = train(cfg)
+    finally:
+        sys.stdout = stdout
+        tee.flush()
+        tee.file.close()
     value = status["metrics"].get(cfg.get("optimized_metric") or "")
     return float(value) if value is not None else None

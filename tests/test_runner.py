@@ -46,3 +46,48 @@ def test_strategy_by_name_or_target_and_atomic_checkpoints_by_default() -> None:
     assert type(ddp).__name__ == "DDPStrategy"
     plugins = build_plugins(OmegaConf.create({"plugins": []}))
     assert [type(p) for p in plugins] == [AtomicCheckpointIO]
+
+
+def test_progress_bar_is_off_when_not_on_a_terminal(monkeypatch) -> None:
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from lightning_accel.runner import _trainer_kwargs
+
+    unset = OmegaConf.create({"trainer": {"enable_progress_bar": None}})
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert _trainer_kwargs(unset) == {"enable_progress_bar": False}
+    assert _trainer_kwargs(OmegaConf.create({"trainer": {"enable_progress_bar": True}})) == {}  # the user's choice stands
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert _trainer_kwargs(unset) == {}
+
+
+def test_run_output_goes_to_the_log_file_without_tips_or_known_warnings(tmp_path, monkeypatch) -> None:
+    import logging
+    import warnings
+
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightning_accel.runner import route_output
+
+    log = tmp_path / "run.log"
+    root = logging.getLogger()
+    handler = logging.FileHandler(log)
+    monkeypatch.setattr(root, "handlers", [handler])  # what Hydra's job logging installs
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    lightning = logging.getLogger("lightning.pytorch")
+    monkeypatch.setattr(lightning, "handlers", list(lightning.handlers))
+    monkeypatch.setattr(lightning, "propagate", lightning.propagate)
+    route_output()
+    try:
+        rank_zero_info("GPipeStrategy: a plan")
+        rank_zero_info("💡 Tip: For seamless cloud logging, try installing litlogger")
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning)
+        warnings.warn("a warning of ours", UserWarning)
+    finally:
+        logging.captureWarnings(False)
+    handler.flush()
+    text = log.read_text()
+    assert "GPipeStrategy: a plan" in text and "a warning of ours" in text
+    assert "Tip:" not in text and "LeafSpec" not in text
