@@ -13,12 +13,12 @@ Policies:
   children all share one class (GPT's ``blocks``, transformers Llama's ``model.layers``,
   GPT-2's and litgpt's ``transformer.h``, a ResNet stage list, an MLP stack), ranked by
   (length, parameters). A mixed ``nn.Sequential`` (children of different classes, the
-  classic torchgpipe / FairScale Pipe input) has each child as a block when it is the
-  model itself, when no same-class container exists, or when the best same-class container
-  lies *inside* one of its children (then that container is a detail of one layer, e.g. a
-  list of heads); the largest such Sequential (parameters, then length) is taken. A
-  same-class container that is itself a child of a mixed Sequential still wins: it splits
-  finer (``Sequential(embed, Sequential(*blocks), head)`` gives the blocks);
+  classic torchgpipe / FairScale Pipe input; the model itself or a submodule) has each
+  child as a block when no same-class container exists, or when the best one lies *inside*
+  one of its children (then that container is a detail of one layer, e.g. a list of
+  heads); the largest such Sequential (parameters, then length) is taken. A same-class
+  container that is itself a child of a mixed Sequential still wins, as it splits finer:
+  ``Sequential(embed, Sequential(*blocks), head)`` gives the blocks, the model or not;
 - a callable ``model -> iterable of submodules``.
 """
 
@@ -88,13 +88,11 @@ def _auto(model: nn.Module) -> list[Block]:
     uniform = [(n, m) for n, m in candidates if _uniform(m)]
     mixed = [(n, m) for n, m in candidates if isinstance(m, nn.Sequential) and not _uniform(m)]
     best = max(uniform, key=lambda c: (len(c[1]), _size(c[1])), default=None)
-    if isinstance(model, nn.Sequential) and len(model) >= 2 and not _uniform(model):
-        chosen: tuple[str, nn.Module] | None = ("", model)  # the model is a torchgpipe-style Sequential
-    else:
-        # mixed Sequentials that beat the best same-class container: none exists, or it is a detail of one child
-        eligible = [c for c in mixed if best is None or _inside_a_child(best[0], c[0])]
-        outer = max(eligible, key=lambda c: (_size(c[1]), len(c[1])), default=None)
-        chosen = outer if outer is not None else best
+    # mixed Sequentials (the model itself included) that beat the best same-class container: none exists,
+    # or it is a detail inside one of their children
+    eligible = [c for c in mixed if best is None or _inside_a_child(best[0], c[0])]
+    outer = max(eligible, key=lambda c: (_size(c[1]), len(c[1])), default=None)
+    chosen = outer if outer is not None else best
     if chosen is None:
         return []
     prefix, container = chosen

@@ -88,6 +88,7 @@ class Heads(nn.Module):
 
 def test_auto_takes_the_largest_mixed_sequential_over_a_list_inside_one_of_its_layers() -> None:
     assert [b.name for b in find_blocks(Wrapped())] == [f"net.{i}" for i in range(5)]
+    assert [b.name for b in find_blocks(Wrapped().net)] == [str(i) for i in range(5)]  # the model itself
 
 
 def test_auto_prefers_a_same_class_sequential_that_is_one_child_of_a_mixed_one() -> None:
@@ -98,6 +99,7 @@ def test_auto_prefers_a_same_class_sequential_that_is_one_child_of_a_mixed_one()
             self.net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))), nn.Linear(8, 2))
 
     assert [b.name for b in find_blocks(Outer())] == ["net.1.0", "net.1.1", "net.1.2"]
+    assert [b.name for b in find_blocks(Outer().net)] == ["1.0", "1.1", "1.2"]  # the same when it is the model
 
 
 @pytest.mark.parametrize("maker", ["llama", "gpt2", "litgpt"])
