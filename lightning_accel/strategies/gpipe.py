@@ -44,14 +44,14 @@ from typing_extensions import override
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
-from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
+from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
-from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
+from lightning_accel.pipeline.options import PipelineOptions
+from lightning_accel.pipeline.reduction import reduce_outputs
 
 DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
 
-BALANCE_MODES = ("by_size", "by_time")
 
 
 def _devices(devices: DeviceSpec) -> list[torch.device]:
@@ -123,20 +123,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}; e.g. chunks=4")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}; "
-                "'always' saves the most memory, 'never' is the fastest"
-            )
-        if loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
-        if isinstance(balance, str) and balance not in BALANCE_MODES:
-            raise ValueError(
-                f"balance must be a list of blocks per stage, 'by_size' or 'by_time', got {balance!r}; "
-                "'by_time' measures each block on the first batch, 'by_size' counts its bytes"
-            )
+        self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with gpipe_distributed
         self.devices = _devices(devices)
         if not isinstance(balance, str) and len(list(balance)) > len(self.devices):
             raise ValueError(

@@ -148,7 +148,6 @@ from lightning_accel.pipeline.distributed import (
     pipeline_mesh,
     stage_indices,
 )
-from lightning_accel.pipeline.local import CHECKPOINT_MODES
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import (
     balance_by_cost,
@@ -157,12 +156,11 @@ from lightning_accel.pipeline.partition import (
     profile_block_times,
     stage_of_block,
 )
-from lightning_accel.pipeline.reduction import REDUCTIONS, reduce_outputs
-from lightning_accel.pipeline.schedule import check_schedule
+from lightning_accel.pipeline.reduction import reduce_outputs
+from lightning_accel.pipeline.options import PipelineOptions
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
 from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-BALANCE_MODES = ("by_size", "by_time")
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
 
 
@@ -369,27 +367,14 @@ class DistributedGPipeStrategy(DDPStrategy):
         blocks: BlockPolicy = "auto",
         **kwargs: Any,
     ) -> None:
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}; e.g. chunks=4")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}; '1f1b' keeps the fewest activations alive")
-        if loss_reduction not in REDUCTIONS:
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {loss_reduction!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}; 'always' keeps only each "
-                "stage's input per micro-batch and recomputes the rest in backward"
-            )
-        if isinstance(balance, str) and balance not in BALANCE_MODES:
-            raise ValueError(
-                f"balance must be a list of blocks per stage, 'by_size' or 'by_time', got {balance!r}; 'by_time' "
-                "times each block on the LightningModule's example_input_array, 'by_size' counts its bytes"
-            )
+        self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
+        if schedule not in SCHEDULE_TABLE:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_TABLE)}, got {schedule!r}; '1f1b' keeps the fewest activations alive")
         if pipeline_parallel_size is not None and (
             not isinstance(pipeline_parallel_size, int) or isinstance(pipeline_parallel_size, bool) or pipeline_parallel_size < 1
         ):
             raise ValueError(f"pipeline_parallel_size must be a positive int (ranks per pipeline), got {pipeline_parallel_size!r}")
-        per_rank = 2 if schedule == "interleaved_1f1b" else 1
+        per_rank = SCHEDULE_TABLE[schedule].stages_per_rank
         if pipeline_parallel_size is not None and not isinstance(balance, str) and len(balance) != per_rank * pipeline_parallel_size:
             raise ValueError(
                 f"balance {list(balance)} has {len(balance)} stages but pipeline_parallel_size={pipeline_parallel_size} "
@@ -421,7 +406,7 @@ class DistributedGPipeStrategy(DDPStrategy):
     def _pp(self, world_size: int) -> int:
         if self._pp_size is not None:
             return self._pp_size
-        per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
+        per_rank = SCHEDULE_TABLE[self.schedule].stages_per_rank
         if not isinstance(self.balance, str) and len(self.balance) % per_rank == 0:
             return len(self.balance) // per_rank
         return world_size
@@ -595,7 +580,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         check_schedule(self.schedule, self.chunks, stages)
         layout = getattr(module, _LAYOUT, None)  # set when an earlier fit split this module
         balance = self._balance(blocks, stages) if layout is None else list(layout[2])
-        if layout is not None and layout != (ranks, self.schedule == "interleaved_1f1b", tuple(balance)):
+        if layout is not None and layout != (ranks, SCHEDULE_TABLE[self.schedule].stages_per_rank > 1, tuple(balance)):
             raise ValueError(
                 f"this module was split for {layout[0]} ranks with balance {list(layout[2])} by an earlier run; it "
                 f"cannot be split again for {ranks} ranks and schedule {self.schedule!r}. HINT: build a fresh model "
@@ -634,7 +619,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         )
         self._resident_ids = {id(p) for p in self.pipeline.resident}
         if layout is None:
-            object.__setattr__(module, _LAYOUT, (ranks, self.schedule == "interleaved_1f1b", tuple(balance)))
+            object.__setattr__(module, _LAYOUT, (ranks, SCHEDULE_TABLE[self.schedule].stages_per_rank > 1, tuple(balance)))
         self.model_to_device()
 
     def _send_initial_weights(self, tensors: Sequence[Tensor]) -> None:

@@ -1,0 +1,70 @@
+"""The options both GPipe strategies share, validated once: chunks, balance, checkpoint, loss_reduction.
+
+``GPipeStrategy`` (stages on one process's devices) and ``DistributedGPipeStrategy`` (a stage
+per process) take the same four settings with the same meaning; one frozen object checks them
+when the strategy is built (before any process starts or any work is done) and hands the
+mechanism plain, valid data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from lightning_accel.pipeline.local import CHECKPOINT_MODES, checkpoint_stop
+from lightning_accel.pipeline.reduction import REDUCTIONS
+
+__all__ = ["BALANCE_MODES", "PipelineOptions"]
+
+BALANCE_MODES = ("by_size", "by_time")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """``chunks``: micro-batches per batch (M). ``balance``: blocks per stage (a list), ``"by_size"`` (parameter and
+    buffer bytes) or ``"by_time"`` (measured forward + backward seconds). ``checkpoint``: which micro-batches
+    re-materialize their activations in backward (``"always"``, ``"except_last"``, ``"never"``). ``loss_reduction``:
+    how the loss reduces over samples (``"mean"``: gradients scaled by 1/M; ``"sum"``)."""
+
+    chunks: int = 1
+    balance: Union[tuple[int, ...], str] = "by_size"
+    checkpoint: str = "except_last"
+    loss_reduction: str = "mean"
+
+    def __post_init__(self) -> None:
+        chunks, balance = self.chunks, self.balance
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}; e.g. chunks=4")
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {self.checkpoint!r}; 'always' keeps only "
+                "each stage's input per micro-batch and recomputes the rest in backward (the least memory), 'never' is "
+                "the fastest"
+            )
+        if self.loss_reduction not in REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be 'mean' or 'sum' (how your loss reduces over samples), got {self.loss_reduction!r}"
+            )
+        if isinstance(balance, str):
+            if balance not in BALANCE_MODES:
+                raise ValueError(
+                    f"balance must be a list of blocks per stage, 'by_size' or 'by_time', got {balance!r}; 'by_time' "
+                    "times each block on a sample, 'by_size' counts its bytes"
+                )
+        elif not isinstance(balance, Sequence) or not balance or any(
+            not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in balance
+        ):
+            raise ValueError(f"balance must be a non-empty list of positive ints (blocks per stage), got {balance!r}")
+        else:
+            object.__setattr__(self, "balance", tuple(balance))
+
+    @property
+    def checkpoint_stop(self) -> int:
+        """Micro-batches with an index below this are re-materialized."""
+        return checkpoint_stop(self.checkpoint, self.chunks)
+
+    @property
+    def scale_grads(self) -> bool:
+        """Whether each micro-batch's gradients are divided by ``chunks`` (a mean loss)."""
+        return self.loss_reduction == "mean"
