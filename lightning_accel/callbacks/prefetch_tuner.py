@@ -317,11 +317,10 @@ class PrefetchTuner(Callback):
         # Serving with more workers than a budget that shrank (CPU-bound items): the next
         # candidate, within it, is tried however late; it is the way back into the budget.
         over = not self.search.budget.allows(self.loader.settings, self.search.batch_bytes)
-        if candidate is not None and not over:
-            lead = self._lead(candidate)
-            # The verdict on a candidate needs 2 w of its batches after the hand-over.
-            if len(self.meter) + lead + 2 * max(1, candidate.num_workers) > self.max_search_steps:
-                candidate = None
+        lead = self._lead(candidate) if candidate is not None else 0
+        # The verdict on a candidate needs 2 w of its batches after the hand-over.
+        if candidate is not None and not over and len(self.meter) + lead + 2 * max(1, candidate.num_workers) > self.max_search_steps:
+            candidate = None
         if candidate is None:
             self._finish()
             return
@@ -360,7 +359,9 @@ class PrefetchTuner(Callback):
         self._done = True
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        target = best.settings if self.search.beats(best, baseline) else self._start
+        # The start stays unless beaten beyond the noise, or unless it is over the (CPU) budget.
+        start_fits = self.search.budget.allows(self._start, self.search.batch_bytes)
+        target = best.settings if not start_fits or self.search.beats(best, baseline) else self._start
         # At the end of training nothing is left to serve: only the report and the cache see the result.
         if not cut_short and self.loader.settings != target:
             try:
@@ -399,7 +400,8 @@ class PrefetchTuner(Callback):
             self.search.record(candidate, probe.interval_s, probe.spread_s)
         best, baseline = self.search.best, self.search.trials[0]
         assert best is not None
-        if best.settings == self._start or not self.search.beats(best, baseline):
+        start_fits = self.search.budget.allows(self._start, self.search.batch_bytes)
+        if best.settings == self._start or (start_fits and not self.search.beats(best, baseline)):
             self.reason = "kept your loader: no candidate would wait less by more than the noise"
             return
         try:

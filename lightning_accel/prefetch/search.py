@@ -141,8 +141,9 @@ class PrefetchSearch:
         """
         if not self.trials:
             return None
-        # Trials the budget no longer allows (it shrinks once items turn out CPU-bound) are out; the start stays.
-        pool = [t for i, t in enumerate(self.trials) if i == 0 or self._fits(t.settings)]
+        # Trials the budget does not allow (it shrinks once items turn out CPU-bound) are out; the start
+        # only stays as the last resort when nothing measured fits.
+        pool = [t for t in self.trials if self._fits(t.settings)] or self.trials[:1]
         for t in sorted(pool, key=lambda t: (t.settings.num_workers, t.settings.buffered_batches, t.wait_s)):
             if not any(self._better(u, t) for u in pool if u is not t):
                 return t
@@ -227,7 +228,7 @@ class PrefetchSearch:
         if best is not None and any(not self._fits(t.settings) for t in self._worker_trials()):
             # The budget shrank below counts already measured (CPU-bound items): what it still allows.
             top = self._settings(self.budget.max_workers)
-            if best.settings.num_workers < self.budget.max_workers and not self._tried(top):
+            if not self._tried(top):
                 return [top]
         if best is None or best.settings.num_workers < 2:
             return []

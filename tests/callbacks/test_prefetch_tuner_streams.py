@@ -136,3 +136,18 @@ def test_worker_cpu_share_tells_cpu_from_io(sleepy):
         busy = loader.cpu_busy()
         loader.close()
         assert len(batches) == 10 and busy is not None and low <= busy <= high, (type(data).__name__, busy)
+
+
+def test_a_start_over_the_cpu_budget_is_brought_back_within_it(recorder, make_trainer, monkeypatch):
+    one_core = CpuBudget(1, "cgroup v2 quota", 1, "given", {"affinity": 2.0, "cgroup v2 quota": 1.0})
+    monkeypatch.setattr(tuner_module, "cpu_budget", lambda ranks: one_core)
+    monkeypatch.setattr(search_module, "cpu_budget", lambda ranks: one_core)
+    tuner = PrefetchTuner(warmup_steps=1, trial_steps=2, max_search_steps=12)
+    model = recorder(step_s=0.001)
+    user = DataLoader(Busy(40, 0.03), batch_size=1, num_workers=4, persistent_workers=True)
+    make_trainer([tuner], max_steps=40).fit(model, user)
+    # Four CPU-bound workers measured at the start: the budget falls to 1, and the loader follows it
+    # even though the search had little time left.
+    assert "CPU-bound items" in tuner.cpu_note and "4 workers" in tuner.cpu_note, tuner.report()
+    assert tuner.loader.settings.num_workers <= 1 and tuner.loader.switches >= 1, tuner.report()
+    assert sorted(model.indices) == list(range(40))
