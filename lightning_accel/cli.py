@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -28,38 +29,25 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def _is_sweep(override: str) -> bool:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        return OverridesParser.create().parse_override(override).is_sweep_override()
-    except Exception:
-        return False
-
-
 def cmd_run(recipe: str, args: Sequence[str]) -> int:
     import hydra
 
-    from lightning_accel.config.compose import compose_recipe, resolve_recipe, searchpath_override
+    from lightning_accel.config.compose import resolve_recipe, searchpath_override
+    from lightning_accel.config.preflight import preflight
     from lightning_accel.config.schema import register_schemas
-    from lightning_accel.config.validate import check_launchable, validate
     from lightning_accel.runner import task
-    from lightning_accel.strategies.ddp_comm import check_comm_strategy
-    from lightning_accel.sweep import check_sweep
 
+    args = list(args)
     hydra_flags = [a for a in args if a.startswith("-")]
-    overrides = [a for a in args if not a.startswith("-")]
     # Hydra's inspection flags: let Hydra answer, nothing runs, nothing to check
     check = not any(f in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve") for f in hydra_flags)
     path = resolve_recipe(recipe)
     if check and not os.environ.get(RECIPE_ENV):  # a re-launched DDP rank was checked by rank 0
-        # Sweep overrides (a=1,2) cannot be composed as one config: check the rest.
-        cfg = compose_recipe(path, [o for o in overrides if not _is_sweep(o)])
-        validate(cfg)
-        on_cluster = check_sweep(path, args)  # search space, direction, launcher, before any trial
-        if not on_cluster:  # jobs sent to SLURM run on its nodes, not on this machine
-            check_launchable(cfg, recipe)
-        check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
+        cfg = preflight(str(path), args)
+        given = [a for a in args if a.split("=", 1)[0] == "ckpt_path"]
+        if cfg.get("ckpt_path") is not None and any(a.split("=", 1)[1] == "last" for a in given):
+            # Every rank and trial resumes from the file preflight checked, not a newer one.
+            args.append(f"ckpt_path='{cfg.ckpt_path}'")
     register_schemas()  # the ConfigStore schemas, in this process (a re-launched rank too)
     os.environ[RECIPE_ENV] = str(path)
     # Keep argv[0]: Lightning re-runs it (the console script's path, or -m lightning_accel)
@@ -71,20 +59,49 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     return 0
 
 
+_MISSING_EXTRA = re.compile(r"comes with the (\w+) extra")
+
+
+def _needs_extra(err: BaseException) -> str | None:
+    """The extra a recipe needs when composing it failed for want of one, else None."""
+    from lightning_accel.config.errors import explain
+
+    match = _MISSING_EXTRA.search(explain(err) or "")
+    return match.group(1) if match else None
+
+
+def _extras_of(cfg: object) -> list[str]:
+    """The extras a composed recipe uses (its sweeper or launcher plugin)."""
+    from omegaconf import OmegaConf
+
+    sweeper = str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="") or "")
+    launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    return [*(["sweep"] if "optuna" in sweeper.lower() else []), *(["slurm"] if "submitit" in launcher.lower() else [])]
+
+
 def cmd_ls() -> int:
     from lightning_accel.config.compose import compose_recipe, recipe_names
+    from lightning_accel.config.validate import devices_needed
 
     rows = [("recipe", "model", "accelerator", "techniques", "purpose")]
     for name in recipe_names():
-        cfg = compose_recipe(name, with_hydra=True)
+        try:
+            cfg = compose_recipe(name, with_hydra=True)
+        except Exception as err:
+            extra = _needs_extra(err)
+            if extra is None:
+                raise
+            rows.append((name, "-", "-", "-", f'(needs the {extra} extra: pip install "lightning-accel[{extra}]")'))
+            continue
         choices = cfg.hydra.runtime.choices
         net = cfg.model.get("net") or {}
         # the zoo's preset, a transformers config's model_type, or a litgpt config name
         variant = net.get("preset") or (net.get("config") or {}).get("model_type") or net.get("name") or ""
         model = f"{choices.get('model')}:{variant}".rstrip(":") + _param_count(net)
-        accel = f"{cfg.trainer.accelerator}x{cfg.trainer.devices}"
+        accel = f"{cfg.trainer.accelerator}x{devices_needed(cfg)}"
         techniques = ",".join(cfg.recipe.techniques) or "-"
-        rows.append((name, model, accel, techniques, str(cfg.recipe.purpose)))
+        extras = "".join(f" [{e} extra]" for e in _extras_of(cfg))
+        rows.append((name, model, accel, techniques, str(cfg.recipe.purpose) + extras))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
@@ -124,14 +141,33 @@ def cmd_cp(recipe: str, dest: str) -> int:
 
 
 def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
-    from lightning_accel.config.compose import compose_recipe
-    from lightning_accel.config.validate import validate
+    """Run every check a run would (:func:`preflight`), except this machine's hardware.
 
+    With several recipes, each is checked and reported; a recipe that needs an extra that
+    is not installed is skipped with the install line. Exit status 2 if any failed.
+    """
+    from lightning_accel.config.errors import explain
+    from lightning_accel.config.preflight import preflight
+
+    failed = 0
     for name in recipes:
-        cfg = compose_recipe(name, overrides)
-        targets = validate(cfg)
-        print(f"ok  {name}  ({len(targets)} targets bound)")
-    return 0
+        try:
+            preflight(name, overrides, launch=False)
+        except Exception as err:
+            extra = _needs_extra(err)
+            line = explain(err)
+            if line is None:
+                raise
+            if extra is not None and len(recipes) > 1:
+                print(f"skip  {name}  (needs the {extra} extra: pip install \"lightning-accel[{extra}]\")")
+                continue
+            if len(recipes) == 1:
+                raise
+            failed += 1
+            print(f"FAIL  {name}  {line}")
+            continue
+        print(f"ok  {name}")
+    return EXIT_USAGE if failed else 0
 
 
 def cmd_bench(name: str | None, args: Sequence[str]) -> int:

@@ -110,32 +110,37 @@ def sweep_params(hydra_cfg: DictConfig | None, overrides: Sequence[str]) -> dict
     return params
 
 
-def check_sweep(recipe: str | Path, overrides: Sequence[str]) -> bool:
+def check_sweep(recipe: str | Path, overrides: Sequence[str], cfg: DictConfig | None = None) -> bool:
     """Everything a sweep or launch needs that composition does not check, before any trial.
 
-    Composes ``recipe`` with the non-sweep ``overrides`` (Hydra's own config included, so
-    an unknown sweeper or launcher already fails here in one line), then checks the
-    search space keys, that the direction can be derived from ``optimized_metric``, and
-    that a SLURM allocation can be sized. Returns True when the jobs will run on other
-    machines (SLURM): this machine's hardware then says nothing about the run, and the
-    caller should skip its local hardware check.
+    ``cfg`` is ``recipe`` composed with the non-sweep ``overrides``, Hydra's own config
+    included (so an unknown sweeper or launcher already failed there, in one line);
+    :func:`lightning_accel.config.preflight.preflight` passes the one it composed. This
+    checks that the search space keys exist, that each value a sweep lists composes
+    (``trainer.max_steps=abc,2`` fails here, not in trial 1), that the direction can be
+    derived from ``optimized_metric``, and that a SLURM allocation can be sized. Returns
+    True when the jobs will run on other machines (SLURM): this machine's hardware then
+    says nothing about the run, and the caller should skip its local hardware check.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from lightning_accel.config.compose import compose_recipe
     from lightning_accel.config.locate import conf_dir
 
     parser = OverridesParser.create()
-    plain = [o for o in overrides if not o.startswith("-") and not parser.parse_override(o).is_sweep_override()]
-    cfg = compose_recipe(recipe, plain, with_hydra=True)
+    texts = [o for o in overrides if not o.startswith("-")]
+    if cfg is None:
+        from lightning_accel.config.compose import compose_recipe
+
+        cfg = compose_recipe(recipe, [o for o in texts if not parser.parse_override(o).is_sweep_override()], with_hydra=True)
     hydra_cfg = cfg.hydra
-    params = sweep_params(hydra_cfg, [o for o in overrides if not o.startswith("-")])
+    params = sweep_params(hydra_cfg, texts)
     multirun = str(OmegaConf.select(hydra_cfg, "mode", default="")).endswith("MULTIRUN") or "-m" in overrides or "--multirun" in overrides
     if not params and not multirun:
         return False  # a single run: Hydra uses no sweeper or launcher
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
     with_hydra_removed = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     check_search_space(with_hydra_removed, params, groups=groups)
+    check_sweep_values(recipe, [o for o in texts if not parser.parse_override(o).is_sweep_override()], texts)
     launcher = str(OmegaConf.select(hydra_cfg, "launcher._target_", default="") or "")
     remote = launcher.endswith("SlurmLauncher")
     if remote:
@@ -146,6 +151,28 @@ def check_sweep(recipe: str | Path, overrides: Sequence[str]) -> bool:
         if isinstance(direction, str) and "sweep_direction" in direction:  # derived: check it can be
             metric_direction(str(cfg.optimized_metric))
     return remote
+
+
+def check_sweep_values(recipe: str | Path, plain: Sequence[str], overrides: Sequence[str]) -> None:
+    """Compose once per value of each listed sweep (``a=1,2``, ``a=range(1,4)``), so a value
+    of the wrong type or an unknown option is refused before the first trial."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lightning_accel.config.compose import compose_recipe
+    from lightning_accel.config.errors import explain
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        override = parser.parse_override(text)
+        if not override.is_sweep_override() or not override.is_discrete_sweep():
+            continue
+        key = override.get_key_element()
+        for value in override.sweep_string_iterator():
+            try:
+                compose_recipe(recipe, [*plain, f"{key}={value}"])
+            except Exception as err:
+                line = explain(err) or str(err).strip().splitlines()[0]
+                raise UserError(f"sweep value {key}={value} (from {text}) is refused: {line}") from None
 
 
 def check_slurm_devices(devices: Any) -> None:

@@ -120,6 +120,9 @@ def test_ls_lists_every_recipe_with_columns(capsys: pytest.CaptureFixture[str]) 
     assert set(rows) == set(recipe_names())
     # the size is counted on the meta device: 10,844,160 parameters for GPT small at vocab 256
     assert rows["gpt-small_bf16-accum_1gpu"][1:4] == ["gpt:small (10.8M)", "gpux1", "bf16-mixed,grad-accumulation"]
+    # a one-process pipeline over two GPUs needs two, though the Trainer sees one root device
+    assert rows["resnet-tiny_gpipe-bn_2gpu"][2] == "gpux2"
+    assert rows["gpt-tiny_sweep_cpu"][-1].endswith("[sweep extra]")
 
 
 def test_cp_copies_a_runnable_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,3 +140,112 @@ def test_validate_all(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli.main(["validate", "--all"]) == 0
     assert capsys.readouterr().out.count("ok  ") == len(recipe_names())
+
+
+# Bad input caught by preflight, in process (no interpreter start-up per case): run and
+# validate alike end in one line and exit status 2, and no run directory is made.
+PREFLIGHT_BAD = [
+    (["strategy=gpipe", "strategy.chunks=0"], r"strategy: chunks must be a positive int"),
+    (["strategy=gpipe", "strategy.checkpoint=sometimes"], r"checkpoint must be one of always, except_last, never"),
+    (["strategy=gpipe_distributed", "strategy.schedule=zigzag"], r"schedule must be one of"),
+    (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
+    (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
+    (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),
+    (["model.net.preset=huge"], r"model: unknown GPT preset 'huge'"),
+    (["callbacks=prefetch", "callbacks.prefetch_tuner.max_workers=0"], r"callbacks.prefetch_tuner: max_workers=0 must be a positive integer"),
+    (["data=null"], r"data=null removes the data config"),
+    (["ckpt_path=last"], r"ckpt_path=last but no earlier run of this recipe"),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+@pytest.mark.parametrize(("overrides", "message"), PREFLIGHT_BAD, ids=[" ".join(o) for o, _ in PREFLIGHT_BAD])
+def test_preflight_refuses_before_any_work(command: str, overrides: list[str], message: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    assert cli.main([command, "gpt-tiny_cpu", *overrides]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lightning-accel: error: ") and re.search(message, last), last
+    assert not (tmp_path / "outputs").exists()
+
+
+def _checkpoint(tmp_path: Path, kind: str) -> Path:
+    import os
+
+    import torch
+
+    from lightning_accel.config.compose import compose_recipe
+    from lightning_accel.runner import build_model
+
+    path = tmp_path / f"{kind}.ckpt"
+    if kind == "random":
+        path.write_bytes(os.urandom(4096))
+        return path
+    with torch.device("meta"):
+        model = build_model(compose_recipe("resnet-tiny_cpu" if kind == "other-model" else "gpt-tiny_cpu"))
+    torch.save({"state_dict": {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, "global_step": 0}, path)
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[:2000])
+    return path
+
+
+@pytest.mark.parametrize(("kind", "message"), [
+    ("truncated", r"is not a readable checkpoint"),
+    ("random", r"is not a readable checkpoint"),
+    ("other-model", r"does not fit this model: .*tensors missing"),
+])
+def test_bad_checkpoints_are_refused_before_the_trainer_starts(kind: str, message: str, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    ckpt = _checkpoint(tmp_path, kind)
+    for command in ("run", "validate"):
+        assert cli.main([command, "gpt-tiny_cpu", f"ckpt_path={ckpt}"]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert re.search(message, last), last
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_fitting_checkpoint_passes(tmp_path: Path) -> None:
+    from lightning_accel.config.preflight import preflight
+
+    ckpt = _checkpoint(tmp_path, "fits")
+    assert preflight("gpt-tiny_cpu", [f"ckpt_path={ckpt}"]).ckpt_path == str(ckpt)
+
+
+def test_malformed_recipe_yaml_unwritable_outputs_and_bad_sweep_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# @package _global_\ndefaults:\n  - train\n  - _self_\nmodel: [unclosed\n")
+    assert cli.main(["run", str(bad)]) == 2
+    assert "YAML syntax error in" in capsys.readouterr().err
+    assert cli.main(["validate", str(bad)]) == 2
+    assert "line 6, column 1" in capsys.readouterr().err
+
+    assert cli.main(["run", "gpt-tiny_cpu", "-m", "trainer.max_steps=abc,2"]) == 2
+    assert "sweep value trainer.max_steps=abc (from trainer.max_steps=abc,2) is refused" in capsys.readouterr().err
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    monkeypatch.setenv("LIGHTNING_ACCEL_OUTPUTS", str(a_file / "outputs"))
+    assert cli.main(["run", "gpt-tiny_cpu"]) == 2
+    assert "is not a writable directory; set LIGHTNING_ACCEL_OUTPUTS" in capsys.readouterr().err
+
+
+def test_ls_and_validate_all_work_without_the_extras(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from hydra.core.config_store import ConfigStore
+
+    from lightning_accel.config.compose import recipe_names
+
+    sweepers = ConfigStore.instance().repo["hydra"]["sweeper"]
+    if "optuna.yaml" not in sweepers:
+        pytest.skip("the sweep extra is not installed here")
+    monkeypatch.delitem(sweepers, "optuna.yaml")  # as after `pip install .` (no extras)
+    assert cli.main(["ls"]) == 0
+    out = capsys.readouterr().out
+    assert 'gpt-tiny_sweep_cpu' in out and '(needs the sweep extra: pip install "lightning-accel[sweep]")' in out
+    assert cli.main(["validate", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "skip  gpt-tiny_sweep_cpu  (needs the sweep extra" in out
+    assert out.count("ok  ") == len(recipe_names()) - 1

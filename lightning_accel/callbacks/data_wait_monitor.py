@@ -81,7 +81,9 @@ class DataWaitMonitor(Callback):
         """Means over every step measured so far (the first step, with the loader's start-up, included)."""
         return self.meter.stats()
 
-    def verdict(self) -> str:
+    def verdict(self, callbacks: list[Callback] | None = None) -> str:
+        """The closing line; ``callbacks`` (the trainer's) decide the advice: a run whose
+        loader PrefetchTuner already tunes is not told to try it."""
         s = self.stats()
         if not s.steps:
             return "DataWaitMonitor: no training steps measured"
@@ -93,10 +95,17 @@ class DataWaitMonitor(Callback):
             gain = (s.wait_s + s.step_s) / s.step_s if s.step_s else float("inf")
             return (
                 f"DataWaitMonitor: data-bound, {100 * s.wait_fraction:.0f}% of the time waiting for batches ({numbers}); "
-                f"a loader that keeps up would be up to {gain:.1f}x faster: try PrefetchTuner"
+                f"a loader that keeps up would be up to {gain:.1f}x faster: {self._advice(callbacks or [])}"
             )
         return f"DataWaitMonitor: compute-bound, {100 * s.wait_fraction:.0f}% of the time waiting for batches ({numbers})"
 
+    @staticmethod
+    def _advice(callbacks: list[Callback]) -> str:
+        names = {type(c).__name__ for c in callbacks}
+        if "PrefetchTuner" in names:  # by name: the tuner's module imports the prefetch mechanism
+            return "PrefetchTuner ran and this is with its settings (its line says what it chose); more cores or faster storage would help"
+        return "try PrefetchTuner (callbacks=prefetch)"
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rank_zero_info(self.verdict())
+        rank_zero_info(self.verdict(trainer.callbacks))

@@ -13,13 +13,11 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel.config.errors import UserError, close_matches, explain
+from lightning_accel.config.errors import UserError, close_matches
 from lightning_accel.config.schema import TRAINER_SUPPLIED
 
 # Keyword arguments the runner passes itself, by config path.
@@ -135,8 +133,46 @@ def validate(cfg: DictConfig) -> list[str]:
     return checked
 
 
+def devices_needed(cfg: DictConfig) -> int:
+    """Accelerators a run of ``cfg`` occupies: the Trainer's devices, or the stages a
+    single-process pipeline places on devices of its own (``strategy.devices``)."""
+    import torch
+
+    wanted = cfg.trainer.devices
+    if wanted in (-1, "-1", "auto"):
+        count = torch.cuda.device_count()
+    elif isinstance(wanted, (int, str)):
+        count = int(wanted)
+    else:
+        count = len(wanted)
+    strategy = cfg.get("strategy")
+    stages = strategy.get("devices") if strategy is not None and "_target_" in strategy else None
+    if isinstance(stages, (list, tuple)) or OmegaConf.is_list(stages):
+        count = max(count, len({str(d) for d in stages if str(d) != "cpu"}))
+    return count
+
+
+def cpu_override(cfg: DictConfig) -> str:
+    """The overrides that run a GPU recipe on the CPU with the same techniques: the recipe's
+    own ``recipe.cpu_override`` when it has one (a 5B model also needs shrinking), else
+    derived: ``accelerator=cpu``, the CPU twin of the precision option (offload-32-true for
+    the offload ones), the pipeline stages on ``cpu``, no pinned memory."""
+    own = OmegaConf.select(cfg, "recipe.cpu_override", default=None)
+    if own:
+        return str(own)
+    choice = str(OmegaConf.select(cfg, "hydra.runtime.choices.precision", default="") or "")
+    parts = ["accelerator=cpu", "precision=offload-32-true" if choice.startswith("offload-") else "precision=32-true"]
+    strategy = cfg.get("strategy")
+    stages = strategy.get("devices") if strategy is not None and "_target_" in strategy else None
+    if OmegaConf.is_list(stages):
+        parts.append(f"strategy.devices=[{','.join(['cpu'] * len(stages))}]")
+    if OmegaConf.select(cfg, "data.pin_memory", default=False):
+        parts.append("data.pin_memory=false")
+    return " ".join(parts)
+
+
 def check_launchable(cfg: DictConfig, recipe: str) -> None:
-    """What a run on this machine needs beyond :func:`validate`: hardware and data files."""
+    """What a run on this machine needs beyond :func:`validate`: the hardware."""
     import torch
 
     trainer = cfg.trainer
@@ -144,12 +180,12 @@ def check_launchable(cfg: DictConfig, recipe: str) -> None:
     if accelerator in ("gpu", "cuda"):
         wanted = trainer.devices
         have = torch.cuda.device_count()
-        need = have if wanted in (-1, "-1", "auto") else (len(wanted) if not isinstance(wanted, (int, str)) else int(wanted))
+        need = devices_needed(cfg)
         if have == 0 or need > have:
             raise UserError(
                 f"recipe '{recipe}' needs {need or 1} CUDA GPU(s) (trainer.accelerator={accelerator}, "
-                f"trainer.devices={wanted}) but this machine has {have}; run it on a GPU machine, or override "
-                "accelerator=cpu precision=32-true strategy=auto"
+                f"trainer.devices={wanted}{_stage_devices(cfg)}) but this machine has {have}; run it on a GPU machine, "
+                f"or override {cpu_override(cfg)}"
             )
     if accelerator in ("tpu", "xla"):
         raise UserError(
@@ -162,18 +198,9 @@ def check_launchable(cfg: DictConfig, recipe: str) -> None:
         problem = xla_problem()
         if problem is not None:
             raise UserError(f"recipe '{recipe}': {problem}")
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path not in (None, "last") and not Path(str(ckpt_path)).is_file():
-        raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file, ckpt_path=last, or leave it unset")
-    # Instantiating the data module is cheap (no data is loaded before setup()) and is
-    # where a missing user file is reported.
-    try:
-        instantiate(cfg.data)
-    except Exception as err:
-        raise UserError(explain(err) or _first_line(err)) from None
 
 
-def _first_line(err: BaseException) -> str:
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+def _stage_devices(cfg: DictConfig) -> str:
+    strategy = cfg.get("strategy")
+    stages = strategy.get("devices") if strategy is not None and "_target_" in strategy else None
+    return f", strategy.devices={list(stages)}" if OmegaConf.is_list(stages) else ""

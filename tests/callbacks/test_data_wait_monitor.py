@@ -23,6 +23,17 @@ def test_wait_matches_the_time_spent_fetching(caplog, sleepy, recorder, make_tra
     assert stats.wait_fraction > 0.5
     verdict = [r.getMessage() for r in caplog.records if "DataWaitMonitor" in r.getMessage()]
     assert len(verdict) == 1 and "data-bound" in verdict[0]
+    assert verdict[0].endswith("try PrefetchTuner (callbacks=prefetch)")
+
+
+def test_the_verdict_knows_the_tuner_already_ran(sleepy, recorder, make_trainer):
+    from lightning_accel.callbacks import PrefetchTuner
+
+    monitor = DataWaitMonitor()
+    make_trainer([monitor]).fit(recorder(), DataLoader(sleepy(4, latency_s=0.03), batch_size=1))
+    assert "data-bound" in monitor.verdict([monitor, PrefetchTuner()])
+    assert "try PrefetchTuner" not in monitor.verdict([monitor, PrefetchTuner()])
+    assert "PrefetchTuner ran and this is with its settings" in monitor.verdict([monitor, PrefetchTuner()])
 
 
 def test_compute_bound_verdict_and_logged_metrics(sleepy, recorder, make_trainer):

@@ -6,6 +6,7 @@ import pytest
 
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
 from lightning_accel.config.errors import UserError, explain
+from lightning_accel.config.preflight import preflight
 from lightning_accel.config.validate import check_launchable, validate
 
 
@@ -47,16 +48,14 @@ def test_wrong_type() -> None:
 
 
 def test_missing_mandatory_value() -> None:
-    cfg = compose_recipe("gpt-tiny_cpu", ["data=text_file"])
     with pytest.raises(Exception) as info:
-        check_launchable(cfg, "gpt-tiny_cpu")
+        preflight("gpt-tiny_cpu", ["data=text_file"])
     assert "data.path is required" in explain(info.value)
 
 
 def test_missing_user_file() -> None:
-    cfg = compose_recipe("gpt-tiny_cpu", ["data=text_file", "data.path=/definitely/not/here.txt"])
     with pytest.raises(UserError, match=r"/definitely/not/here.txt"):
-        check_launchable(cfg, "gpt-tiny_cpu")
+        preflight("gpt-tiny_cpu", ["data=text_file", "data.path=/definitely/not/here.txt"])
 
 
 def test_unknown_target_suggests_close_class() -> None:
@@ -91,6 +90,5 @@ def test_recipe_for_absent_hardware_validates_but_cannot_launch() -> None:
 
 
 def test_missing_checkpoint_to_resume() -> None:
-    cfg = compose_recipe("gpt-tiny_cpu", ["ckpt_path=/no/such.ckpt"])
     with pytest.raises(UserError, match=r"ckpt_path='/no/such.ckpt' does not exist"):
-        check_launchable(cfg, "gpt-tiny_cpu")
+        preflight("gpt-tiny_cpu", ["ckpt_path=/no/such.ckpt"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lightning_accel.config.compose import compose_recipe, recipe_names, resolve_recipe
@@ -74,3 +76,27 @@ def test_offload_precision_option_reaches_the_plugins() -> None:
             assert plugin._target_.endswith("OffloadPrecision") and plugin.precision == choice.removeprefix("offload-"), name
             seen.append(name)
     assert {"gpt-tiny_l2l_cpu", "gpt-5b_l2l-bf16_1gpu"} <= set(seen)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_passes_preflight_here_or_its_cpu_override_does(name: str) -> None:
+    """CPU recipes pass every check on this machine; a GPU recipe on a machine without its
+    GPUs is refused with an override that runs it on the CPU, and that override passes."""
+    import torch
+
+    from lightning_accel.config.errors import UserError
+    from lightning_accel.config.preflight import preflight
+    from lightning_accel.config.validate import cpu_override, devices_needed
+
+    cfg = compose_recipe(name)
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator in ("tpu", "xla", "xla_pjrt"):
+        pytest.skip("XLA recipes are checked in tests/accelerators (their own environment)")
+    if accelerator in ("gpu", "cuda") and torch.cuda.device_count() < devices_needed(cfg):
+        with pytest.raises(UserError, match=f"needs {devices_needed(cfg)} CUDA GPU") as refused:
+            preflight(name, [])
+        override = re.search(r"or override (.*)$", str(refused.value)).group(1)
+        assert override == cpu_override(compose_recipe(name, with_hydra=True))
+        preflight(name, override.split())
+    else:
+        preflight(name, [])

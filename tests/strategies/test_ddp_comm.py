@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_accel.comm import metered_all_reduce
 from lightning_accel.config.compose import compose_recipe
 from lightning_accel.config.errors import UserError
-from lightning_accel.strategies.ddp_comm import CommDDPStrategy, check_comm_strategy
+from lightning_accel.config.preflight import check_comm_strategy
+from lightning_accel.strategies.ddp_comm import CommDDPStrategy
 
 PARAMS = 32 * 2 + 2  # BoringModel: Linear(32, 2)
 

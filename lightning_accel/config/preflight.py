@@ -1,0 +1,322 @@
+"""Every check a recipe and its overrides get before any work: :func:`preflight`.
+
+``lightning-accel run`` and ``validate`` (and the sweep path, through :func:`preflight`'s
+sweep checks) compose the recipe once and ask the same questions in the same order, so
+bad input ends in one line and exit status 2 before Hydra makes a run directory:
+
+1. composition: the YAML parses, every option and key exists, values have their types,
+   the groups a run needs (model, data, trainer) are not removed;
+2. binding: every ``_target_`` imports and takes the keys given (:func:`validate`);
+3. sweeps: search space keys exist, each listed value composes, the direction and the
+   SLURM allocation can be derived (:func:`lightning_accel.sweep.check_sweep`);
+4. construction: the objects whose constructors check their arguments are built once,
+   cheaply (the network on the meta device, the Trainer's loop settings on the CPU), so
+   their own validation runs and no second copy of it exists here; the pipeline balance
+   is checked against the network's blocks with the strategy's own functions;
+5. the run on this machine (``launch=True``): the hardware the recipe needs, the data
+   files, a writable outputs directory;
+6. checkpoints: ``ckpt_path`` (``last`` resolved to a file) is readable and its weights
+   fit the network about to be built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lightning_accel.config.compose import compose_recipe, resolve_recipe
+from lightning_accel.config.errors import UserError, explain
+from lightning_accel.config.validate import check_launchable, validate
+
+_REQUIRED_GROUPS = ("model", "data", "trainer")
+_COMM_DDP = "lightning_accel.strategies.ddp_comm.CommDDPStrategy"
+
+
+def is_sweep(override: str) -> bool:
+    """``a=1,2`` or ``a=interval(0,1)``: one key, several jobs."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(override).is_sweep_override()
+    except Exception:  # unparsable: composition reports it
+        return False
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _compose(path: Path, overrides: Sequence[str]) -> DictConfig:
+    import yaml
+
+    try:
+        return compose_recipe(path, overrides, with_hydra=True)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or _first_line(err)
+        raise UserError(f"YAML syntax error in {where}: {problem}; fix the file (`lightning-accel cp` gives a working copy)") from None
+    except Exception as err:
+        line = explain(err)
+        if line is not None:
+            raise UserError(line) from None
+        removed = [o.split("=", 1)[0] for o in overrides if re.fullmatch(r"[\w/]+=null", o)]
+        if removed:
+            raise UserError(f"{removed[0]}=null removes the {removed[0]} config a run needs; choose an option, e.g. {_example(removed[0])}") from None
+        raise UserError(f"cannot compose {path.stem}: {_first_line(err)}") from None
+
+
+def _example(group: str) -> str:
+    from lightning_accel.config.locate import conf_dir
+
+    options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml")) if (conf_dir() / group).is_dir() else []
+    return f"{group}={options[0]}" if options else f"{group}=<option>"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Lightning's start-up lines (GPU available: ...) belong to the run, not to the check."""
+    logger = logging.getLogger("lightning")
+    loggers = [logger, logging.getLogger("lightning.pytorch"), logging.getLogger("lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _reason(err: BaseException) -> str:
+    """The one line of a constructor's error, seen through Hydra's InstantiationException."""
+    while err.__cause__ is not None and type(err).__name__ == "InstantiationException":
+        err = err.__cause__
+    return explain(err) or _first_line(err)
+
+
+def _built(where: str, node: Any, **kwargs: Any) -> Any:
+    """``instantiate(node)``, its error as one line naming ``where``."""
+    try:
+        return instantiate(node, **kwargs)
+    except UserError:
+        raise
+    except Exception as err:
+        raise UserError(f"{where}: {_reason(err)}") from None
+
+
+def check_comm_strategy(strategy: Mapping[str, Any] | None, accelerator: str) -> None:
+    """Refuse a comm hook the strategy would ignore or the accelerator cannot run.
+
+    ``strategy`` is the composed ``cfg.strategy`` node (a mapping), ``accelerator`` is
+    ``cfg.trainer.accelerator``.
+    """
+    from lightning_accel.comm.hooks import CommHookSpec, check_comm_hook
+
+    if not strategy:
+        return
+    target = str(strategy.get("_target_") or "")
+    lightning_hook = strategy.get("ddp_comm_hook")
+    if lightning_hook is not None and target != _COMM_DDP and accelerator == "cpu":
+        raise UserError(
+            f"strategy.ddp_comm_hook is set but {target or 'the strategy'} registers DDP comm hooks only on CUDA, and "
+            "trainer.accelerator=cpu: gradients would silently go out uncompressed; use strategy=ddp_fp16 or "
+            "strategy=ddp_powersgd (CommDDPStrategy registers them on every device)"
+        )
+    if "comm_hook" not in strategy:
+        return
+    if target != _COMM_DDP:
+        raise UserError(
+            f"strategy.comm_hook={strategy['comm_hook']} needs a DDP strategy, but strategy._target_ is "
+            f"{target or '(a strategy name)'}; choose strategy=ddp_fp16, ddp_bf16 or ddp_powersgd"
+        )
+    spec = CommHookSpec(
+        str(strategy["comm_hook"]),
+        int(strategy.get("powersgd_rank", 1)),
+        int(strategy.get("powersgd_start_iter", 2)),
+        bool(strategy.get("powersgd_fp16", False)),
+    )
+    check_comm_hook(spec, device_type=accelerator)
+
+
+@contextlib.contextmanager
+def _hydra_runtime(cfg: DictConfig, output_dir: Path) -> Iterator[None]:
+    """``${hydra:runtime.output_dir}`` resolvable outside a run, for the constructors that
+    take paths in it (ModelCheckpoint's dirpath); nothing is created there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    previous = HydraConfig.instance().cfg
+    staged = cfg.copy()
+    with open_dict(staged):
+        staged.hydra.runtime.output_dir = str(output_dir)
+    HydraConfig.instance().set_config(staged)
+    try:
+        yield
+    finally:
+        HydraConfig.instance().cfg = previous
+
+
+def _strategy_node(cfg: DictConfig, launch: bool) -> Any:
+    """The strategy config to build; for ``validate`` on a machine without the stage devices
+    a recipe lists, the same stages on the CPU (the hardware is check_launchable's question)."""
+    import torch
+
+    node = cfg.strategy
+    stages = node.get("devices")
+    if launch or not OmegaConf.is_list(stages):
+        return node
+    cuda = [d for d in stages if str(d).startswith("cuda")]
+    if len(cuda) <= torch.cuda.device_count():
+        return node
+    node = node.copy()
+    node.devices = ["cpu" if str(d).startswith("cuda") else d for d in stages]
+    return node
+
+
+def _check_objects(cfg: DictConfig, launch: bool) -> Any:
+    """Build what checks its own arguments; returns the network (on the meta device)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_accel.runner import build_model
+
+    with _quiet():
+        has_target = cfg.get("strategy") is not None and "_target_" in cfg.strategy
+        strategy = _built("strategy", _strategy_node(cfg, launch)) if has_target else None
+        for name, node in (cfg.get("callbacks") or {}).items():
+            if node is not None:
+                _built(f"callbacks.{name}", node)
+        for i, node in enumerate(cfg.get("plugins") or []):
+            _built(f"plugins[{i}]", node)
+        loop = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if k != "_target_"}
+        # The loop settings on the CPU: the hardware is check_launchable's question.
+        loop.update(accelerator="cpu", devices=1, precision="32-true", logger=False, enable_checkpointing=False, default_root_dir=os.devnull)
+        try:
+            pl.Trainer(**loop)
+        except Exception as err:
+            raise UserError(f"trainer: {_first_line(err)}") from None
+        with torch.device("meta"):
+            try:
+                module = build_model(cfg)
+            except UserError:
+                raise
+            except Exception as err:
+                raise UserError(f"model: {_reason(err)}") from None
+    net = getattr(module, "net", None)
+    net = net if isinstance(net, torch.nn.Module) else module
+    _check_balance(strategy, net)
+    return module
+
+
+def _check_balance(strategy: Any, net: Any) -> None:
+    """An explicit GPipe balance must cover the network's blocks (the strategy's own check)."""
+    from lightning_accel.strategies.gpipe import GPipeStrategy
+
+    if not isinstance(strategy, GPipeStrategy) or not isinstance(strategy.balance, (list, tuple)):
+        return
+    from lightning_accel.models.block_policy import find_blocks
+    from lightning_accel.pipeline.partition import check_balance
+
+    try:
+        blocks = find_blocks(net, strategy.blocks)
+        check_balance(strategy.balance, len(blocks), len(strategy.devices))
+    except ValueError as err:
+        raise UserError(f"strategy.balance={list(strategy.balance)}: {_first_line(err)}") from None
+
+
+def check_checkpoint(path: str, module: Any) -> None:
+    """``path`` loads as a Lightning checkpoint whose weights fit ``module`` (names and shapes)."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:
+        raise UserError(f"ckpt_path='{path}' is not a readable checkpoint ({_first_line(err)[:120]}); pass a .ckpt written by a run, or start without ckpt_path") from None
+    weights = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    if not isinstance(weights, dict):
+        raise UserError(f"ckpt_path='{path}' has no 'state_dict' (not a Lightning checkpoint); pass a .ckpt written by a run")
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+    if wrong:
+        k = wrong[0]
+        raise UserError(
+            f"ckpt_path='{path}' does not fit this model: {k} is {tuple(weights[k].shape)} there, {expected[k]} here "
+            f"({len(wrong)} tensors differ); resume with the model overrides of the run that wrote it"
+        )
+    if missing or unexpected:
+        what = f"{len(missing)} of the model's tensors missing (e.g. {missing[0]})" if missing else f"{len(unexpected)} unknown tensors (e.g. {unexpected[0]})"
+        raise UserError(f"ckpt_path='{path}' does not fit this model: {what}; it was written for another model")
+
+
+def _check_writable(root: Path) -> None:
+    existing = root
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"outputs directory '{root}' cannot be created: '{existing}' is not a writable directory; set LIGHTNING_ACCEL_OUTPUTS=<a writable path>")
+
+
+def recipe_root(cfg: DictConfig, recipe_path: Path) -> Path:
+    """Where this recipe's runs live: ``<paths.root_dir>/<recipe>``."""
+    return Path(str(cfg.paths.root_dir)).expanduser() / recipe_path.stem
+
+
+def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True) -> DictConfig:
+    """Compose ``recipe`` with ``overrides`` once and run every check (see the module doc).
+
+    Returns the composed config (Hydra's node included); ``ckpt_path=last`` comes back as
+    the checkpoint file it resolved to. ``launch=False`` (``validate``) skips what only a
+    run on this machine needs: hardware and a writable outputs directory.
+    """
+    from lightning_accel.run_dir import find_last_checkpoint, reap
+    from lightning_accel.sweep import check_sweep
+
+    path = resolve_recipe(recipe)
+    flags = [o for o in overrides if o.startswith("-")]
+    plain = [o for o in overrides if not o.startswith("-") and not is_sweep(o)]
+    cfg = _compose(path, plain)
+    for group in _REQUIRED_GROUPS:
+        if cfg.get(group) is None:
+            raise UserError(f"{group} is empty ({group}=null?); a run needs one, e.g. {_example(group)}")
+    run_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    validate(run_cfg)
+    remote = check_sweep(path, [*flags, *[o for o in overrides if not o.startswith("-")]], cfg)
+    if launch and not remote:  # jobs sent to SLURM run on its nodes, not on this machine
+        check_launchable(cfg, path.stem)
+        _check_writable(recipe_root(cfg, path))
+    check_data(cfg)
+    check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
+    with _hydra_runtime(cfg, recipe_root(cfg, path) / "(preflight)"):
+        module = _check_objects(cfg, launch)
+    ckpt_path = cfg.get("ckpt_path")
+    if launch and recipe_root(cfg, path).is_dir():
+        reap(recipe_root(cfg, path))  # earlier runs that died: marked killed, their last.ckpt made true
+    if ckpt_path == "last":
+        ckpt_path = str(find_last_checkpoint(recipe_root(cfg, path), cfg))
+        with open_dict(cfg):
+            cfg.ckpt_path = ckpt_path
+    if ckpt_path is not None:
+        if not Path(str(ckpt_path)).is_file():
+            raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file, ckpt_path=last, or leave it unset")
+        check_checkpoint(str(ckpt_path), module)
+    return cfg
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Build the data module: cheap (no data is read before ``setup``) and where a bad
+    argument or a missing user file is reported."""
+    _built("data", cfg.data)
+
+
+__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "is_sweep", "preflight", "recipe_root"]
