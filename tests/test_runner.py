@@ -91,3 +91,13 @@ def test_run_output_goes_to_the_log_file_without_tips_or_known_warnings(tmp_path
     text = log.read_text()
     assert "GPipeStrategy: a plan" in text and "a warning of ours" in text
     assert "Tip:" not in text and "LeafSpec" not in text
+
+
+def test_summary_of_a_resumed_run_without_a_new_checkpoint() -> None:
+    from lightning_accel.runner import summary
+
+    status = {"recipe": "r", "status": "completed", "global_step": 8, "seconds": 1.0, "metrics": {"val/loss": 1.0},
+              "checkpoint": None, "metrics_csv": None, "log": "l", "config": "c"}
+    assert "checkpoint: (none new; resumed from /x/last.ckpt)" in summary(status | {"resumed_from": "/x/last.ckpt"})
+    assert "callbacks=none" in summary(status)
+    assert "interrupted (Ctrl-C) after 8 steps" in summary(status | {"status": "interrupted"})
