@@ -96,6 +96,21 @@ def test_a_recipe_loads_a_local_directory_instead_of_its_config(tmp_path: Path) 
         instantiate(cfg.model)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+model.net.config.hidden_sizee=3", r"'hidden_sizee' is not a LlamaConfig key \(did you mean 'hidden_size'"),
+        ("model.net.config.model_type=lama", r"model_type='lama' has no causal-LM model .*did you mean 'llama'"),
+    ],
+)
+def test_a_config_typo_is_one_line_before_any_run(override: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel import cli
+
+    assert cli.main(["validate", "llama-tiny_cpu", override]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, line), line
+
+
 def test_litgpt_option_composes_and_builds(tmp_path: Path) -> None:
     pytest.importorskip("litgpt", reason="needs the hf extra")
     recipe = tmp_path / "mine.yaml"
