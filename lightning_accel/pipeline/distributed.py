@@ -68,17 +68,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.boundaries import StageBoundaries
+from lightning_accel.pipeline.gradients import average_gradients, sum_gradients
+from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, gather, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
@@ -258,97 +258,9 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
     return resident
 
 
-@torch.no_grad()
-def sum_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Each gradient becomes its sum over ``group``; a parameter with no gradient on any rank keeps none (as in plain
-    training, where an optimizer then skips it). Every rank passes the same parameters, in the same order."""
-    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    present = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
-    dist.all_reduce(present, group=group)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, g in enumerate(grads):
-        by_kind.setdefault((g.dtype, g.device), []).append(i)
-    for indices in by_kind.values():  # one all-reduce per dtype and device
-        flat = torch.cat([grads[i].reshape(-1) for i in indices])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for i in indices:
-            grads[i].copy_(flat[offset : offset + grads[i].numel()].view_as(grads[i]))
-            offset += grads[i].numel()
-    for p, g, anywhere in zip(params, grads, present.tolist()):
-        p.grad = g if anywhere else None
-
-
 def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
     """Stages rank ``rank`` runs: one, or two for ``interleaved_1f1b`` (``rank`` and ``rank + world_size``)."""
     return [rank + k * world_size for k in range(SCHEDULE_TABLE[schedule].stages_per_rank)]
-
-
-def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
-    """``(pp_rank, dp_rank)`` of global rank ``rank`` on the ``("pp", "dp")`` mesh of ``world_size`` ranks, ``pp`` per pipeline."""
-    if pp < 1 or world_size % pp:
-        raise ValueError(
-            f"world size {world_size} is not a multiple of {pp} pipeline ranks; HINT: run a multiple of {pp} processes"
-        )
-    dp = world_size // pp
-    return rank // dp, rank % dp
-
-
-def pipeline_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta | None = None) -> DeviceMesh:
-    """The ``("pp", "dp")`` device mesh of the default process group: ``pp`` ranks per pipeline, ``world_size // pp`` replicas.
-
-    ``timeout``: how long the mesh's groups wait for a rank (gloo and nccl). Without it they get
-    torch's default (30 minutes for gloo), not the default group's: a hung peer on a pipeline or
-    replica group would outwait the timeout the user set.
-    """
-    mesh_coordinates(0, world_size, pp)  # the check
-    options = None if timeout is None else _group_options(dist.get_backend(), timeout)
-    override = None if options is None else {"pp": options, "dp": options}
-    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"), backend_override=override)
-
-
-def _group_options(backend: str, timeout: timedelta) -> Any:
-    """Process-group options carrying ``timeout`` for ``backend`` (None for a backend without such options)."""
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return options
-
-
-@torch.no_grad()
-def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None, bucket_bytes: int = 25 * 2**20) -> None:
-    """Replace each gradient by its mean over ``group`` (the data-parallel replicas), as ``DistributedDataParallel`` does.
-
-    Gradients go in flat buckets of one dtype and device, at most ``bucket_bytes`` each (one
-    all-reduce per bucket, not per tensor). Every rank of ``group`` must pass the same
-    parameters, with a gradient on the same ones (the same stage, in every replica).
-    """
-    size = dist.get_world_size(group)
-    if size == 1:
-        return
-    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], int]] = {}
-    buckets: list[list[Tensor]] = []
-    for g in (p.grad for p in params if p.grad is not None):
-        bucket, nbytes = open_buckets.get((g.dtype, g.device), ([], 0))
-        if not bucket or nbytes + g.nbytes > bucket_bytes:
-            bucket, nbytes = [], 0
-            buckets.append(bucket)
-        bucket.append(g)
-        open_buckets[(g.dtype, g.device)] = (bucket, nbytes + g.nbytes)
-    for bucket in buckets:
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=group)  # SUM, then divide: gloo has no AVG
-        flat.div_(size)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 class RankPipeline:

@@ -12,13 +12,14 @@ calls :func:`broadcast_step_result` at the end of ``training_step``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StepResult", "broadcast_step_result", "number_spec", "step_signature", "unpack_number"]
+__all__ = ["StepResult", "broadcast_step_result", "number_spec", "reduce_logs", "step_signature", "unpack_number"]
 
 # a step's result: (loss, [(name, value, log kwargs)], whether training_step returned a dict)
 StepResult = tuple[Any, list[tuple[str, Any, dict]], bool]
@@ -103,3 +104,25 @@ def broadcast_step_result(
     payload: list[Any] = [result, signature]
     dist.broadcast_object_list(payload, src=src, group=group)
     return payload[0], payload[1]
+
+
+def reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[int], reduction: str) -> list[tuple[str, Any, dict]]:
+    """One ``(name, value, kwargs)`` per logged name from the micro-batches' ``self.log`` records: numbers reduced like
+    the loss (weighted by micro-batch ``sizes`` for ``"mean"``, summed for ``"sum"``), anything else the last one's."""
+    merged: dict[str, tuple[list[Any], list[int], dict]] = {}
+    for record, size in zip(records, sizes):
+        for name, value, kwargs in record:
+            values, weights, _ = merged.setdefault(name, ([], [], kwargs))
+            values.append(value)
+            weights.append(size)
+    out = []
+    for name, (values, weights, kwargs) in merged.items():
+        if not all(isinstance(v, (int, float, Tensor)) and not isinstance(v, bool) for v in values):
+            out.append((name, values[-1], kwargs))  # not a number: the last micro-batch's
+            continue
+        total = sum(weights)
+        value = sum(v * (w / total) for v, w in zip(values, weights)) if reduction == "mean" else sum(values)
+        if "batch_size" in kwargs:
+            kwargs = {**kwargs, "batch_size": total}  # weighs the epoch mean by the whole batch
+        out.append((name, value, kwargs))
+    return out

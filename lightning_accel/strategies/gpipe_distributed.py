@@ -115,9 +115,6 @@ syncing) and, for predict, what the step returned.
 
 from __future__ import annotations
 
-import atexit
-import gc
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -141,13 +138,9 @@ from typing_extensions import override
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
-from lightning_accel.pipeline.distributed import (
-    RankPipeline,
-    average_gradients,
-    mesh_coordinates,
-    pipeline_mesh,
-    stage_indices,
-)
+from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
+from lightning_accel.pipeline.gradients import agree_found_inf, average_gradients, clip_grad_norm_over
+from lightning_accel.pipeline.mesh import hold_mesh, mesh_coordinates, process_mesh
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.partition import (
     balance_by_cost,
@@ -159,7 +152,7 @@ from lightning_accel.pipeline.partition import (
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
-from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result
+from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result, reduce_logs
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
 
@@ -176,41 +169,6 @@ def _example_forward(module: pl.LightningModule, example: Any) -> Callable[[], o
     if isinstance(example, Mapping):
         return lambda: module(**example)
     return lambda: module(example)
-
-
-# (device type, world size, pp, timeout) -> the mesh of this process group and its groups; see _process_mesh
-_MESHES: dict[tuple[str, int, int], tuple[Any, tuple[Any, ...]]] = {}
-_MESH_USERS: weakref.WeakSet[Any] = weakref.WeakSet()  # strategies holding a mesh, let go of it at exit
-
-
-def _process_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta) -> Any:
-    """The ``("pp", "dp")`` mesh of the current process group, built once per process and shared by every fit.
-
-    Why one: ``init_device_mesh`` creates new process groups (for ``dp = 1`` too: one of one rank
-    per rank), each gloo group with its own threads, and ``destroy_process_group`` does not stop
-    those threads; they end only when the last reference to the group goes. A mesh per fit left
-    one set per fit alive into interpreter shutdown. A mesh whose groups the process group no
-    longer holds (destroyed, then initialized again) is replaced.
-    """
-    key = (device_type, world_size, pp, timeout)
-    found = _MESHES.get(key)
-    if found is not None and all(g in dist.distributed_c10d._world.pg_map for g in found[1]):
-        return found[0]
-    mesh = pipeline_mesh(device_type, world_size, pp, timeout)
-    _MESHES[key] = (mesh, (mesh.get_group("pp"), mesh.get_group("dp")))
-    return mesh
-
-
-@atexit.register
-def _release_meshes() -> None:
-    """At exit, while the interpreter is whole: drop every reference this module made to the meshes (and collect
-    finished Trainers that still hold old ones), so once ``destroy_process_group`` has run, their gloo groups are
-    freed and join their threads now, not at some point of interpreter teardown."""
-    for strategy in list(_MESH_USERS):
-        strategy._mesh = None
-    if _MESHES:
-        _MESHES.clear()
-        gc.collect()
 
 
 def _summaries_without_example(trainer: pl.Trainer) -> None:
@@ -272,27 +230,6 @@ def _loggable(value: Any) -> Any:
         cache = value._forward_cache
         value = cache if cache is not None else value.compute()
     return value.detach().cpu() if isinstance(value, Tensor) else value
-
-
-def _reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[int], reduction: str) -> list[tuple[str, Any, dict]]:
-    """One ``(name, value, kwargs)`` per logged name: the micro-batch values reduced like the loss."""
-    merged: dict[str, tuple[list[Any], list[int], dict]] = {}
-    for record, size in zip(records, sizes):
-        for name, value, kwargs in record:
-            values, weights, _ = merged.setdefault(name, ([], [], kwargs))
-            values.append(value)
-            weights.append(size)
-    out = []
-    for name, (values, weights, kwargs) in merged.items():
-        if not all(isinstance(v, (int, float, Tensor)) and not isinstance(v, bool) for v in values):
-            out.append((name, values[-1], kwargs))  # not a number: the last micro-batch's
-            continue
-        total = sum(weights)
-        value = sum(v * (w / total) for v, w in zip(values, weights)) if reduction == "mean" else sum(values)
-        if "batch_size" in kwargs:
-            kwargs = {**kwargs, "batch_size": total}  # weighs the epoch mean by the whole batch
-        out.append((name, value, kwargs))
-    return out
 
 
 class _DropRagged:
@@ -441,8 +378,8 @@ class DistributedGPipeStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         self._check_world_size(self.num_nodes * self.num_processes)  # torchrun: before the process group
         super().setup_distributed()
-        self._mesh = _process_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size, self._timeout)
-        _MESH_USERS.add(self)
+        self._mesh = process_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size, self._timeout)
+        hold_mesh(self)
 
     @property
     def _coords(self) -> tuple[int, int]:
@@ -738,7 +675,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if pipe.holds_last:
             reduced = reduce_outputs(outputs, sizes, self.loss_reduction)
             loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
-            result = (loss.detach().cpu(), _reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping))
+            result = (loss.detach().cpu(), reduce_logs(logs, sizes, self.loss_reduction), isinstance(reduced, Mapping))
         (loss, records, as_dict), self._step_signature_cache = broadcast_step_result(
             result, self._step_signature_cache, self._pp_global(self.pipeline_parallel_size - 1), self._pp_group,
             self.root_device,
@@ -819,28 +756,16 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     def _agree_found_inf(self, scaler: torch.amp.GradScaler, optimizer: Optimizer) -> None:
         """After ``scaler.unscale_(optimizer)``: this rank's found-inf flags become 1 if any rank's stage overflowed."""
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # what scaler.step reads
-        flag = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for f in found.values():
-            flag += f.to(flag.device)
-        dist.all_reduce(flag)  # every rank: the stages of a pipeline, and the replicas
-        for f in found.values():
-            f.copy_((flag > 0).to(f.dtype))
+        agree_found_inf(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"], self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks
-        (the replicas hold the same averaged gradients, so summing over them too would count each stage ``dp`` times)."""
+        """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks, what
+        every rank holds alike (outside the blocks) counted on the last one (the replicas hold the same averaged
+        gradients, so summing over them too would count each stage ``dp`` times)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        grads = [p.grad for p in params]
-        squares = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        counted = self._coords[0] == self.pipeline_parallel_size - 1  # what every rank holds: counted on one
-        for p, g in zip(params, grads):
-            if counted or id(p) not in self._resident_ids:
-                squares += g.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self._pp_group)  # each parameter on one rank of the pipeline
-        coef = torch.clamp(clip_val / (squares.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
+        last = self._coords[0] == self.pipeline_parallel_size - 1
+        counted = [last or id(p) not in self._resident_ids for p in params]
+        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), self._pp_group, self.root_device)
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -1012,7 +937,7 @@ class DistributedGPipeStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         # _owners and _opt_index stay: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
-        # (one per process, see _process_mesh: nothing to destroy here)
+        # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)
         self.pipeline, self._pending = None, []
         if self._cache_settings is not None:
             self._cache_settings.restore()

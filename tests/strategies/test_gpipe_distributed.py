@@ -14,7 +14,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
-from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy, _reduce_logs
+from lightning_accel.pipeline.step_result import reduce_logs
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
@@ -144,8 +145,8 @@ def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference):
 
 def test_logged_values_reduce_over_micro_batches_like_the_loss():
     records = [[("loss", 1.0, {"batch_size": 2})], [("loss", 4.0, {"batch_size": 6}), ("tag", "x", {})]]
-    assert _reduce_logs(records, [2, 6], "mean") == [("loss", 3.25, {"batch_size": 8}), ("tag", "x", {})]
-    assert _reduce_logs(records, [2, 6], "sum") == [("loss", 5.0, {"batch_size": 8}), ("tag", "x", {})]
+    assert reduce_logs(records, [2, 6], "mean") == [("loss", 3.25, {"batch_size": 8}), ("tag", "x", {})]
+    assert reduce_logs(records, [2, 6], "sum") == [("loss", 5.0, {"batch_size": 8}), ("tag", "x", {})]
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_every_fit_in_a_process_shares_one_mesh_until_the_process_group_is_repla
 
     import torch.distributed as dist
 
-    from lightning_accel.strategies.gpipe_distributed import _process_mesh
+    from lightning_accel.pipeline.mesh import process_mesh
 
     meshes = []
     for _ in range(2):  # a process group, destroyed, then a new one
@@ -208,8 +209,8 @@ def test_every_fit_in_a_process_shares_one_mesh_until_the_process_group_is_repla
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        meshes.append(_process_mesh("cpu", 1, 1, timedelta(seconds=17)))
-        assert _process_mesh("cpu", 1, 1, timedelta(seconds=17)) is meshes[-1]  # a second fit: the same groups
+        meshes.append(process_mesh("cpu", 1, 1, timedelta(seconds=17)))
+        assert process_mesh("cpu", 1, 1, timedelta(seconds=17)) is meshes[-1]  # a second fit: the same groups
         for dim in ("pp", "dp"):  # the strategy's timeout, not torch's 30-minute default for new groups
             assert meshes[-1].get_group(dim)._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=17)
         dist.destroy_process_group()

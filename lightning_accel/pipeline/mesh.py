@@ -1,0 +1,100 @@
+"""The ``("pp", "dp")`` device mesh of the multi-process pipeline, and one per process.
+
+``pp`` ranks make one pipeline, ``dp = world_size // pp`` replicas of it train data
+parallel; global rank ``pp_rank * dp + dp_rank`` (:func:`mesh_coordinates`). Why ``pp``
+outermost (as torchtitan and Megatron order their meshes): the gradient all-reduce moves a
+whole stage's gradients at every step, the pipeline only the activations at the stage
+boundaries, so the ``dp`` ranks are the adjacent ones (one host's local ranks are
+consecutive: its fast links), and a pipeline may cross hosts.
+
+:func:`process_mesh` builds the mesh once per process group and hands every later fit
+the same one. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["hold_mesh", "mesh_coordinates", "pipeline_mesh", "process_mesh"]
+
+
+def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
+    """``(pp_rank, dp_rank)`` of global rank ``rank`` on the ``("pp", "dp")`` mesh of ``world_size`` ranks, ``pp`` per pipeline."""
+    if pp < 1 or world_size % pp:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of {pp} pipeline ranks; HINT: run a multiple of {pp} processes"
+        )
+    dp = world_size // pp
+    return rank // dp, rank % dp
+
+
+def pipeline_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``("pp", "dp")`` device mesh of the default process group: ``pp`` ranks per pipeline, ``world_size // pp`` replicas.
+
+    ``timeout``: how long the mesh's groups wait for a rank (gloo and nccl). Without it they get
+    torch's default (30 minutes for gloo), not the default group's: a hung peer on a pipeline or
+    replica group would outwait the timeout the user set.
+    """
+    mesh_coordinates(0, world_size, pp)  # the check
+    options = None if timeout is None else _group_options(dist.get_backend(), timeout)
+    override = None if options is None else {"pp": options, "dp": options}
+    return init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"), backend_override=override)
+
+
+def _group_options(backend: str, timeout: timedelta) -> Any:
+    """Process-group options carrying ``timeout`` for ``backend`` (None for a backend without such options)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
+# (device type, world size, pp, timeout) -> the mesh of this process group and its groups; see process_mesh
+_MESHES: dict[tuple[str, int, int, Any], tuple[DeviceMesh, tuple[Any, ...]]] = {}
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()  # objects holding a mesh in ``_mesh``, let go of it at exit
+
+
+def process_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta) -> DeviceMesh:
+    """The ``("pp", "dp")`` mesh of the current process group, built once per process and shared by every fit.
+
+    Why one: ``init_device_mesh`` creates new process groups (for ``dp = 1`` too: one of one rank
+    per rank), each gloo group with its own threads, and ``destroy_process_group`` does not stop
+    those threads; they end only when the last reference to the group goes. A mesh per fit left
+    one set per fit alive into interpreter shutdown. A mesh whose groups the process group no
+    longer holds (destroyed, then initialized again) is replaced.
+    """
+    key = (device_type, world_size, pp, timeout)
+    found = _MESHES.get(key)
+    if found is not None and all(g in dist.distributed_c10d._world.pg_map for g in found[1]):
+        return found[0]
+    mesh = pipeline_mesh(device_type, world_size, pp, timeout)
+    _MESHES[key] = (mesh, (mesh.get_group("pp"), mesh.get_group("dp")))
+    return mesh
+
+
+def hold_mesh(holder: Any) -> None:
+    """``holder._mesh`` is set to None at exit (see :func:`_release_meshes`)."""
+    _HOLDERS.add(holder)
+
+
+@atexit.register
+def _release_meshes() -> None:
+    """At exit, while the interpreter is whole: drop every reference to the meshes (and collect finished Trainers that
+    still hold old ones), so once ``destroy_process_group`` has run, their gloo groups are freed and join their threads
+    now, not at some point of interpreter teardown."""
+    for holder in list(_HOLDERS):
+        holder._mesh = None
+    if _MESHES:
+        _MESHES.clear()
+        gc.collect()
