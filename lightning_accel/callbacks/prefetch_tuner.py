@@ -28,8 +28,8 @@ error over the steps, or over the workers' item times): a candidate replaces the
 only when it waits less by more than twice their combined spread, and among
 candidates within that margin the fewest workers win. Items that keep the workers on
 the CPU (the share of CPU time while loading, measured in this process without workers
-and from ``/proc`` with them; runnable time, not CPU time, so a shared machine does not
-make them look idle) hold the worker count to the rank's CPU budget
+and from ``/proc`` with them, as time on a CPU over the time not spent queued for one,
+so a shared machine makes them look neither idle nor busy) hold the worker count to the rank's CPU budget
 (:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
 
 Streams. An iterable dataset that reports its position (the protocol of
@@ -286,7 +286,7 @@ class PrefetchTuner(Callback):
         if busy is None or busy < self.cpu_busy_threshold or self.search.budget.max_workers <= self.cpu.cores:
             return
         self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
-        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% runnable, {where}): workers held to the CPU budget, {self.cpu}"
+        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% on a CPU when not queued, {where}): workers held to the CPU budget, {self.cpu}"
 
     def _lead(self, candidate: LoaderSettings) -> int:
         """Batches the current loader still serves while the candidate's workers fill up

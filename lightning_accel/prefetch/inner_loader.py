@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accel.prefetch.loader_rebuild import more_workers_than_cores, rebuild_loader
 from lightning_accel.prefetch.settings import LoaderSettings
-from lightning_accel.prefetch.wait_meter import runnable_s
+from lightning_accel.prefetch.wait_meter import sched_s
 
 
 class _Plan:
@@ -93,20 +93,22 @@ class _Inner:
         return self.iterator
 
     def cpu_busy(self) -> float | None:
-        """The share of time since they started that the workers were runnable (on a CPU or queued for one).
+        """The workers' seconds on a CPU per second since they started, not counting time queued for one.
 
-        Near 0 when items wait on I/O, near 1 when they keep the workers wanting the CPU,
-        however few cores they share (``/proc/PID/schedstat``, Linux). ``None`` without
-        workers or where it cannot be read.
+        Near 0 when items wait on I/O, near 1 when they keep the workers computing, however
+        few cores they share and however busy other processes keep them
+        (``/proc/PID/schedstat``, Linux). ``None`` without workers or where it cannot be read.
         """
         workers = getattr(self.iterator, "_workers", None)
         if not workers or getattr(self, "started_at", None) is None:
             return None
-        runnable = [runnable_s(worker.pid) for worker in workers]
+        times = [sched_s(worker.pid) for worker in workers]
         elapsed = time.monotonic() - self.started_at
-        if any(r is None for r in runnable) or elapsed <= 0:
+        if any(t is None for t in times) or elapsed <= 0:
             return None
-        return min(1.0, sum(runnable) / (elapsed * len(workers)))  # type: ignore[arg-type]
+        on_cpu = sum(t[0] for t in times)  # type: ignore[index]
+        own = elapsed * len(workers) - sum(t[1] for t in times)  # type: ignore[index]
+        return min(1.0, on_cpu / own) if own > 0 else None
 
     def start_in_background(self) -> None:
         """Fork the workers on a thread: forking a process holding a big heap takes ~50 ms per worker."""

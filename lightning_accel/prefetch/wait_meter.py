@@ -3,13 +3,15 @@
 The wait of step ``i`` is the time from the end of step ``i - 1`` (or from the start of
 the epoch) to the arrival of batch ``i``; the step time is from that arrival to the end
 of step ``i``. Both come from one monotonic clock that callers may replace, so the
-arithmetic is testable without sleeping. A second clock, this thread's runnable time
-(on a CPU or queued for one), says how much of each wait the process itself spent
-wanting the CPU: with no loader workers the loading runs in this process, so that share
-tells I/O-bound items (mostly sleeping) from CPU-bound ones, which decides how many
-workers the cores can take. CPU time alone would not: on a shared machine a busy thread
-gets a fraction of a core and looks half idle (measured here: 0.30 CPU seconds per
-second, 1.00 runnable, for a pure busy loop under a load average of 6 on 2 cores).
+arithmetic is testable without sleeping. Two more clocks, this thread's time on a CPU
+and its time queued for one (``/proc/.../schedstat``), say how much of each wait the
+process spent computing: with no loader workers the loading runs in this process, so
+the share ``on CPU / (wait - queued)`` tells I/O-bound items (mostly sleeping) from
+CPU-bound ones, which decides how many workers the cores can take. CPU time over wall
+time would not: on a shared machine a busy thread gets a fraction of a core and looks
+idle (measured here: 0.30 CPU seconds per second for a pure busy loop under a load
+average of 6 on 2 cores), while counting the queueing as work makes a sleeping thread,
+which queues at each wake-up, look busy (0.3 at a load average of 9).
 """
 
 from __future__ import annotations
@@ -19,24 +21,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-def runnable_s(pid: int | str = "self") -> float | None:
-    """Seconds the (main thread of the) process ``pid`` has been running or waiting in a run queue.
+def sched_s(pid: int | str = "self") -> tuple[float, float] | None:
+    """Seconds the (main thread of the) process ``pid`` has spent on a CPU and queued for one.
 
-    From ``/proc/PID/schedstat`` (Linux; nanoseconds on CPU, nanoseconds waiting for it);
-    ``None`` where it cannot be read.
+    From ``/proc/PID/schedstat`` (Linux); ``None`` where it cannot be read.
     """
     try:
         with open(f"/proc/{pid}/schedstat") as f:
             on_cpu, queued = f.read().split()[:2]
     except (OSError, ValueError):
         return None
-    return (int(on_cpu) + int(queued)) / 1e9
+    return int(on_cpu) / 1e9, int(queued) / 1e9
 
 
-def runnable_clock() -> float:
-    """This thread's runnable seconds (:func:`runnable_s`), or its CPU time where schedstat is missing."""
-    t = runnable_s("thread-self")
-    return t if t is not None else time.process_time()
+def thread_cpu_clock() -> float:
+    """This thread's seconds on a CPU (its CPU time where schedstat is missing)."""
+    t = sched_s("thread-self")
+    return t[0] if t is not None else time.process_time()
+
+
+def thread_queue_clock() -> float:
+    """This thread's seconds queued for a CPU (0 where schedstat is missing)."""
+    t = sched_s("thread-self")
+    return t[1] if t is not None else 0.0
+
+
+def _zero() -> float:
+    return 0.0
 
 
 @dataclass
@@ -46,12 +57,14 @@ class WaitStats:
     steps: int
     wait_s: float
     step_s: float
-    wait_cpu_s: float = 0.0  # of ``wait_s``, seconds this thread was runnable (on a CPU or queued for one)
+    wait_cpu_s: float = 0.0  # of ``wait_s``, seconds this thread was on a CPU
+    wait_queued_s: float = 0.0  # of ``wait_s``, seconds it was queued for one
 
     @property
     def wait_cpu_share(self) -> float:
-        """Runnable seconds per second of waiting, in [0, 1]: near 0 for I/O-bound loading in this process."""
-        return min(1.0, self.wait_cpu_s / self.wait_s) if self.wait_s > 0 else 0.0
+        """CPU seconds per second of waiting not spent queued, in [0, 1]: near 0 for I/O-bound loading here."""
+        own = self.wait_s - self.wait_queued_s
+        return min(1.0, self.wait_cpu_s / own) if own > 0 else 0.0
 
     @property
     def wait_fraction(self) -> float:
@@ -71,24 +84,33 @@ class WaitMeter:
     """Records ``waits[i]`` and ``steps[i]`` from three calls: epoch start, batch arrival, step end."""
 
     clock: Callable[[], float] = time.perf_counter
-    cpu_clock: Callable[[], float] = runnable_clock
+    cpu_clock: Callable[[], float] = thread_cpu_clock
+    queue_clock: Callable[[], float] | None = None  # default: this thread's, with the default cpu_clock; else none
     waits: list[float] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
     wait_cpus: list[float] = field(default_factory=list)
+    wait_queued: list[float] = field(default_factory=list)
     _last_end: float | None = None
     _last_end_cpu: float = 0.0
+    _last_end_queued: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.queue_clock is None:
+            self.queue_clock = thread_queue_clock if self.cpu_clock is thread_cpu_clock else _zero
     _arrival: float | None = None
 
     def start(self) -> None:
         """The loop is about to ask for its first batch (epoch start)."""
         self._last_end, self._last_end_cpu = self.clock(), self.cpu_clock()
+        self._last_end_queued = self.queue_clock()  # type: ignore[misc]
         self._arrival = None
 
     def batch_arrived(self) -> None:
-        now, cpu = self.clock(), self.cpu_clock()
+        now, cpu, queued = self.clock(), self.cpu_clock(), self.queue_clock()  # type: ignore[misc]
         if self._last_end is not None:  # a batch with no known start is not counted as a wait
             self.waits.append(now - self._last_end)
             self.wait_cpus.append(cpu - self._last_end_cpu)
+            self.wait_queued.append(queued - self._last_end_queued)
         self._arrival = now
 
     def step_ended(self) -> None:
@@ -97,6 +119,7 @@ class WaitMeter:
             self.steps.append(now - self._arrival)
         self._arrival = None
         self._last_end, self._last_end_cpu = now, self.cpu_clock()
+        self._last_end_queued = self.queue_clock()  # type: ignore[misc]
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -105,7 +128,8 @@ class WaitMeter:
         """Means over complete steps ``skip:`` (or the ``last`` ones), e.g. to drop warm-up steps."""
         n = len(self.steps)
         start = max(skip, n - last) if last is not None else skip
-        waits, steps, cpus = self.waits[start:n], self.steps[start:n], self.wait_cpus[start:n]
+        waits, steps, cpus, queued = self.waits[start:n], self.steps[start:n], self.wait_cpus[start:n], self.wait_queued[start:n]
         if not steps:
             return WaitStats(0, 0.0, 0.0)
-        return WaitStats(len(steps), sum(waits) / len(steps), sum(steps) / len(steps), sum(cpus) / len(steps))
+        k = len(steps)
+        return WaitStats(k, sum(waits) / k, sum(steps) / k, sum(cpus) / k, sum(queued) / k)

@@ -128,8 +128,8 @@ def test_cpu_bound_items_stay_within_the_cpu_budget(recorder, make_trainer, monk
 def test_worker_cpu_share_tells_cpu_from_io(sleepy):
     from lightning_accel.prefetch import TunableLoader
 
-    # A sleeping worker queues for a core at each wake-up: ~0.3 of runnable time at a load average of 9 on 2 cores.
-    for data, low, high in ((Busy(12, 0.05), 0.6, 1.0), (sleepy(12, latency_s=0.05), 0.0, 0.45)):
+    # Queueing (other tenants of a shared machine) counts neither way: a sleeping worker stays near 0.
+    for data, low, high in ((Busy(12, 0.05), 0.6, 1.0), (sleepy(12, latency_s=0.05), 0.0, 0.2)):
         loader = TunableLoader(DataLoader(data, batch_size=1, num_workers=1))
         it = iter(loader)
         batches = [next(it) for _ in range(10)]  # mid-epoch: the worker is alive

@@ -51,3 +51,18 @@ def test_cpu_share_of_the_waits_from_a_simulated_cpu_clock():
     assert meter.wait_cpus == pytest.approx([0.05, 0.15])
     stats = meter.stats()
     assert stats.wait_cpu_s == pytest.approx(0.1) and stats.wait_cpu_share == pytest.approx(0.2)
+
+
+def test_time_queued_for_a_cpu_is_left_out_of_the_cpu_share():
+    # 0.5 s waits, 0.1 s on a CPU, 0.3 s queued for one (a busy machine): the loading computed
+    # for 0.1 of the 0.2 s it was not queued, a share of 0.5 (CPU over wall time would say 0.2).
+    t = iter([0.0, 0.5, 0.6, 1.1, 1.2])
+    c = iter([0.0, 0.1, 0.1, 0.2, 0.2])
+    q = iter([0.0, 0.3, 0.3, 0.6, 0.6])
+    meter = WaitMeter(clock=lambda: next(t), cpu_clock=lambda: next(c), queue_clock=lambda: next(q))
+    meter.start()
+    for _ in range(2):
+        meter.batch_arrived()
+        meter.step_ended()
+    stats = meter.stats()
+    assert stats.wait_queued_s == pytest.approx(0.3) and stats.wait_cpu_share == pytest.approx(0.5)
