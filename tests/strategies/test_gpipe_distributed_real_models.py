@@ -60,3 +60,26 @@ def test_resuming_a_real_model_from_the_gathered_checkpoint_is_exact(two_ranks, 
     plain = task("llama")
     fit(plain, steps=STEPS, precision="64-true", ckpt_path=two_ranks / "llama-gpipe-half.ckpt")
     assert_same_weights(plain, _loaded("llama", two_ranks / "llama-gpipe-resumed.ckpt"), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.slow
+def test_two_replicas_of_a_two_stage_llama_train_like_plain_lightning_on_the_global_batch(tmp_path):
+    """DP x PP on 4 ranks: each replica's shard (Lightning's DistributedSampler, seed 0) in 2 micro-batches per stage;
+    the replicas' averaged gradients equal plain Lightning's on the global batch (both shards together)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from dp_pp_real_worker import PER_RANK, STEPS, dataset
+
+    result = run_user_script(PIPELINE_TESTS / "dp_pp_real_worker.py", [str(tmp_path)], 300, "4-process DP x PP Llama")
+    assert result.returncode == 0, result.stdout[-4000:]
+    data = dataset()
+    shards = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    order = [i for b in range(len(shards[0]) // PER_RANK) for shard in shards for i in shard[b * PER_RANK : (b + 1) * PER_RANK]]
+    reference = task("llama")
+    import lightning.pytorch as pl
+
+    pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=STEPS, precision="64-true", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(reference, DataLoader(data, batch_size=2 * PER_RANK, sampler=order))
+    assert_same_weights(reference, _loaded("llama", tmp_path / "llama-dp-pp.ckpt"), rtol=1e-9, atol=1e-11)
