@@ -5,12 +5,15 @@ once and hands these functions plain data.
 """
 
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
+from lightning_accel.pipeline.boundaries import StageBoundaries
 from lightning_accel.pipeline.distributed import RankPipeline, StageModule, stage_indices
 from lightning_accel.pipeline.local import CHECKPOINT_MODES, LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, gather, scatter
+from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.schedule import (
+    SCHEDULE_TABLE,
     bubble_fraction,
     check_schedule,
     clock_cycles,
@@ -26,7 +29,10 @@ __all__ = [
     "DeferredBatchNorm",
     "Event",
     "LocalPipeline",
+    "PipelineOptions",
     "RankPipeline",
+    "SCHEDULE_TABLE",
+    "StageBoundaries",
     "StageModule",
     "balance_by_cost",
     "batch_size",
