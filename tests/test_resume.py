@@ -37,18 +37,28 @@ def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["gpt-tiny_cpu", "gpt-tiny_l2l_cpu", "gpt-tiny_gpipe_cpu"])
-def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
-    reference = run_cli(["run", recipe, *SMALL], cli_env, tmp_path / "ref")
+@pytest.mark.parametrize(("recipe", "extra"), [
+    ("gpt-tiny_cpu", []),
+    ("gpt-tiny_l2l_cpu", []),
+    ("gpt-tiny_gpipe_cpu", []),
+    # two DDP processes on the CPU: every rank kills itself after the same step. Resumes and
+    # finishes, but not yet bit-identical (weights differ by up to 1.6e-3 after 8 steps,
+    # val/loss by 1.3e-4): cause open, see the notes.
+    pytest.param("gpt-tiny_cpu", ["strategy=ddp", "trainer.devices=2"],
+                 marks=pytest.mark.xfail(strict=True, reason="DDP resume not yet bit-identical (cause open)")),
+], ids=["plain", "l2l_offload", "gpipe", "ddp-2proc"])
+def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: list[str], cli_env: dict[str, str], tmp_path: Path) -> None:
+    args = [*SMALL, *extra]
+    reference = run_cli(["run", recipe, *args], cli_env, tmp_path / "ref")
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     crashed = tmp_path / "crashed"
-    killed = run_cli(["run", recipe, *SMALL, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], cli_env, crashed)
+    killed = run_cli(["run", recipe, *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], cli_env, crashed)
     assert killed.returncode == -9, killed.stderr[-3000:]
     (killed_dir,) = run_dirs(crashed, recipe)
     assert sorted(p.name for p in (killed_dir / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step000004.ckpt"]
 
-    resumed = run_cli(["run", recipe, *SMALL, "ckpt_path=last"], cli_env, crashed)
+    resumed = run_cli(["run", recipe, *args, "ckpt_path=last"], cli_env, crashed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr
     resumed_dir = next(d for d in run_dirs(crashed, recipe) if d != killed_dir)
