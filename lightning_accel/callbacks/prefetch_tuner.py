@@ -10,7 +10,8 @@ it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's load
 built and its workers started in the background while training goes on consuming the
 current one; at a batch boundary ``lead`` steps later (about one batch's latency, so
 the new workers have batches ready) the candidate takes over, and training runs on it.
-Its pace is measured from the times its workers finished its first ``2 w`` batches:
+Its pace is measured from the times its workers finished its first ``2 w`` batches (``w + 3``
+for one or two workers, so that there are three samples for the spread):
 each worker's first and second batch (both queued from the start) span one item as the
 ``w`` workers make them together, so the pace is not blurred by the batches buffered
 before the hand-over (which would make too few workers look sufficient).
@@ -341,7 +342,7 @@ class PrefetchTuner(Callback):
             return  # still being prepared
         w = max(1, candidate.num_workers)
         stamps = self.loader.stamps
-        needed = 2 * w if w > 1 else 3  # at least two item times, for their spread
+        needed = 2 * w if w > 2 else w + 3  # at least three item times, for their spread (two gave +-46 ms)
         if len(stamps) < needed:
             return
         # Worker j made batches j and j + w back to back (both were queued when it started), so
