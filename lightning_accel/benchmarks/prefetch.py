@@ -168,11 +168,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stream-latency", type=float, default=0.2, help="seconds of I/O latency per item")
     g.add_argument("--stream-step", type=float, default=0.05, help="seconds per training step")
     g = p.add_argument_group("jpeg, jpeg-tar")
-    g.add_argument("--jpeg-steps", type=int, default=48, help="training steps")
+    g.add_argument("--jpeg-steps", type=int, default=150, help="training steps")
     g.add_argument("--images", type=int, default=256, help="JPEG files written (320x240)")
     g.add_argument("--jpeg-batch", type=int, default=16, help="images per batch")
     g.add_argument("--jpeg-size", type=int, default=128, help="crop size after decoding")
-    g.add_argument("--jpeg-step", type=float, default=0.03, help="seconds per training step")
+    g.add_argument("--jpeg-step", type=float, default=0.01, help="seconds per training step (shorter than decoding a batch on one core)")
     return p
 
 
