@@ -150,7 +150,9 @@ from lightning_accel.pipeline.partition import (
     stage_of_block,
 )
 from lightning_accel.pipeline.reduction import reduce_outputs
+from lightning_accel.pipeline.checkpoint import gather_model_state, gather_optimizer_state, local_optimizer_state
 from lightning_accel.pipeline.options import PipelineOptions
+from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, send_initial_weights
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
 from lightning_accel.pipeline.step_result import StepResult, broadcast_step_result, reduce_logs
 
@@ -547,7 +549,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]  # pp ranks
         self._shared = [id(t) not in stage_of for t in tensors]  # resident on every rank
         if layout is None:
-            self._send_initial_weights(tensors)
+            send_initial_weights(tensors, self._owners, self._shared, self._layout)
         # the other ranks' blocks go to the meta device there (names, shapes and dtypes stay for checkpoints)
         self.pipeline = RankPipeline(
             module, balance, self.chunks, schedule=self.schedule, device=self.root_device, group=self._pp_group,
@@ -559,67 +561,26 @@ class DistributedGPipeStrategy(DDPStrategy):
             object.__setattr__(module, _LAYOUT, (ranks, SCHEDULE_TABLE[self.schedule].stages_per_rank > 1, tuple(balance)))
         self.model_to_device()
 
-    def _send_initial_weights(self, tensors: Sequence[Tensor]) -> None:
-        """Every rank starts from rank 0's weights: in each pipeline, each stage's tensors go from its first rank to
-        their rank only; then each stage's rank in replica 0 (which has rank 0's) broadcasts them over the replicas."""
+    @property
+    def _layout(self) -> RankLayout:
+        """This rank on the mesh, as the placement and checkpoint mechanisms take it."""
         pp_rank, dp_rank = self._coords
-        first, pp_group, dp_group = self._pp_global(0), self._pp_group, self._dp_group
-        dp_root = dist.get_global_rank(dp_group, 0)
-        with torch.no_grad():
-            for t, owner, shared in zip(tensors, self._owners, self._shared):
-                if shared:
-                    buf = t.data.to(self.root_device)
-                    dist.broadcast(buf, src=first, group=pp_group)
-                    t.data.copy_(buf)
-                elif owner != 0 and pp_rank in (0, owner):
-                    buf = t.data.to(self.root_device)
-                    if pp_rank == 0:
-                        dist.send(buf, dst=self._pp_global(owner), group=pp_group)
-                    else:
-                        dist.recv(buf, src=first, group=pp_group)
-                        t.data.copy_(buf)
-            if self.data_parallel_size == 1:
-                return
-            for t, owner, shared in zip(tensors, self._owners, self._shared):
-                if shared or owner == pp_rank:
-                    buf = t.data.to(self.root_device)
-                    dist.broadcast(buf, src=dp_root, group=dp_group)
-                    if dp_rank:
-                        t.data.copy_(buf)
+        return RankLayout(
+            pp_rank, dp_rank, self.pipeline_parallel_size, self.data_parallel_size, self._pp_group, self._dp_group,
+            self.root_device,
+        )
 
     def _keep_own_parameters(self) -> None:
         """Give each optimizer only this rank's parameters; remember their indices in the whole model's optimizer."""
         assert self.lightning_module is not None
         owner = {id(t): (o, sh) for t, o, sh in zip(self._tensors(), self._owners, self._shared)}
-        self._opt_index = []
-        pp, pp_rank = self.pipeline_parallel_size, self._coords[0]
-        for optimizer in self.optimizers:
-            full, kept, offset = [], [], 0
-            for group in optimizer.param_groups:
-                params = group["params"]
-                full.append(list(range(offset, offset + len(params))))
-                mine = [owner.get(id(p), (pp - 1, True))[0] == pp_rank or owner.get(id(p), (pp - 1, True))[1] for p in params]
-                kept.extend(offset + j for j, m in enumerate(mine) if m)
-                offset += len(params)
-                for p, m in zip(params, mine):
-                    if not m:
-                        optimizer.state.pop(p, None)  # an optimizer that made state eagerly
-                group["params"] = [p for p, m in zip(params, mine) if m]
-            self._opt_index.append((full, kept))
-
-    def _broadcast_shared(self) -> None:
-        """Tensors outside the block network are on every rank, trained by the pipeline's last: copy them from it."""
-        with torch.no_grad():
-            for tensor, owner, shared in zip(self._tensors(), self._owners, self._shared):
-                if shared:  # through the device: after teardown the module is on the CPU, which nccl cannot send
-                    buf = tensor.data.to(self.root_device)
-                    dist.broadcast(buf, src=self._pp_global(owner), group=self._pp_group)
-                    tensor.data.copy_(buf)
+        default = (self.pipeline_parallel_size - 1, True)
+        self._opt_index = [keep_own_parameters(o, owner, self._coords[0], default) for o in self.optimizers]
 
     def sync_weights(self) -> None:
         """Give every rank the current values of what lives outside the stages (all ranks must call this)."""
         if self._owners and dist.is_initialized():  # also after fit: trainer.save_checkpoint(...)
-            self._broadcast_shared()
+            broadcast_shared(self._tensors(), self._owners, self._shared, self._layout)
 
     # -- one training step --------------------------------------------------------------------
 
@@ -864,20 +825,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         state = self.lightning_module.state_dict()
         if not self._owners or not dist.is_initialized():
             return state
-        mine = {n: t.detach().cpu() for n, t in state.items() if not t.is_meta}
-        if self._coords[1] != 0:  # another replica: the same values as replica 0's, which rank 0 saves
-            return mine
-        every: list[Any] = [None] * self.pipeline_parallel_size if self.global_rank == 0 else None  # type: ignore[assignment]
-        dist.gather_object(mine, every, dst=0, group=self._pp_group)
-        if self.global_rank != 0:
-            return mine
-        merged: dict[str, Any] = {}
-        for part in every:
-            merged.update(part)  # what all ranks hold (outside the stages) is equal after sync_weights
-        missing = [n for n in state if n not in merged]
-        if missing:
-            raise RuntimeError(f"no rank holds {missing[:3]}: the stages do not cover the model")
-        return {n: merged[n] for n in state}
+        return gather_model_state(state, self._layout, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -906,11 +854,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if index is None or index >= len(self._opt_index) or not dist.is_initialized():
             return state
         full, kept = self._opt_index[index]
-        mine = {kept[i]: apply_to_collection(s, Tensor, lambda t: t.cpu()) for i, s in state["state"].items()}
-        every: list[Any] = [None] * self.pipeline_parallel_size
-        dist.all_gather_object(every, mine, group=self._pp_group)  # each pipeline its own (the replicas' are equal)
-        groups = [{**g, "params": ids} for g, ids in zip(state["param_groups"], full)]
-        return {"state": {i: s for part in every for i, s in sorted(part.items())}, "param_groups": groups}
+        return gather_optimizer_state(state, full, kept, self._layout)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -920,14 +864,7 @@ class DistributedGPipeStrategy(DDPStrategy):
                 optimizer.load_state_dict(whole)
                 continue
             full, kept = self._opt_index[index]
-            local = {g: i for i, g in enumerate(kept)}
-            groups, offset = [], 0
-            for group, ids in zip(whole["param_groups"], full):
-                count = sum(g in local for g in ids)
-                groups.append({**group, "params": list(range(offset, offset + count))})
-                offset += count
-            state = {local[g]: s for g, s in whole["state"].items() if g in local}
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
+            optimizer.load_state_dict(local_optimizer_state(whole, full, kept))
             _optimizers_to_device([optimizer], self.root_device)
 
     @override

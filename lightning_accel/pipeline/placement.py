@@ -1,0 +1,100 @@
+"""Where a split model's tensors live across a pipeline's ranks, and how they get there.
+
+Each parameter and buffer of a block belongs to the rank of its stage; everything outside
+the blocks is on every rank (``shared``). At setup every rank starts from global rank 0's
+weights: :func:`send_initial_weights` sends each stage's tensors from the pipeline's first
+rank to their owner only, then over the data-parallel replicas. :func:`keep_own_parameters`
+gives an optimizer only this rank's parameters and remembers where they sat in the whole
+model's optimizer (what :mod:`lightning_accel.pipeline.checkpoint` saves under). No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["RankLayout", "broadcast_shared", "keep_own_parameters", "send_initial_weights"]
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """This rank on the ``("pp", "dp")`` mesh: its coordinates, the sizes, the two groups, and its device."""
+
+    pp_rank: int
+    dp_rank: int
+    pp_size: int
+    dp_size: int
+    pp_group: Any
+    dp_group: Any
+    device: torch.device
+
+    def pp_global(self, pp_rank: int) -> int:
+        """The global rank of ``pp_rank`` in this rank's pipeline."""
+        return pp_rank * self.dp_size + self.dp_rank
+
+
+@torch.no_grad()
+def send_initial_weights(tensors: Sequence[Tensor], owners: Sequence[int], shared: Sequence[bool], layout: RankLayout) -> None:
+    """Every rank starts from rank 0's weights: in each pipeline, each stage's tensors go from its first rank to their
+    owner only (``shared`` ones to every rank); then each stage's rank in replica 0 broadcasts them over the replicas."""
+    first = layout.pp_global(0)
+    for t, owner, everywhere in zip(tensors, owners, shared):
+        if everywhere:
+            buf = t.data.to(layout.device)
+            dist.broadcast(buf, src=first, group=layout.pp_group)
+            t.data.copy_(buf)
+        elif owner != 0 and layout.pp_rank in (0, owner):
+            buf = t.data.to(layout.device)
+            if layout.pp_rank == 0:
+                dist.send(buf, dst=layout.pp_global(owner), group=layout.pp_group)
+            else:
+                dist.recv(buf, src=first, group=layout.pp_group)
+                t.data.copy_(buf)
+    if layout.dp_size == 1:
+        return
+    dp_root = dist.get_global_rank(layout.dp_group, 0)
+    for t, owner, everywhere in zip(tensors, owners, shared):
+        if everywhere or owner == layout.pp_rank:
+            buf = t.data.to(layout.device)
+            dist.broadcast(buf, src=dp_root, group=layout.dp_group)
+            if layout.dp_rank:
+                t.data.copy_(buf)
+
+
+@torch.no_grad()
+def broadcast_shared(tensors: Sequence[Tensor], owners: Sequence[int], shared: Sequence[bool], layout: RankLayout) -> None:
+    """The ``shared`` tensors (on every rank) take their owner's values (through the device: after teardown the module
+    is on the CPU, which nccl cannot send)."""
+    for tensor, owner, everywhere in zip(tensors, owners, shared):
+        if everywhere:
+            buf = tensor.data.to(layout.device)
+            dist.broadcast(buf, src=layout.pp_global(owner), group=layout.pp_group)
+            tensor.data.copy_(buf)
+
+
+def keep_own_parameters(
+    optimizer: Optimizer, owner_of: Mapping[int, tuple[int, bool]], pp_rank: int, default: tuple[int, bool]
+) -> tuple[list[list[int]], list[int]]:
+    """Leave in ``optimizer`` only the parameters this rank trains (owned by ``pp_rank``, or shared); ``owner_of``:
+    parameter id -> (owner, shared), ``default`` for a parameter not in it. Returns the whole model's optimizer's
+    parameter indices per group, and this rank's among them."""
+    full: list[list[int]] = []
+    kept: list[int] = []
+    offset = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        full.append(list(range(offset, offset + len(params))))
+        mine = [owner_of.get(id(p), default)[0] == pp_rank or owner_of.get(id(p), default)[1] for p in params]
+        kept.extend(offset + j for j, m in enumerate(mine) if m)
+        offset += len(params)
+        for p, m in zip(params, mine):
+            if not m:
+                optimizer.state.pop(p, None)  # an optimizer that made state eagerly
+        group["params"] = [p for p, m in zip(params, mine) if m]
+    return full, kept
