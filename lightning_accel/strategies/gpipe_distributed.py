@@ -141,7 +141,8 @@ from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import agree_found_inf, average_gradients, clip_grad_norm_over
 from lightning_accel.pipeline.mesh import hold_mesh, mesh_coordinates, process_mesh
-from lightning_accel.pipeline.microbatch import batch_size, scatter
+from lightning_accel.pipeline.metric_state import load_metric_state, loggable, metric_state
+from lightning_accel.pipeline.microbatch import DropRagged, batch_size, scatter
 from lightning_accel.pipeline.partition import (
     balance_by_cost,
     block_bytes,
@@ -212,50 +213,6 @@ def _shapes(batch: Any) -> tuple:
     found: list[tuple[int, ...]] = []
     apply_to_collection(batch, Tensor, lambda t: found.append(tuple(t.shape)))
     return tuple(found)
-
-
-def _metric_state(metric: Metric) -> dict[str, Any]:
-    """A metric's accumulated state, on the CPU: what another rank needs to compute the same value."""
-    state = {n: apply_to_collection(getattr(metric, n), Tensor, lambda t: t.detach().cpu()) for n in metric._defaults}
-    return {"state": state, "updates": metric._update_count}
-
-
-def _load_metric_state(metric: Metric, saved: dict[str, Any], device: torch.device) -> None:
-    for name, value in saved["state"].items():
-        setattr(metric, name, apply_to_collection(value, Tensor, lambda t: t.to(device)))
-    metric._update_count, metric._computed = saved["updates"], None
-
-
-def _loggable(value: Any) -> Any:
-    """What one ``self.log`` value is worth on another rank: a CPU tensor (a metric: its value on this micro-batch)."""
-    if isinstance(value, Metric):
-        cache = value._forward_cache
-        value = cache if cache is not None else value.compute()
-    return value.detach().cpu() if isinstance(value, Tensor) else value
-
-
-class _DropRagged:
-    """A training loader that leaves out batches whose size is not a multiple of ``chunks`` (``warn(size)`` for
-    each), as ``drop_last=True`` would leave out a smaller last batch; everything else is the loader's own."""
-
-    def __init__(self, loader: Any, chunks: int, warn: Callable[[int], None]) -> None:
-        self.loader, self.chunks, self.warn = loader, chunks, warn
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            size = batch_size(batch)
-            if size % self.chunks:
-                self.warn(size)
-                continue
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:  # batch_size, sampler, state_dict, ...: the loader's
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)
 
 
 class DistributedGPipeStrategy(DDPStrategy):
@@ -612,7 +569,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             logs[i] = []  # should torch run a micro-batch's loss twice, keep the last
 
             def log(name: str, value: Any, *a: Any, **kw: Any) -> None:
-                logs[i].append((name, _loggable(value), kw))
+                logs[i].append((name, loggable(value), kw))
 
             with _patched(module, "log", log):
                 out = module.training_step(micro[i], *rest, **kwargs)
@@ -671,7 +628,7 @@ class DistributedGPipeStrategy(DDPStrategy):
                 f"not a multiple of chunks, so every batch would be skipped. HINT: a batch_size that is a multiple "
                 f"of {self.chunks} (e.g. {self.chunks * (size // self.chunks + 1)}), or chunks that divides {size}"
             )
-        return _DropRagged(dataloader, self.chunks, self._warn_ragged)
+        return DropRagged(dataloader, self.chunks, self._warn_ragged)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -750,9 +707,9 @@ class DistributedGPipeStrategy(DDPStrategy):
                         f"{hook} logged {name!r}, a Metric that is not a submodule of the LightningModule; the "
                         "pipeline's other ranks cannot log the same one. HINT: assign it as an attribute in __init__"
                     )
-                records.append((name, ("metric", paths[id(value)], _metric_state(value)), a, kw))
+                records.append((name, ("metric", paths[id(value)], metric_state(value)), a, kw))
             else:
-                records.append((name, _loggable(value), a, kw))
+                records.append((name, loggable(value), a, kw))
 
         def run(i: int | None) -> Any:
             # i None: the whole batch on the last stage, where the step's logging counts
@@ -768,7 +725,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         for name, value, a, kw in payload[0]:
             if isinstance(value, tuple) and value[:1] == ("metric",):
                 metric = module.get_submodule(value[1])
-                _load_metric_state(metric, value[2], self.root_device)  # type: ignore[arg-type]
+                load_metric_state(metric, value[2], self.root_device)  # type: ignore[arg-type]
                 value = metric
             elif isinstance(value, Tensor):
                 value = value.to(self.root_device)
