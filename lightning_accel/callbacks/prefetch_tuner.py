@@ -392,7 +392,8 @@ class PrefetchTuner(Callback):
         self._done = True
         while (candidate := self.search.propose()) is not None:
             try:
-                probe = measure_loader(self.loader.loader, candidate)
+                # Two whole rounds of workers at least: the spread of one round is unknown.
+                probe = measure_loader(self.loader.loader, candidate, min_batches=2 * max(2, candidate.num_workers) + 1)
             except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
                 self._keep(str(err))
                 return
