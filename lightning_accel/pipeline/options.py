@@ -68,3 +68,14 @@ class PipelineOptions:
     def scale_grads(self) -> bool:
         """Whether each micro-batch's gradients are divided by ``chunks`` (a mean loss)."""
         return self.loss_reduction == "mean"
+
+    def check_batch_size(self, batch_size: int, owner: str = "DistributedGPipeStrategy") -> None:
+        """Refuse a training batch size that is not a multiple of ``chunks`` (each batch would be skipped: micro-batches
+        must be equal for the loss to match plain training). The strategy runs it on its training loaders; a launcher's
+        preflight can run the same check on the configured batch size before any process starts."""
+        if batch_size % self.chunks:
+            raise ValueError(
+                f"{owner}(chunks={self.chunks}): the training DataLoader's batch_size={batch_size} is not a multiple of "
+                f"chunks, so every batch would be skipped. HINT: a batch_size that is a multiple of {self.chunks} "
+                f"(e.g. {self.chunks * (batch_size // self.chunks + 1)}), or chunks that divides {batch_size}"
+            )

@@ -622,12 +622,8 @@ class DistributedGPipeStrategy(DDPStrategy):
         if module is None or module._trainer is None or not module.trainer.training:  # evaluation: any batch size
             return dataloader
         size = getattr(dataloader, "batch_size", None)
-        if isinstance(size, int) and size % self.chunks:
-            raise ValueError(
-                f"DistributedGPipeStrategy(chunks={self.chunks}): the training DataLoader's batch_size={size} is "
-                f"not a multiple of chunks, so every batch would be skipped. HINT: a batch_size that is a multiple "
-                f"of {self.chunks} (e.g. {self.chunks * (size // self.chunks + 1)}), or chunks that divides {size}"
-            )
+        if isinstance(size, int):
+            self.options.check_batch_size(size)
         return DropRagged(dataloader, self.chunks, self._warn_ragged)
 
     @override
