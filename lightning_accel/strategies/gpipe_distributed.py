@@ -105,12 +105,12 @@ each rank its own part, in every replica.
 
 Evaluation (validation, test, predict) streams the batch through the stages in up to
 ``chunks`` micro-batches (any batch size: fewer micro-batches when it is smaller; see
-:meth:`lightning_accel.pipeline.RankPipeline.forward`), so the ranks compute at once and
-a stage holds one micro-batch's activations. The first rank feeds its stage what the
-user's step passes to the network, the last rank runs the user's step once on the
-concatenated output of the last stage and broadcasts what it logged (a torchmetrics
-``Metric``: its state, so every rank holds the same metric and computes it without
-syncing) and, for predict, what the step returned.
+:meth:`lightning_accel.pipeline.RankPipeline.evaluate`), so the ranks compute at once and
+a stage holds one micro-batch's activations. Every rank runs the user's step on each
+micro-batch up to its stages' end (its logging silenced); the last rank runs it once on
+the whole batch, its first block taking the concatenated activations, and broadcasts
+what it logged (a torchmetrics ``Metric``: its state, so every rank holds the same metric
+and computes it without syncing) and, for predict, what the step returned.
 """
 
 from __future__ import annotations
