@@ -148,6 +148,7 @@ PREFLIGHT_BAD = [
     (["strategy=gpipe", "strategy.chunks=0"], r"strategy: chunks must be a positive int"),
     (["strategy=gpipe", "strategy.checkpoint=sometimes"], r"checkpoint must be one of always, except_last, never"),
     (["strategy=gpipe_distributed", "strategy.schedule=zigzag"], r"schedule must be one of"),
+    (["strategy=gpipe_distributed", "data.batch_size=6"], r"data.batch_size=6: .*chunks=4.* not a multiple of chunks"),
     (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
     (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
     (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),

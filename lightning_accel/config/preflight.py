@@ -214,7 +214,22 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
     net = getattr(module, "net", None)
     net = net if isinstance(net, torch.nn.Module) else module
     _check_balance(strategy, net)
+    _check_pipeline_batch(strategy, cfg)
     return module
+
+
+def _check_pipeline_batch(strategy: Any, cfg: DictConfig) -> None:
+    """A multi-process pipeline skips every batch whose size is not a multiple of ``chunks``: refuse the
+    configured batch size now, with the strategy's own check, instead of after the processes start."""
+    from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+    batch_size = (cfg.get("data") or {}).get("batch_size")
+    if not isinstance(strategy, DistributedGPipeStrategy) or not isinstance(batch_size, int):
+        return
+    try:
+        strategy.options.check_batch_size(batch_size)
+    except ValueError as err:
+        raise UserError(f"data.batch_size={batch_size}: {_first_line(err)}") from None
 
 
 def _check_balance(strategy: Any, net: Any) -> None:
