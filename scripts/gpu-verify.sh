@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue #8: every CUDA path and the offload / prefetch / pipeline benchmarks on one GPU machine.
+# Issues #8 and #17: every CUDA path and the offload / prefetch / pipeline benchmarks on one GPU machine.
 #
 #   scripts/gpu-verify.sh pack   # here (no GPU): copy the pure-Python packages the GPU image
-#                                # lacks (hydra-core, omegaconf, antlr4) into .gpu-site/ (git-ignored)
+#                                # lacks (hydra-core, omegaconf, antlr4, litgpt, torchdata, ...) into .gpu-site/ (git-ignored)
 #   scripts/gpu-verify.sh run    # there: tests with CUDA, then the benchmarks; a table last
 #
 # With the device tool: run(command="scripts/gpu-verify.sh run", carry=[".gpu-site"]).
@@ -19,7 +19,13 @@ pack() {
     site=$(python -c 'import hydra, os; print(os.path.dirname(os.path.dirname(hydra.__file__)))') || {
         echo "pack needs hydra-core importable here: activate the dev venv (.venv/bin/activate)" >&2; exit 2; }
     rm -rf .gpu-site && mkdir -p .gpu-site
-    for pkg in hydra omegaconf antlr4; do cp -r "$site/$pkg" .gpu-site/; done
+    # hydra-core and omegaconf for the recipes; litgpt (and the pure-Python packages it imports that the
+    # image lacks) for the real-model tests; torchdata for the resumable loaders. The image has
+    # transformers, pillow and lightning of its own.
+    for pkg in hydra omegaconf antlr4 litgpt jsonargparse docstring_parser typeshed_client torchdata; do
+        [ -e "$site/$pkg" ] || { echo "pack: $pkg is not installed in $site; pip install -e '.[test]' there first" >&2; exit 2; }
+        cp -r "$site/$pkg" .gpu-site/
+    done
     du -sh .gpu-site
 }
 
