@@ -93,7 +93,8 @@ class _Inner:
         return self.iterator
 
     def cpu_busy(self) -> float | None:
-        """The workers' seconds on a CPU per second since they started, not counting time queued for one.
+        """The workers' seconds on a CPU per second since they started (or since the last call), not counting
+        time queued for one.
 
         Near 0 when items wait on I/O, near 1 when they keep the workers computing, however
         few cores they share and however busy other processes keep them
@@ -103,12 +104,15 @@ class _Inner:
         if not workers or getattr(self, "started_at", None) is None:
             return None
         times = [sched_s(worker.pid) for worker in workers]
-        elapsed = time.monotonic() - self.started_at
-        if any(t is None for t in times) or elapsed <= 0:
+        if any(t is None for t in times):
             return None
-        on_cpu = sum(t[0] for t in times)  # type: ignore[index]
-        own = elapsed * len(workers) - sum(t[1] for t in times)  # type: ignore[index]
-        return min(1.0, on_cpu / own) if own > 0 else None
+        now = time.monotonic()
+        on_cpu, queued = sum(t[0] for t in times), sum(t[1] for t in times)  # type: ignore[index]
+        # Since the last call: the window the caller cares about, not the idle start-up before training.
+        then, cpu0, queued0 = getattr(self, "_busy_mark", (self.started_at, 0.0, 0.0))
+        self._busy_mark = (now, on_cpu, queued)
+        own = (now - then) * len(workers) - (queued - queued0)
+        return min(1.0, (on_cpu - cpu0) / own) if own > 0 else None
 
     def start_in_background(self) -> None:
         """Fork the workers on a thread: forking a process holding a big heap takes ~50 ms per worker."""

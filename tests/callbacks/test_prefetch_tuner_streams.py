@@ -142,6 +142,11 @@ def test_a_start_over_the_cpu_budget_is_brought_back_within_it(recorder, make_tr
     one_core = CpuBudget(1, "cgroup v2 quota", 1, "given", {"affinity": 2.0, "cgroup v2 quota": 1.0})
     monkeypatch.setattr(tuner_module, "cpu_budget", lambda ranks: one_core)
     monkeypatch.setattr(search_module, "cpu_budget", lambda ranks: one_core)
+    # The policy under test, not the measurement (test_worker_cpu_share_tells_cpu_from_io): over two
+    # short steps just after start-up, workers that had filled their buffers look idle part of the time.
+    from lightning_accel.prefetch import TunableLoader
+
+    monkeypatch.setattr(TunableLoader, "cpu_busy", lambda self: 0.95)
     tuner = PrefetchTuner(warmup_steps=1, trial_steps=2, max_search_steps=12)
     model = recorder(step_s=0.001)
     user = DataLoader(Busy(40, 0.03), batch_size=1, num_workers=4, persistent_workers=True)
