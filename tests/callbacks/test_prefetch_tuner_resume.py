@@ -29,7 +29,7 @@ def test_checkpoint_mid_epoch_resumes_with_the_same_samples(sleepy, recorder, ma
     for step in (7, 14):
         resumed = recorder(step_s=0.002)
         again = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, max_search_steps=12)
-        trainer = make_trainer([again], max_epochs=2, enable_checkpointing=True)
+        trainer = make_trainer([again], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path)
         trainer.fit(resumed, loader(sleepy), ckpt_path=str(tmp_path / f"step={step}.ckpt"))
         assert again.loader is not None, again.reason  # wrapped although fit resumed part-way through an epoch
         assert resumed.indices == full.indices[4 * step :], step
