@@ -39,6 +39,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_accel.patching import swapped
+
 # torch.optim classes with a fused CPU kernel (torch >= 2.4; still these four in 2.13)
 FUSED_CPU: tuple[type[Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 
@@ -169,8 +171,7 @@ def host_update(
     other threads (the block steps overlapping the backward, :func:`step_params`) pass
     straight through.
     """
-    own = vars(optimizer).get("step")  # an LR scheduler may have wrapped step on the instance
-    step = optimizer.step
+    step = optimizer.step  # the instance's own wrapper if an LR scheduler put one there
     caller = threading.get_ident()
 
     def update(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -193,11 +194,5 @@ def host_update(
                 step(**kwargs)
         return loss
 
-    optimizer.step = update  # type: ignore[method-assign]
-    try:
+    with swapped(optimizer, "step", update):
         yield
-    finally:
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own  # type: ignore[method-assign]

@@ -71,6 +71,7 @@ from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
+from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision
 
 
@@ -456,8 +457,7 @@ def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[No
     returns and before the update. The precision plugin folds Lightning's
     ``on_before_optimizer_step`` hooks and gradient clipping into the closure it passes, so
     ``fn`` sees the final (clipped) gradients; there is no other hook at that point."""
-    own = vars(optimizer).get("step")  # an LR scheduler may have wrapped step on the instance
-    step = optimizer.step
+    step = optimizer.step  # the instance's own wrapper if an LR scheduler put one there
 
     def step_then(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         def closure_then_fn() -> Any:
@@ -467,14 +467,8 @@ def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[No
 
         return step(closure=closure_then_fn, **kwargs)
 
-    optimizer.step = step_then  # type: ignore[method-assign]
-    try:
+    with swapped(optimizer, "step", step_then):
         yield
-    finally:
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own  # type: ignore[method-assign]
 
 
 def _check_host_optimizer(optimizer: Optimizer) -> None:

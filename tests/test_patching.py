@@ -1,0 +1,28 @@
+"""swapped(): the instance's own attribute comes back; a class method leaves no instance attribute."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel.patching import swapped
+
+
+class Thing:
+    def step(self) -> str:
+        return "class"
+
+
+def test_class_method_shows_through_again() -> None:
+    thing = Thing()
+    with swapped(thing, "step", lambda: "patched"):
+        assert thing.step() == "patched"
+    assert thing.step() == "class" and "step" not in vars(thing)
+
+
+def test_instance_attribute_is_restored_even_after_an_error() -> None:
+    thing = Thing()
+    own = lambda: "own"  # noqa: E731  # what an LR scheduler's wrapper looks like: an instance attribute
+    thing.step = own  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"), swapped(thing, "step", lambda: "patched"):
+        raise RuntimeError("boom")
+    assert vars(thing)["step"] is own
