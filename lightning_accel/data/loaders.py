@@ -7,6 +7,14 @@ each checkpoint and loads it on resume, so a run killed mid-epoch continues with
 batch of the same permutation instead of replaying the epoch's first batches.
 :class:`LoaderDataModule` is the base that turns a module's ``train_set`` / ``val_set`` /
 ``test_set`` into such loaders.
+
+Under a distributed strategy the loader shards itself (:func:`distributed_shard`) with
+torchdata's ``StatefulDistributedSampler``. Left to Lightning (``use_distributed_sampler``),
+the loader's sampler, torchdata's ``RandomSampler``, is not a ``torch.utils.data.RandomSampler``,
+so Lightning wraps it in a ``DistributedSamplerWrapper``: that draws a fresh permutation from
+the loader's generator at every ``iter()``, and restoring a loader's state calls ``iter()``
+three times (torchdata fast-forwards a sampler it cannot restore), so a resumed DDP run
+trained on a different permutation than the run it replaces.
 """
 
 from __future__ import annotations
@@ -17,8 +25,25 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-__all__ = ["LoaderDataModule", "seeded_loader"]
+__all__ = ["LoaderDataModule", "distributed_shard", "seeded_loader"]
+
+
+def distributed_shard(trainer: L.Trainer | None) -> dict[str, int] | None:
+    """``{"num_replicas": ..., "rank": ...}`` where Lightning would put a ``DistributedSampler``
+    into this trainer's loaders (a distributed strategy with ``use_distributed_sampler``), else None.
+
+    The strategy's own ``distributed_sampler_kwargs`` decide the shard (a pipeline's stages
+    share one), exactly as in Lightning's sampler replacement, whose condition this repeats.
+    """
+    if trainer is None:
+        return None
+    connector = trainer._accelerator_connector
+    if not (connector.use_distributed_sampler and connector.is_distributed):
+        return None
+    kwargs = trainer.distributed_sampler_kwargs
+    return None if kwargs is None else {"num_replicas": int(kwargs["num_replicas"]), "rank": int(kwargs["rank"])}
 
 
 def seeded_loader(
@@ -29,6 +54,7 @@ def seeded_loader(
     seed: int,
     num_workers: int = 0,
     pin_memory: bool = False,
+    shard: dict[str, int] | None = None,
     **kwargs: Any,
 ) -> StatefulDataLoader:
     """A resumable loader whose order and worker seeds come from its own ``torch.Generator``.
@@ -38,11 +64,21 @@ def seeded_loader(
     starts, so a validation pass would shift the dropout masks of the training that
     follows, and a resumed run (which skips that pass) would diverge. Workers stay alive
     between epochs when there are any.
+
+    ``shard`` (:func:`distributed_shard`'s answer) gives each replica its part of the
+    dataset through a ``StatefulDistributedSampler`` seeded with ``seed``: its permutation
+    is a function of the seed and the epoch alone, drawn lazily (after Lightning's
+    ``set_epoch``), and its position is part of the loader's state, so a resume mid-epoch
+    continues each rank's shard where it stopped. Lightning leaves a loader that has a
+    ``DistributedSampler`` as it is.
     """
+    sampling: dict[str, Any] = {"shuffle": shuffle}
+    if shard is not None:
+        sampling = {"sampler": StatefulDistributedSampler(dataset, shuffle=shuffle, seed=seed, **shard)}  # type: ignore[arg-type]
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
+        **sampling,
         generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers,
         pin_memory=pin_memory,
@@ -80,6 +116,7 @@ class LoaderDataModule(L.LightningDataModule):
             seed=self.seed,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            shard=distributed_shard(self.trainer),
         )
 
     def train_dataloader(self) -> DataLoader:

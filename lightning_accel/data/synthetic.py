@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
-from lightning_accel.data.loaders import seeded_loader
+from lightning_accel.data.loaders import distributed_shard, seeded_loader
 
 __all__ = [
     "SyntheticArrays",
@@ -290,7 +290,8 @@ class SyntheticDataModule(L.LightningDataModule):
         if self.iterable:
             return DataLoader(SyntheticStream(subset, chunk=self.batch_size), **common)
         return seeded_loader(subset, batch_size=self.batch_size, shuffle=shuffle, seed=self.seed,
-                             num_workers=self.num_workers, pin_memory=self.pin_memory, **extra)
+                             num_workers=self.num_workers, pin_memory=self.pin_memory,
+                             shard=distributed_shard(self.trainer), **extra)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(range(self.num_samples), shuffle=True)
