@@ -44,7 +44,9 @@ def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, float
     # two DDP processes on the CPU: every rank kills itself after the same step; each rank's
     # shard continues where it stopped (the loader's own StatefulDistributedSampler)
     ("gpt-tiny_cpu", ["strategy=ddp", "trainer.devices=2"]),
-], ids=["plain", "l2l_offload", "gpipe", "ddp-2proc"])
+    # one pipeline over two processes: both stages read the same batches (dp=1 shard)
+    ("gpt-tiny_gpipe-2proc_cpu", []),
+], ids=["plain", "l2l_offload", "gpipe", "ddp-2proc", "gpipe-2proc"])
 def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: list[str], cli_env: dict[str, str], tmp_path: Path) -> None:
     args = [*SMALL, *extra]
     reference = run_cli(["run", recipe, *args], cli_env, tmp_path / "ref")
