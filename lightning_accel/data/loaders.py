@@ -26,8 +26,30 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from typing_extensions import override
 
-__all__ = ["LoaderDataModule", "distributed_shard", "seeded_loader"]
+__all__ = ["EpochStatefulDistributedSampler", "LoaderDataModule", "distributed_shard", "seeded_loader"]
+
+
+class EpochStatefulDistributedSampler(StatefulDistributedSampler):
+    """torchdata's ``StatefulDistributedSampler`` whose state also holds its epoch.
+
+    On resume Lightning loads the loader's state and calls ``iter()`` (``FitLoop.setup_data``)
+    before it calls ``set_epoch`` (``FitLoop.on_advance_start``). A loader with workers
+    draws its first indices inside that ``iter()``, so without the epoch in the state a run
+    resumed mid-way through epoch 1 would continue in epoch 0's permutation.
+    """
+
+    _EPOCH = "epoch"
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {self._EPOCH: self.epoch}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.set_epoch(int(state_dict.get(self._EPOCH, self.epoch)))
 
 
 def distributed_shard(trainer: L.Trainer | None) -> dict[str, int] | None:
@@ -66,15 +88,16 @@ def seeded_loader(
     between epochs when there are any.
 
     ``shard`` (:func:`distributed_shard`'s answer) gives each replica its part of the
-    dataset through a ``StatefulDistributedSampler`` seeded with ``seed``: its permutation
-    is a function of the seed and the epoch alone, drawn lazily (after Lightning's
-    ``set_epoch``), and its position is part of the loader's state, so a resume mid-epoch
-    continues each rank's shard where it stopped. Lightning leaves a loader that has a
+    dataset through an :class:`EpochStatefulDistributedSampler` seeded with ``seed``: its
+    permutation is a function of the seed and the epoch alone, and its position and epoch
+    are part of the loader's state, so a resume mid-epoch continues each rank's shard where
+    it stopped (every rank yields as many samples, so rank 0's state, the one Lightning
+    saves, serves all). Lightning leaves a loader that has a
     ``DistributedSampler`` as it is.
     """
     sampling: dict[str, Any] = {"shuffle": shuffle}
     if shard is not None:
-        sampling = {"sampler": StatefulDistributedSampler(dataset, shuffle=shuffle, seed=seed, **shard)}  # type: ignore[arg-type]
+        sampling = {"sampler": EpochStatefulDistributedSampler(dataset, shuffle=shuffle, seed=seed, **shard)}  # type: ignore[arg-type]
     return StatefulDataLoader(
         dataset,
         batch_size=batch_size,

@@ -7,15 +7,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import TensorDataset
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from lightning_accel.data.loaders import distributed_shard, seeded_loader
+from lightning_accel.data.loaders import EpochStatefulDistributedSampler, distributed_shard, seeded_loader
 
 ITEMS = TensorDataset(torch.arange(40))
 
 
-def _loader(rank: int) -> torch.utils.data.DataLoader:
-    return seeded_loader(ITEMS, batch_size=4, shuffle=True, seed=3, shard={"num_replicas": 2, "rank": rank})
+def _loader(rank: int, workers: int = 0) -> torch.utils.data.DataLoader:
+    return seeded_loader(ITEMS, batch_size=4, shuffle=True, seed=3, num_workers=workers, shard={"num_replicas": 2, "rank": rank})
 
 
 def _epoch(loader: torch.utils.data.DataLoader, epoch: int) -> list[list[int]]:
@@ -31,10 +30,11 @@ def test_the_two_shards_split_each_epoch_and_the_order_changes_with_the_epoch() 
     assert _epoch(_loader(0), 1) == _epoch(_loader(0), 1)  # a function of seed and epoch alone
 
 
+@pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("epoch", [0, 1])
-def test_a_mid_epoch_state_continues_each_ranks_shard(epoch: int) -> None:
+def test_a_mid_epoch_state_continues_each_ranks_shard(epoch: int, workers: int) -> None:
     for rank in (0, 1):
-        reference = _loader(rank)
+        reference = _loader(rank, workers)
         if epoch:
             _epoch(reference, 0)
         reference.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -44,7 +44,8 @@ def test_a_mid_epoch_state_continues_each_ranks_shard(epoch: int) -> None:
         rest = [batch.tolist() for (batch,) in it]
 
         # Lightning's order on resume: load the state, iter() (FitLoop.setup_data), then set_epoch
-        resumed = _loader(rank)
+        # (a loader with workers draws its first indices inside iter(): the epoch travels in the state)
+        resumed = _loader(rank, workers)
         resumed.load_state_dict(state)
         it = iter(resumed)
         resumed.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -61,7 +62,7 @@ def test_distributed_shard_follows_lightnings_sampler_replacement() -> None:
                                         use_distributed_sampler=False)) is None
     # a loader that shards itself is left as it is: no DistributedSamplerWrapper around its sampler
     loader = seeded_loader(ITEMS, batch_size=4, shuffle=True, seed=3, shard=distributed_shard(ddp))
-    assert isinstance(loader.sampler, StatefulDistributedSampler)
+    assert isinstance(loader.sampler, EpochStatefulDistributedSampler)
     assert not ddp._data_connector._requires_distributed_sampler(loader)
     # while the unsharded loader would be wrapped (the cause of the inexact DDP resume)
     assert ddp._data_connector._requires_distributed_sampler(seeded_loader(ITEMS, batch_size=4, shuffle=True, seed=3))
