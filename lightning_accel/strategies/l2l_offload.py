@@ -217,10 +217,15 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
     def setup(self, trainer: Trainer) -> None:
         self._compute_dtype()  # refuse an unsupported precision before anything moves
         super().setup(trainer)
+        kernels = []
         for optimizer in self.optimizers:
             _check_host_optimizer(optimizer)
             kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
-            rank_zero_info(f"L2LOffloadStrategy: {kernel.why}")
+            kernels.append(kernel.why)
+        said = "; ".join([self._plan_text, *kernels])
+        if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
+            self._plan_said = said
+            rank_zero_info(said)
         if self.delayed_update:
             self._check_delayed_update(trainer)
 
@@ -288,10 +293,8 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             *(["block-boundary activations parked on the host"] if self.offload_activations else []),
             self._threads.describe(),
         ]
-        said = f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
-        if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
-            self._plan_said = said
-            rank_zero_info(said)
+        # said in setup, once the optimizers' host kernels are known: one line per fit
+        self._plan_text = f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
