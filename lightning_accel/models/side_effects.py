@@ -69,6 +69,15 @@ class CacheSettings(list):  # list[str]: the changed settings, with a way back
         self._changed = list(changed)  # (name, config object, its previous value)
         super().__init__(name for name, _, _ in self._changed)
 
+    def notice(self, owner: str, recompute: str) -> str:
+        """The one line a strategy says when it turned the settings off, in the words of
+        transformers' Trainer under gradient checkpointing; ``recompute`` names what the
+        strategy does to blocks (``"recomputing"``, ``"re-materializing"``)."""
+        return (
+            f"{owner}: `use_cache=True` is incompatible with {recompute} blocks (the KV cache would grow twice). "
+            f"Setting `use_cache=False` ({', '.join(self)}) for this run; restored at teardown"
+        )
+
     def restore(self) -> None:
         """Give every changed config its previous ``use_cache`` back (idempotent)."""
         for _, config, previous in self._changed:

@@ -220,11 +220,7 @@ class GPipeStrategy(SingleDeviceStrategy):
             assert self.model is not None
             self._cache_settings = disable_kv_cache(self.model)
             if self._cache_settings:
-                rank_zero_warn(
-                    f"{type(self).__name__}: `use_cache=True` is incompatible with re-materializing blocks (the KV cache "
-                    f"would grow twice). Setting `use_cache=False` ({', '.join(self._cache_settings)}) for this run; "
-                    "restored at teardown"
-                )
+                rank_zero_warn(self._cache_settings.notice(type(self).__name__, "re-materializing"))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

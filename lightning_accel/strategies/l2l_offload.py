@@ -278,11 +278,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             # transformers models cache keys and values by default; a recomputed block would append them twice
             self._cache_settings = disable_kv_cache(self.model)
             if self._cache_settings:
-                rank_zero_warn(
-                    f"L2LOffloadStrategy: `use_cache=True` is incompatible with recomputing blocks (the KV cache would "
-                    f"grow twice). Setting `use_cache=False` ({', '.join(self._cache_settings)}) for this run; "
-                    "restored at teardown"
-                )
+                rank_zero_warn(self._cache_settings.notice("L2LOffloadStrategy", "recomputing"))
         copies = (
             "the device is the host in fp32, so blocks compute on their masters (no copies)"
             if self._executor.streamer.alias
