@@ -26,6 +26,7 @@ BENCHMARK_MODULES: tuple[str, ...] = (
     "lightning_accel.benchmarks.prefetch",
     "lightning_accel.benchmarks.ddp",
     "lightning_accel.benchmarks.pipeline",
+    "lightning_accel.benchmarks.pipeline_init",
 )
 
 

@@ -190,10 +190,21 @@ class GPT(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
-    def _init_weights(self) -> None:
+    def _init_weights(self, module: nn.Module | None = None) -> None:
+        """GPT-2's initialization of the whole model, or (``module`` given) of that one module's own weights, as
+        transformers' and litgpt's ``_init_weights(module)`` do: a model built on the meta device is then initialized
+        part by part (:mod:`lightning_accel.pipeline.deferred_init`). Modules it does not cover (LayerNorm) keep
+        their ``reset_parameters``."""
         # GPT-2: N(0, 0.02) everywhere, zero biases; the projections that write into the
         # residual stream get std / sqrt(2 * n_layer) so its variance stays O(1) with depth
         # (two such writes per block).
+        if module is not None:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                residual = any(module is b.attn.c_proj or module is b.mlp.c_proj for b in self.blocks)
+                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            return
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)

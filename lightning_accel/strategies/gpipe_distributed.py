@@ -67,9 +67,18 @@ rank: each rank's forward uses part of it (the first stage the embedding, the la
 head), their gradients are summed over the pipeline's ranks, and every rank steps them
 alike; tied weights (GPT-2's embedding and head) need nothing more. After ``fit`` the module stays split: on each rank it
 holds that rank's stages (``trainer.validate``/``test`` and ``trainer.save_checkpoint``
-still work on it); load the checkpoint for the whole model. What is not split: every
-rank builds the whole model on the CPU before setup (rank 0 sends from it), so the model
-must fit in one host's memory, though not in one device's.
+still work on it); load the checkpoint for the whole model. A network built in
+``__init__`` exists whole on every rank before setup (rank 0 sends from it), so it must fit
+in one host's memory. One built in ``LightningModule.configure_model`` (Lightning's hook for
+large models) is built on the ``meta`` device instead, and at setup each rank materializes
+only what it keeps (its stages' blocks and what is outside the blocks) and initializes it
+there (:func:`lightning_accel.pipeline.deferred_init.materialize`: each module by the model's
+own initializer, under a random generator seeded from global rank 0's
+``torch.initial_seed()`` and the module's name), so no rank ever holds the whole model and
+nothing is sent. The initial weights then equal ``materialize`` of the whole model in one
+process, for any number of ranks and any balance (not the weights plain construction would
+draw); a checkpoint given to ``fit`` loads after setup, into each rank's part.
+``balance="by_time"`` needs the whole model on rank 0 and is refused there.
 
 Balance: a list (blocks per stage), ``"by_size"`` (parameter and buffer bytes), or
 ``"by_time"``: forward + backward seconds of each block, split as ``GPipeStrategy`` splits
@@ -151,6 +160,7 @@ from lightning_accel.pipeline.partition import (
     stage_of_block,
 )
 from lightning_accel.pipeline.reduction import reduce_outputs
+from lightning_accel.pipeline.deferred_init import has_meta_tensors, materialize
 from lightning_accel.pipeline.checkpoint import gather_model_state, gather_optimizer_state, local_optimizer_state
 from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, send_initial_weights
@@ -244,6 +254,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         timeout: how long a rank waits for a neighbour before failing (a dead rank ends every
             rank with an error naming it, never a hang).
         start_method: as for ``DDPStrategy``: ``"popen"`` re-runs your script per rank.
+        deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
+            materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
+            built in ``__init__`` is (for a module that cannot be initialized again after building).
     """
 
     strategy_name = "gpipe_distributed"
@@ -261,6 +274,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         timeout: timedelta | float = timedelta(minutes=30),
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
+        deferred_init: bool = True,
         **kwargs: Any,
     ) -> None:
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
@@ -283,6 +297,8 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.balance = balance if isinstance(balance, str) else list(balance)
         self._pp_size = pipeline_parallel_size
         self.blocks = blocks
+        self.deferred_init = deferred_init
+        self._deferred: bool | None = None  # this run's module was built on meta (decided once per run)
         self._resident_ids: set[int] = set()  # parameters outside the blocks: on every rank of the pipeline
         self._cache_settings: CacheSettings | None = None
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
@@ -413,6 +429,26 @@ class DistributedGPipeStrategy(DDPStrategy):
 
             self.precision_plugin._after_closure = agreed  # type: ignore[method-assign]
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``configure_model`` builds on the ``meta`` device; setup materializes this rank's part."""
+        if not self.deferred_init or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A module built on ``meta`` has nowhere to load weights into until setup has materialized this rank's part."""
+        if self._deferred is None:
+            module = self.lightning_module
+            self._deferred = module is not None and getattr(module, _LAYOUT, None) is None and has_meta_tensors(module)
+        return self._deferred
+
     @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
@@ -427,6 +463,12 @@ class DistributedGPipeStrategy(DDPStrategy):
                 f"{len(blocks)} blocks; use at most {len(blocks)} stages (trainer devices)"
             )
         modules = [b.module for b in blocks]
+        if self.balance == "by_time" and stages > 1 and has_meta_tensors(self._net()):
+            raise ValueError(
+                f"balance='by_time' times every block of {type(self._net()).__name__} on rank 0, but a network built in "
+                "configure_model is only materialized in part on each rank. HINT: balance='by_size' or a list (blocks "
+                "per stage), or DistributedGPipeStrategy(deferred_init=False) to build it whole on every rank"
+            )
         if self.balance == "by_size" or stages == 1:  # by_time with one stage: nothing to measure
             return balance_by_cost(block_bytes(modules), stages)
         self._block_times = self._agreed_block_times(modules)
@@ -505,7 +547,11 @@ class DistributedGPipeStrategy(DDPStrategy):
         tensors = self._tensors()
         self._owners = [stage_of.get(id(t), len(balance) - 1) % ranks for t in tensors]  # pp ranks
         self._shared = [id(t) not in stage_of for t in tensors]  # resident on every rank
-        if layout is None:
+        if layout is None and has_meta_tensors(module):  # built in configure_model: each rank initializes its part
+            pp_rank = self._coords[0]
+            mine = {id(t) for t, o, sh in zip(tensors, self._owners, self._shared) if sh or o == pp_rank}
+            materialize(module, self._init_seed(), keep=lambda t: id(t) in mine)
+        elif layout is None:
             send_initial_weights(tensors, self._owners, self._shared, self._layout)
         # the other ranks' blocks go to the meta device there (names, shapes and dtypes stay for checkpoints)
         self.pipeline = RankPipeline(
@@ -517,6 +563,13 @@ class DistributedGPipeStrategy(DDPStrategy):
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, SCHEDULE_TABLE[self.schedule].stages_per_rank > 1, tuple(balance)))
         self.model_to_device()
+
+    def _init_seed(self) -> int:
+        """Global rank 0's ``torch.initial_seed()`` (what ``seed_everything`` set), the same on every rank."""
+        seed = [torch.initial_seed()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(seed, src=0)
+        return int(seed[0])
 
     @property
     def _layout(self) -> RankLayout:
@@ -833,6 +886,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             self._cache_settings.restore()
             self._cache_settings = None
         self._step_signature_cache = None  # every rank of the pipeline tears down: the next fit starts afresh
+        self._deferred = None
         module = self.lightning_module
         if module is not None:
             for m in module.modules():

@@ -1,0 +1,140 @@
+"""DistributedGPipeStrategy on LightningModules that build their network in ``configure_model``: each of 2 gloo ranks
+materializes only its stages and what is outside the blocks (the rest stays on ``meta``), and training equals plain
+Lightning from the same initial weights (``materialize`` of the whole model in one process), float64."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
+sys.path.insert(0, str(PIPELINE_TESTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from user_script import run_user_script  # noqa: E402
+
+NAMES = ["gpt", "llama", "litgpt"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("litgpt")
+    out = tmp_path_factory.mktemp("deferred")
+    result = run_user_script(PIPELINE_TESTS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return out
+
+
+def _blocks_of(task: nn.Module) -> list[str]:
+    """The parameter-name prefix of each block, in order (what blocks='auto' finds)."""
+    from lightning_accel.models.block_policy import find_blocks
+
+    return [f"net.{b.name}." for b in find_blocks(task.net)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights(two_ranks, name):
+    from deferred_worker import STEPS, reference
+    from real_models import assert_same_weights, fit
+
+    plain = reference(name)  # materialize() of the whole model in one process: the initial weights
+    start = {n: t.clone() for n, t in plain.state_dict().items()}
+    fit(plain, steps=STEPS, precision="64-true")
+    assert any(not torch.equal(start[n], t) for n, t in plain.state_dict().items())  # it trained
+    piped = reference(name)
+    piped.load_state_dict(torch.load(two_ranks / f"{name}.ckpt", weights_only=False)["state_dict"], strict=True)
+    assert_same_weights(plain, piped, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_each_rank_materializes_only_its_stages_and_what_is_outside_the_blocks(two_ranks, name):
+    from deferred_worker import reference
+
+    whole = reference(name)
+    blocks = _blocks_of(whole)
+    names = [n for n, _ in whole.named_parameters()]
+    in_block = {n: next((k for k, prefix in enumerate(blocks) if n.startswith(prefix)), None) for n in names}
+    from lightning_accel.models.block_policy import find_blocks
+    from lightning_accel.pipeline.partition import balance_by_cost, block_bytes
+
+    balance = balance_by_cost(block_bytes([b.module for b in find_blocks(whole.net)]), 2)  # the default, by_size
+    owned = [set(range(balance[0])), set(range(balance[0], len(blocks)))]
+    for r in range(2):
+        info = torch.load(two_ranks / f"{name}-rank{r}.pt", weights_only=False)
+        expected = {n for n in names if in_block[n] is None or in_block[n] in owned[r]}
+        assert set(info["at_start"]) == set(info["after_fit"]) == expected, f"rank {r}"
+        assert set(info["meta"]) == set(names) - expected and info["meta"], f"rank {r}: other stages stay on meta"
+
+
+class Unresettable(nn.Module):
+    """A layer with a parameter and no way to initialize it again: no reset_parameters, no model initializer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Late(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(4, 4), Unresettable(), nn.Linear(4, 4))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(**strategy) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=1, strategy=DistributedGPipeStrategy(chunks=2, **strategy), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )
+
+
+def _data() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(4, 4), torch.randn(4, 4)), batch_size=4)
+
+
+def test_a_module_that_cannot_be_initialized_again_is_refused_in_one_line(one_rank):
+    with pytest.raises(ValueError, match=r"cannot initialize 'net.1' \(Unresettable\) after building it on the meta device: "
+                       r"it has no reset_parameters\(\) for \['scale'\]\. HINT: give Unresettable a reset_parameters\(\)"
+                       r".*or build the network in __init__") as err:
+        _trainer().fit(Late(), _data())
+    assert "\n" not in str(err.value)
+
+
+def test_deferred_init_off_builds_the_whole_network_as_before(one_rank):
+    model = Late()
+    _trainer(deferred_init=False).fit(model, _data())
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_balance_by_time_is_refused_for_a_network_built_on_meta(one_rank):
+    """by_time times every block on rank 0, which a deferred network never has whole (2 stages on one rank here)."""
+
+    class TwoStages(Late):
+        def configure_model(self) -> None:
+            if self.net is None:
+                self.net = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2)))
+
+    with pytest.raises(ValueError, match=r"balance='by_time' times every block of Sequential on rank 0.*HINT: balance='by_size'"):
+        _trainer(schedule="interleaved_1f1b", balance="by_time").fit(TwoStages(), _data())
