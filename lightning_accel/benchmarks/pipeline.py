@@ -1,8 +1,11 @@
 """``lightning-accel bench pipeline``: what GPipe buys on this machine, measured side by side.
 
-Part 1, speed (2 processes x 1 thread, gloo): one training step of a 16-block MLP,
+Part 1, speed (2 processes x 1 thread, gloo): one training step of a 16-block MLP
+(``--model mlp``, the default) or of a transformers ``LlamaForCausalLM`` with 8 decoder
+layers (``--model llama``; :mod:`lightning_accel.benchmarks.pipeline_workload`),
 - on one process (the baseline),
-- on 2 ranks with raw ``torch.distributed.pipelining`` (stages cut by hand, ScheduleGPipe),
+- on 2 ranks with raw ``torch.distributed.pipelining`` (stages cut by hand, ScheduleGPipe;
+  Llama's in :mod:`lightning_accel.benchmarks.pipeline_llama`, since torch's tracer fails on it),
 - on 2 ranks with our :class:`lightning_accel.pipeline.distributed.RankPipeline` on the same stages,
 - on 2 ranks with :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` inside a
   Lightning ``Trainer`` (the same ranks, found through the environment as under torchrun),
@@ -13,14 +16,9 @@ compared with the raw step beside it; the median of those per-step ratios is the
 "within 5% of raw".
 ``--plot DIR`` records our pipeline's last step and draws it (SVG and Chrome trace).
 
-Part 2, memory (one process; ``--memory-only`` runs just this part): peak bytes allocated
-during one step (activations, their recomputation and the gradients) through
-:class:`LocalPipeline` with ``always`` checkpointing for growing M, against no
-micro-batching and no checkpointing, and the time each costs. The model is one stage, so
-``always`` keeps only the stage's input per micro-batch and backward recomputes one
-micro-batch of the whole stage at a time: the peak falls with M (GPipe's
-O(N + L/K * N/M)); at M=1 it recomputes the whole batch at once and saves little. On the
-CPU the bytes come from the profiler's allocation events; on CUDA from the allocator's peak.
+Part 2, memory (one process, the MLP; ``--memory-only`` runs just this part): peak bytes allocated
+during one step through :class:`LocalPipeline` with ``always`` checkpointing for growing M
+(:mod:`lightning_accel.benchmarks.pipeline_memory`).
 """
 
 from __future__ import annotations
@@ -38,14 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel.bench import format_table, machine_line, register_benchmark
-from lightning_accel.models import MLP
-from lightning_accel.models.block_policy import find_blocks
+from lightning_accel.benchmarks.pipeline_memory import memory_rows, print_memory
+from lightning_accel.benchmarks.pipeline_workload import DEFAULTS, MODELS, Workload, step_times, workload
 from lightning_accel.pipeline.distributed import RankPipeline
-from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import scatter
 from lightning_accel.pipeline.schedule import bubble_fraction, ideal_speedup
 from lightning_accel.pipeline.timeline import Event, measured_bubble, to_chrome_trace, to_svg
@@ -53,13 +49,19 @@ from lightning_accel.pipeline.timeline import Event, measured_bubble, to_chrome_
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-accel bench pipeline", description=__doc__.splitlines()[0])
-    p.add_argument("--depth", type=int, default=16, help="MLP blocks (split evenly over the 2 stages)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1024, help="rows per step; at 128 the 16-row micro-batches cost 1.7x on a CPU")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="what the 2-process part trains: our MLP, or a random-init "
+                   "transformers LlamaForCausalLM (needs the hf extra; the memory table then does not run)")
+    p.add_argument("--depth", type=int, help="blocks, split evenly over the 2 stages: MLP blocks (default 16) or Llama "
+                   "decoder layers (default 8)")
+    p.add_argument("--hidden", type=int, help="width (default: MLP 512, Llama 256, in heads of 64)")
+    p.add_argument("--batch", type=int, help="rows per step (default: MLP 1024, Llama 16 sequences); at 128 the MLP's "
+                   "16-row micro-batches cost 1.7x on a CPU")
+    p.add_argument("--seq", type=int, default=64, help="Llama: tokens per sequence")
+    p.add_argument("--vocab", type=int, default=2048, help="Llama: vocabulary size")
     p.add_argument("--chunks", type=int, default=8, help="micro-batches M for the 2-process part")
     p.add_argument("--steps", type=int, default=10, help="timed steps per contender and round (after 2 warm-up steps)")
     p.add_argument("--rounds", type=int, default=3, help="rounds: each contender times steps x rounds steps, and the median counts")
-    p.add_argument("--memory-chunks", default="1,2,4,8", help="M values for the memory table")
+    p.add_argument("--memory-chunks", default="1,2,4,8", help="M values for the memory table (the MLP, --depth blocks)")
     p.add_argument("--memory-batch", type=int, default=1024, help="memory table: a batch whose activations outweigh the weights")
     p.add_argument("--memory-hidden", type=int, default=128)
     p.add_argument("--memory-only", action="store_true", help="run only the one-process memory table (no 2-process part)")
@@ -70,57 +72,40 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model(depth: int, hidden: int, batch: int) -> tuple[MLP, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    net = MLP(hidden, hidden, hidden=hidden, depth=depth)
-    g = torch.Generator().manual_seed(1)
-    return net, torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g)
-
-
-def _step_times(step, count: int) -> list[float]:
-    """Seconds of each of ``count`` calls of ``step``, after 2 warm-up calls."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
+def _workload(args: argparse.Namespace) -> Workload:
+    return workload(args.model, args.depth, args.hidden, args.batch, args.seq, args.vocab)
 
 
 def _one_process(args: argparse.Namespace, chunks: int = 1) -> float:
     """Median seconds per step on one process: the whole batch, or ``chunks`` micro-batches in
     sequence (gradient accumulation), which isolates what smaller matrix products cost from
     what the pipeline adds."""
-    net, x, y = _model(args.depth, args.hidden, args.batch)
+    work = _workload(args)
+    net, x, y = work.build()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
-            (F.mse_loss(net(xc), yc) / chunks).backward()
+            (work.loss(net, xc, yc) / chunks).backward()
         opt.step()
 
-    return statistics.median(_step_times(step, args.steps * args.rounds))
-
-
-def _raw_stage(net: MLP, rank: int, half: int) -> nn.Module:
-    """Stages cut by hand, as a user of raw torch.distributed.pipelining writes them."""
-    if rank == 0:
-        return nn.Sequential(net.pre, *net.blocks[:half])
-    return nn.Sequential(*net.blocks[half:], net.post)
+    return statistics.median(step_times(step, args.steps * args.rounds))
 
 
 def _contender_steps(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], RankPipeline]:
-    """One optimizer step of raw pipelining and one of RankPipeline, each on its own copy of the same stages."""
+    """One optimizer step of raw pipelining and one of RankPipeline, each on its own copy of the same stages.
+
+    RankPipeline runs the user's loss through the model's own forward (what the Trainer's
+    step runs too); raw pipelining runs the stages cut by hand and the loss on their output."""
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
+    work = _workload(args)
     half = args.depth // 2
     steps: dict[str, Any] = {}
-    net, x, y = _model(args.depth, args.hidden, args.batch)
-    module = _raw_stage(net, rank, half)
-    schedule = ScheduleGPipe(PipelineStage(module, rank, 2, torch.device("cpu")), args.chunks, loss_fn=F.mse_loss)
+    net, x, y = work.build()
+    module = work.raw_stage(net, rank, half)
+    schedule = ScheduleGPipe(PipelineStage(module, rank, 2, torch.device("cpu")), args.chunks, loss_fn=work.raw_loss)
     raw_opt = torch.optim.SGD(module.parameters(), lr=1e-3)
 
     def raw() -> None:
@@ -128,13 +113,14 @@ def _contender_steps(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any
         schedule.step(x, target=None) if rank == 0 else schedule.step(target=y)
         raw_opt.step()
 
-    net, x2, y2 = _model(args.depth, args.hidden, args.batch)
-    pipe = RankPipeline(net, [half, args.depth - half], args.chunks, F.mse_loss, "gpipe", record=bool(args.plot))
+    net2, x2, y2 = work.build()
+    pipe = RankPipeline(net2, [half, args.depth - half], args.chunks, schedule="gpipe", record=bool(args.plot))
     ours_opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+    xs, ys = scatter(x2, args.chunks), scatter(y2, args.chunks)
 
     def ours() -> None:
         ours_opt.zero_grad(set_to_none=True)
-        pipe.step(x2, y2)
+        pipe.train_step(lambda i: work.loss(net2, xs[i], ys[i]))
         ours_opt.step()
 
     steps["raw"], steps["ours"] = raw, ours
@@ -157,14 +143,16 @@ def _paired_fit(args: argparse.Namespace, steps: dict[str, Any]) -> dict[str, li
 
     from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
+    work = _workload(args)
+
     class Task(pl.LightningModule):
-        def __init__(self, net: MLP) -> None:
+        def __init__(self, net: nn.Module) -> None:
             super().__init__()
             self.net = net
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            loss = F.mse_loss(self.net(x), y)
+            loss = work.loss(self.net, x, y)
             self.log("train/loss", loss)
             return loss
 
@@ -190,7 +178,7 @@ def _paired_fit(args: argparse.Namespace, steps: dict[str, Any]) -> dict[str, li
             self.mark = time.perf_counter()
 
     total = 2 + args.steps * args.rounds
-    net, x, y = _model(args.depth, args.hidden, args.batch)
+    net, x, y = work.build()
     half = args.depth // 2
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(args.chunks, "gpipe", [half, args.depth - half]),
@@ -215,7 +203,7 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == 0:
             events = [Event(*e) for part in gathered for e in part]
             os.makedirs(args.plot, exist_ok=True)
-            title = f"GPipe, 2 stages x M={args.chunks}, MLP depth {args.depth}"
+            title = f"GPipe, 2 stages x M={args.chunks}, {_workload(args).title}"
             with open(os.path.join(args.plot, "pipeline-timeline.svg"), "w") as f:
                 f.write(to_svg(events, title))
             with open(os.path.join(args.plot, "pipeline-trace.json"), "w") as f:
@@ -239,9 +227,10 @@ def _two_processes(args: argparse.Namespace) -> tuple[dict[str, list[float]], fl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline", "--worker", "--depth", str(args.depth),
-            "--hidden", str(args.hidden), "--batch", str(args.batch), "--chunks", str(args.chunks),
-            "--steps", str(args.steps), "--rounds", str(args.rounds)] + (["--plot", args.plot] if args.plot else [])
+    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline", "--worker", "--model", args.model,
+            "--depth", str(args.depth), "--hidden", str(args.hidden), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--vocab", str(args.vocab), "--chunks", str(args.chunks), "--steps", str(args.steps),
+            "--rounds", str(args.rounds)] + (["--plot", args.plot] if args.plot else [])
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -271,72 +260,36 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def _peak_bytes(fn) -> int:
-    """Peak bytes allocated while ``fn`` runs (CUDA allocator peak, or the CPU profiler's allocation events)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
-def _memory_rows(args: argparse.Namespace, chunk_values: list[int]) -> list[list[object]]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows: list[list[object]] = []
-    baseline: tuple[int, float] | None = None
-    for chunks, mode in [(1, "never"), *((m, "always") for m in chunk_values)]:
-        net, x, y = _model(args.depth, args.memory_hidden, args.memory_batch)
-        net, x, y = net.to(device), x.to(device), y.to(device)
-        pipe = LocalPipeline(net, find_blocks(net), [args.depth], [device], checkpoint_stop(mode, chunks))
-        pipe.place()
-
-        def step(pipe=pipe, net=net, chunks=chunks) -> None:
-            net.zero_grad(set_to_none=True)
-            losses = []
-            for i, (xb, yb) in enumerate(scatter((x, y), chunks)):
-                with pipe.microbatch(i):
-                    losses.append(F.mse_loss(net(xb), yb) * (xb.size(0) / x.size(0)))
-            sum(losses).backward()
-
-        seconds = statistics.median(_step_times(step, args.steps * args.rounds))
-        net.zero_grad(set_to_none=True)
-        peak = _peak_bytes(step)
-        baseline = baseline or (peak, seconds)
-        rows.append([f"M={chunks}, checkpoint={mode}", peak / 2**20, peak / baseline[0], seconds * 1e3, seconds / baseline[1]])
-    return rows
-
-
-@register_benchmark("pipeline", "GPipe: 2-process speed-up vs raw torch pipelining and the ideal; memory vs micro-batches")
+@register_benchmark("pipeline", "GPipe on an MLP or a transformers Llama (--model): 2-process speed-up vs raw torch "
+                    "pipelining and the ideal; memory vs micro-batches")
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    for key, value in DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.worker:
         _worker(args)
         return 0
     if args.depth < 2 or args.batch % args.chunks or args.steps < 1 or args.rounds < 1:
         raise SystemExit(f"--depth {args.depth} / --batch {args.batch} / --chunks {args.chunks}: need depth >= 2, "
                          "batch divisible by chunks, steps and rounds >= 1")
+    if args.model == "llama" and args.memory_only:
+        raise SystemExit("--memory-only measures the MLP; drop --model llama (the memory table does not run on Llama)")
+    if args.model == "llama" and (args.hidden % 64 and args.hidden > 64 or args.seq < 2 or args.vocab < 2):
+        raise SystemExit(f"--model llama --hidden {args.hidden} --seq {args.seq} --vocab {args.vocab}: need hidden a "
+                         "multiple of 64 (heads of 64) or at most 64, seq >= 2 and vocab >= 2")
+    work = _workload(args)  # a missing transformers is one line here, before any process starts
     chunk_values = [int(c) for c in args.memory_chunks.split(",")]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         if args.memory_only:
-            _print_memory(args, _memory_rows(args, chunk_values))
+            print_memory(args, memory_rows(args, chunk_values))
             return 0
         one = _one_process(args)
         one_chunked = _one_process(args, args.chunks)
         two = _two_processes(args)
-        memory = _memory_rows(args, chunk_values)
+        memory = memory_rows(args, chunk_values) if args.model == "mlp" else None
     finally:
         torch.set_num_threads(threads)
     ideal = ideal_speedup(args.chunks, 2)
@@ -345,7 +298,7 @@ def main(argv: list[str]) -> int:
     # each 2-process step against the raw step next to it (same machine state): the median of those ratios
     paired = {name: _quartiles([r / t for r, t in zip(times["raw"], values)]) for name, values in times.items()}
     count = len(times["raw"])
-    print(f"MLP depth {args.depth}, hidden {args.hidden}, batch {args.batch}; 2 stages x M={args.chunks} "
+    print(f"{work.title}; 2 stages x M={args.chunks} "
           f"micro-batches, 1 thread per process; median of {count} steps each (2 processes: the three contenders' "
           "steps interleaved in one run; vs raw: the median of per-step ratios to the raw step beside it, and their middle half)")
     rows: list[list[object]] = [
@@ -368,25 +321,19 @@ def main(argv: list[str]) -> int:
     # ideal with that cost priced in is what a pipeline with free communication could reach.
     cost = one_chunked / one
     reached = one / median["lightning"]
-    print(f"where the gap to the ideal {ideal:.2f}x goes: M={args.chunks} micro-batches of {args.batch // args.chunks} rows "
+    print(f"where the gap to the ideal {ideal:.2f}x goes: M={args.chunks} micro-batches of {args.batch // args.chunks} {work.unit} "
           f"cost {cost:.2f}x the whole batch on one process, so the ideal with that cost is {ideal / cost:.2f}x; "
           f"our strategy reaches {reached:.2f}x, {reached / (ideal / cost):.0%} of it "
           "(the rest: send/recv between the ranks and idle time beyond the fill-drain bubble)")
     if args.plot and bubble is not None:
         print(f"timeline of our last step: {args.plot}/pipeline-timeline.svg, {args.plot}/pipeline-trace.json; "
               f"bubble measured {bubble:.1%}, fill-drain ideal {bubble_fraction(args.chunks, 2):.1%}")
+    if memory is None:
+        print(machine_line())
+        return 0
     print()
-    _print_memory(args, memory)
+    print_memory(args, memory)
     return 0
-
-
-def _print_memory(args: argparse.Namespace, memory: list[list[object]]) -> None:
-    grads = sum(p.numel() * p.element_size() for p in _model(args.depth, args.memory_hidden, 1)[0].parameters())
-    print(f"one process, MLP depth {args.depth} as one stage, hidden {args.memory_hidden}, batch {args.memory_batch}, "
-          f"1 thread: peak bytes allocated during a step (activations, their recomputation, and {grads / 2**20:.1f} MiB "
-          f"of gradients), after 2 warm-up steps; time: median of {args.steps * args.rounds} steps:")
-    print(format_table(["setting", "peak MiB", "vs M=1 never", "ms/step", "time vs M=1 never"], memory))
-    print(machine_line())
 
 
 if __name__ == "__main__":

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
 from lightning_accel.bench import BENCHMARKS
 from lightning_accel.benchmarks.pipeline import main
+from lightning_accel.models.extras import MissingExtraError
 
 
 def test_shrunk_benchmark_prints_every_row_and_draws_the_timeline(capsys, tmp_path):
@@ -54,3 +57,69 @@ def test_memory_only_table_peak_falls_with_micro_batches(capsys):
     assert peak["M=4, checkpoint=always"] < 0.6 * peak["M=1, checkpoint=always"]
     assert peak["M=4, checkpoint=always"] < 0.6 * peak["M=1, checkpoint=never"]
     assert out.rstrip().splitlines()[-1].startswith("machine: ")
+
+
+# --model llama: a transformers LlamaForCausalLM, its raw stages cut by hand (benchmarks/pipeline_llama.py)
+
+LLAMA_TINY = ["--model", "llama", "--depth", "4", "--hidden", "64", "--batch", "8", "--seq", "16", "--vocab", "128", "--chunks", "4"]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # eager: create_causal_mask builds a real mask on each stage
+def test_llama_raw_stages_compute_the_models_own_function(attention):
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lightning-accel[hf]'")
+    from lightning_accel.benchmarks.pipeline_llama import LlamaStage, build_llama, causal_lm_loss
+
+    net = build_llama(4, 64, 128, 16, torch.float64)
+    net.set_attn_implementation(attention)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
+    first, last = LlamaStage(net, 0, 1), LlamaStage(net, 1, 4)  # uneven on purpose: the rotary/mask recompute per stage
+    sent = first(ids)
+    assert sent.shape == (4, 16, 64)  # only the hidden states cross ranks
+    logits = last(sent.detach().requires_grad_())
+    out = net(input_ids=ids, labels=ids)
+    torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-10)
+    loss = causal_lm_loss(logits, ids)
+    # the same loss another way: mean over t < T-1 of -log p(token t+1 | tokens <= t), on the model's own logits
+    reference = -torch.log_softmax(out.logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).mean()
+    torch.testing.assert_close(loss, reference, rtol=0, atol=1e-10)
+    # the model's own loss: transformers upcasts the logits to float32 for it, so it agrees to float32 rounding
+    torch.testing.assert_close(loss.float(), out.loss, rtol=1e-6, atol=0)
+
+
+def test_llama_stage_outside_the_layers_is_refused():
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lightning-accel[hf]'")
+    from lightning_accel.benchmarks.pipeline_llama import LlamaStage, build_llama
+
+    with pytest.raises(ValueError, match=r"stage layers 2\.\.4 are not within the model's 4 decoder layers"):
+        LlamaStage(build_llama(4, 64, 128, 16), 2, 5)
+
+
+@pytest.mark.slow  # 2 subprocess ranks: ~10 s on a quiet 2-core machine, 23 s at load 10
+def test_llama_benchmark_runs_every_contender(capsys):
+    pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lightning-accel[hf]'")
+    assert main([*LLAMA_TINY, "--steps", "1", "--rounds", "1", "--timeout", "120"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("transformers LlamaForCausalLM (0.2M parameters: 4 layers, hidden 64, vocab 128), batch 8 x 16 tokens; "
+                          "2 stages x M=4 micro-batches")
+    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()}
+    for name in ("1 process (no pipeline)", "1 process, M=4 micro-batches in turn", "raw torch.distributed.pipelining",
+                 "lightning_accel RankPipeline", "lightning_accel GPipeStrategy (2 processes)"):
+        assert float(rows[name][-5]) > 0  # s/step
+    assert rows["raw torch.distributed.pipelining"][-2:] == ["1.000", "1.000-1.000"]
+    assert float(rows["ideal S*M/(M+S-1)"][-4]) == pytest.approx(8 / 5, abs=1e-3)
+    assert "GPipeStrategy in a Trainer vs raw pipelining: " in out and "target >= 0.95x: " in out
+    assert "M=4 micro-batches of 2 sequences of 16 tokens cost" in out
+    assert "checkpoint=" not in out  # the memory table is the MLP's
+    assert out.rstrip().splitlines()[-1].startswith("machine: ")
+
+
+def test_llama_memory_only_is_refused():
+    with pytest.raises(SystemExit, match=r"--memory-only measures the MLP; drop --model llama"):
+        main(["--model", "llama", "--memory-only"])
+
+
+def test_llama_without_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "lightning_accel.benchmarks.pipeline_llama", raising=False)
+    with pytest.raises(MissingExtraError, match=r'bench pipeline --model llama needs transformers.*pip install "lightning-accel\[hf\]"'):
+        main([*LLAMA_TINY, "--steps", "1"])
