@@ -1,10 +1,10 @@
-"""swapped(): the instance's own attribute comes back; a class method leaves no instance attribute."""
+"""swapped() and patch(): the instance's own attribute comes back; a class method leaves no instance attribute."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_accel.patching import swapped
+from lightning_accel.patching import patch, swapped
 
 
 class Thing:
@@ -26,3 +26,25 @@ def test_instance_attribute_is_restored_even_after_an_error() -> None:
     with pytest.raises(RuntimeError, match="boom"), swapped(thing, "step", lambda: "patched"):
         raise RuntimeError("boom")
     assert vars(thing)["step"] is own
+
+
+def test_patch_handles_remove_in_reverse_order_and_twice_is_harmless() -> None:
+    thing = Thing()
+    own = lambda: "own"  # noqa: E731
+    thing.step = own  # type: ignore[method-assign]
+    outer = patch(thing, "step", lambda: "outer")
+    inner = patch(thing, "step", lambda: "inner")
+    assert thing.step() == "inner"
+    inner.remove()
+    assert thing.step() == "outer"
+    outer.remove()
+    outer.remove()
+    assert vars(thing)["step"] is own
+
+
+def test_patch_of_a_class_method_leaves_no_instance_attribute() -> None:
+    thing = Thing()
+    handle = patch(thing, "step", lambda: "patched")
+    assert thing.step() == "patched"
+    handle.remove()
+    assert thing.step() == "class" and "step" not in vars(thing)

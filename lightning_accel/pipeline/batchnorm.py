@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_accel.patching import patch
+
 __all__ = ["DeferredBatchNorm"]
 
 
@@ -45,8 +47,7 @@ class DeferredBatchNorm:
         self.accumulating, self.defer = accumulating, defer
         self.modules = [m for m in net.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
         self.sums: dict[int, _Sums] = {id(m): _Sums() for m in self.modules}
-        for module in self.modules:
-            module.forward = self._forward(module)  # type: ignore[method-assign]
+        self._patches = [patch(module, "forward", self._forward(module)) for module in self.modules]
 
     def _forward(self, bn: _BatchNorm) -> Callable[[Tensor], Tensor]:
         original = bn.forward
@@ -98,5 +99,5 @@ class DeferredBatchNorm:
 
     def detach(self) -> None:
         """Leave plain BatchNorm modules (any uncommitted sums are dropped)."""
-        for bn in self.modules:
-            bn.__dict__.pop("forward", None)
+        for installed in reversed(self._patches):
+            installed.remove()

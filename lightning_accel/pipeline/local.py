@@ -59,6 +59,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_accel.models.block_policy import Block
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal, mutated_buffers
+from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.partition import stage_of_block
 from lightning_accel.pipeline.streams import StageCopier
@@ -112,7 +113,7 @@ class LocalPipeline:
         self.checkpoint_stop = checkpoint_stop
         self._current: int | None = None
         self._handles: list[RemovableHandle] = []
-        self._patched: list[nn.Module] = []
+        self._patches: list[Patch] = []  # the staged block forwards, removed by restore()
         self.deferred_batch_norm = deferred_batch_norm
         self._batch_norm: DeferredBatchNorm | None = None
         self.copy = StageCopier(self.devices)
@@ -189,9 +190,9 @@ class LocalPipeline:
         """Remove the staged forwards and hooks; the model is a plain model again (modules stay where they are)."""
         for handle in self._handles:
             handle.remove()
-        for module in self._patched:
-            module.__dict__.pop("forward", None)
-        self._handles, self._patched = [], []
+        for installed in reversed(self._patches):
+            installed.remove()
+        self._handles, self._patches = [], []
         if self._batch_norm is not None:
             self._batch_norm.detach()
             self._batch_norm = None
@@ -315,5 +316,5 @@ class LocalPipeline:
             self._observe(k, args, kwargs, output)
             return output
 
-        block.forward = staged_forward  # type: ignore[method-assign]  # instance attribute: names and state_dict untouched
-        self._patched.append(block)
+        # an instance attribute: names and state_dict untouched, and a forward the user's instance already had comes back
+        self._patches.append(patch(block, "forward", staged_forward))

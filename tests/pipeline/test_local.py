@@ -66,6 +66,18 @@ def test_restore_leaves_a_plain_model_with_the_same_names():
     assert not net._forward_hooks and not net.stem._forward_pre_hooks
 
 
+def test_restore_puts_back_a_forward_the_users_instance_already_had():
+    # accelerate's hooks (and users) set module.forward on the instance; restore() must not delete it
+    net = Net()
+    own = net.layers[1].forward
+    net.layers[1].forward = own  # type: ignore[method-assign]
+    pipe = LocalPipeline(net, find_blocks(net), [2, 2], ["cpu", "cpu"])
+    pipe.place()
+    assert net.layers[1].__dict__["forward"] is not own
+    pipe.restore()
+    assert net.layers[1].__dict__["forward"] is own and "forward" not in net.layers[0].__dict__
+
+
 def test_tied_weights_across_devices_are_refused_before_moving():
     net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)
     pipe = LocalPipeline(net, find_blocks(net), [1, 1], ["cpu", "meta"])
