@@ -143,6 +143,8 @@ class PrefetchTuner(Callback):
         self.measurement_cost_s = 0.0
         self.finished_step: int | None = None  # the step at which the search decided
         self.max_lead = 16  # steps a candidate's workers may fill up before taking over
+        self.remeasure = 4  # an undecided candidate is measured on up to this many times its usual batches
+        self.remeasured = 0  # candidates measured longer because their first samples could not decide
         self.guess = True  # let the start's measurement pick where the doubling starts
         self._done = False
         self._cache_key = ""
@@ -347,9 +349,14 @@ class PrefetchTuner(Callback):
             return
         # Worker j made batches j and j + w back to back (both were queued when it started), so
         # their finish times span one item as the w workers make them together: the second
-        # round, past the burst of forking and starting all at once.
-        items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(needed - w)]
-        self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
+        # round, past the burst of forking and starting all at once; later rounds add samples.
+        items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
+        trial = self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
+        # Too close to call where it would matter: the candidate serves anyway, so measure it longer (bounded).
+        if self.search.undecided(trial) and len(stamps) < self.remeasure * needed and len(self.meter) < self.max_search_steps:
+            self.search.trials.pop()
+            return
+        self.remeasured += len(stamps) > needed
         if candidate.num_workers:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
         self._trying = None
@@ -374,6 +381,8 @@ class PrefetchTuner(Callback):
         steps = len(self.meter) - self._search_from
         if target == self._start:
             self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
+            if self.remeasured:
+                self.reason += f" ({self.remeasured} measured longer, up to {self.remeasure}x, as their first samples could not decide)"
         else:
             self.chosen = target
             self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (

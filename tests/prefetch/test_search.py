@@ -189,3 +189,22 @@ def test_a_noisy_trial_with_fewer_workers_does_not_win_by_its_noise():
     two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.0219, 0.0012, fastest_s=0.0205)
     search.record(LoaderSettings(1, 2, persistent_workers=True), 0.0509, 0.0200, fastest_s=0.0309)
     assert search.best is two and search.beats(two, start)
+
+
+def test_a_draw_inside_a_wide_noise_is_undecided_and_more_samples_decide_it():
+    # The jpeg-tar case measured under load: the start 290 +- 6 ms, 2 workers 287 +- 102 ms on 3 samples.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.016, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    search.record(search.propose(), 0.290, 0.006)
+    rough = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.287, 0.102)
+    assert search.undecided(rough)
+    search.trials.pop()  # measured longer, past the hiccups of its first samples: now it beats the start
+    sharper = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.150, 0.025)
+    assert not search.undecided(sharper) and search.beats(sharper, search.trials[0])
+    # Clearly worse, or a difference too small to matter (both below a negligible wait): decided.
+    worse = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=MB, budget=Budget(4, 10_000 * MB))
+    worse.record(LoaderSettings(), 0.05, 0.002)
+    assert not worse.undecided(worse.record(LoaderSettings(2, 2, persistent_workers=True), 0.4, 0.01))
+    tiny = PrefetchSearch(LoaderSettings(), step_s=0.1, batch_bytes=MB, budget=Budget(4, 10_000 * MB))
+    tiny.record(LoaderSettings(), 0.05, 0.001)
+    assert not tiny.undecided(tiny.record(LoaderSettings(2, 2, persistent_workers=True), 0.051, 0.001))
+    assert not PrefetchSearch(LoaderSettings(), 0.1, MB, Budget(4, MB)).undecided(Trial(LoaderSettings(), 0.1, 0.1))
