@@ -5,7 +5,9 @@ Run as ``python deferred_worker.py OUT_DIR NAMES``: NAMES is a comma-separated l
 same two processes (Lightning's launcher starts rank 1 from this script), 4 steps of 8
 sequences in 4 micro-batches, float64, seed 0. Each rank writes ``{name}-rank{r}.pt``: which
 parameters it holds (not on ``meta``) after setup and after fit, and its peak resident memory;
-rank 0 saves ``{name}.ckpt`` (the gathered checkpoint).
+rank 0 saves ``{name}.ckpt`` (the gathered checkpoint). ``gpt`` is also trained 2 steps from
+another seed, saved, and resumed from that checkpoint to step 4 in a fresh Trainer
+(``gpt-resumed.ckpt``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,16 @@ def main() -> None:
             "meta": [n for n, p in task.named_parameters() if p.is_meta],
         }
         torch.save(info, out / f"{name}-rank{rank}.pt")
+        if name == "gpt":  # 2 steps, saved; a fresh (meta-built) model resumed from it to step 4
+            for steps, ckpt in ((STEPS // 2, None), (STEPS, out / "gpt-half.ckpt")):
+                pl.seed_everything(SEED + 1, verbose=False)  # other initial weights: the checkpoint must replace them
+                trainer = pl.Trainer(
+                    accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, timeout=60),
+                    max_steps=steps, precision="64-true", logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                )
+                trainer.fit(DeferredLM(name), lm_loader(), ckpt_path=ckpt)
+                trainer.save_checkpoint(out / ("gpt-resumed.ckpt" if ckpt else "gpt-half.ckpt"))
     print(f"rank {rank} done", flush=True)
 
 

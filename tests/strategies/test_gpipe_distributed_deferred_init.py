@@ -76,6 +76,20 @@ def test_each_rank_materializes_only_its_stages_and_what_is_outside_the_blocks(t
         assert set(info["meta"]) == set(names) - expected and info["meta"], f"rank {r}: other stages stay on meta"
 
 
+@pytest.mark.slow
+def test_a_model_built_on_meta_resumes_from_a_checkpoint_into_each_ranks_part(two_ranks):
+    """The checkpoint given to fit loads after setup has materialized each rank's part (seed 1's initial weights are all
+    replaced): resumed from 2 steps to 4 equals plain Lightning resuming the same checkpoint."""
+    from deferred_worker import STEPS, reference
+    from real_models import assert_same_weights, fit
+
+    plain = reference("gpt")
+    fit(plain, steps=STEPS, precision="64-true", ckpt_path=two_ranks / "gpt-half.ckpt")
+    piped = reference("gpt")
+    piped.load_state_dict(torch.load(two_ranks / "gpt-resumed.ckpt", weights_only=False)["state_dict"], strict=True)
+    assert_same_weights(plain, piped, rtol=1e-9, atol=1e-11)
+
+
 class Unresettable(nn.Module):
     """A layer with a parameter and no way to initialize it again: no reset_parameters, no model initializer."""
 
