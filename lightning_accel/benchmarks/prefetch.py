@@ -17,8 +17,11 @@ Lightning's suggested worker count, each hand-set ``num_workers`` of ``--sweep``
 best by fit time is the reference), and PrefetchTuner starting from defaults. Steps
 sleep (an accelerator's step leaves the host CPU free). :class:`DataWaitMonitor` measures
 the wait for every batch; the steady wait is the median of the last waits, so one hiccup
-of a shared machine does not move it. Timings are ratios against the best hand-set row
-measured in the same run, and the load average is printed with the machine.
+of a shared machine does not move it. Every row runs once per round, ``--repeat`` rounds
+back to back, so the rows share the machine's load drift; the table gives each row's median
+fit time and its range, and the ratios are against the best hand-set median (the target
+line adds each round's tuner fit over that round's best hand-set one). The load average is
+printed with the machine.
 """
 
 from __future__ import annotations
@@ -155,6 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", type=_workloads, default=list(WORKLOADS), help=f"comma-separated, of {','.join(WORKLOADS)}")
     p.add_argument("--sweep", type=_ints, default=[2, 4, 8], help="hand-set num_workers tried on each workload")
     p.add_argument("--steady-steps", type=int, default=20, help="steady wait: median over this many last steps")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="rounds of every row, back to back: fit time is the median, its range beside it"
+    )
     g = p.add_argument_group("seed004")
     g.add_argument("--steps", type=int, default=40, help="training steps")
     g.add_argument("--latency", type=float, default=0.5, help="seconds of I/O latency per batch")
@@ -195,73 +201,135 @@ def _fit(loader, step_s: float, steps: int, callbacks: list) -> tuple[DataWaitMo
 
 
 @dataclass
-class _Row:
+class _Contender:
+    """One row: a fresh loader (and fresh callbacks) for each of its fits."""
+
     name: str
-    waits: list[float]
-    wall_s: float
+    make: Callable[[], object]
+    callbacks: Callable[[], list] = list
     hand_workers: int | None = None  # set for the rows of the hand-set sweep
 
+
+@dataclass
+class _Row:
+    """A contender's fits, one per round: medians in the table, the range beside them."""
+
+    name: str
+    runs: list[tuple[list[float], float]]  # (waits, fit seconds) per round
+    hand_workers: int | None = None
+
+    @property
+    def walls(self) -> list[float]:
+        return [wall for _, wall in self.runs]
+
+    @property
+    def wall_s(self) -> float:
+        return statistics.median(self.walls)
+
+    @property
+    def waits(self) -> list[float]:
+        """The waits of the round with the median fit time."""
+        order = sorted(range(len(self.runs)), key=lambda i: self.runs[i][1])
+        return self.runs[order[(len(order) - 1) // 2]][0]
+
+    def mean_wait(self) -> float:
+        return statistics.median(sum(w) / len(w) if w else float("nan") for w, _ in self.runs)
+
     def steady(self, last: int) -> float:
-        return statistics.median(self.waits[-min(last, max(1, len(self.waits) // 2)) :])
+        return statistics.median(statistics.median(w[-min(last, max(1, len(w) // 2)) :]) for w, _ in self.runs)
 
 
-def _run(name: str, make: Callable[[], object], step_s: float, steps: int, callbacks: list, hand: int | None = None) -> _Row:
-    monitor, wall = _fit(make(), step_s, steps, callbacks)
-    return _Row(name, monitor.meter.waits[: len(monitor.meter.steps)], wall, hand)
-
-
-def _standard_rows(
-    make: Callable[[int], DataLoader], step_s: float, steps: int, sweep: list[int], tuner: PrefetchTuner
-) -> list[_Row]:
-    """Defaults, Lightning's suggestion, the hand-set sweep, the tuner from defaults: one fit each, in this order."""
-    suggested = suggested_max_num_workers(1)
-    rows = [
-        _run("DataLoader defaults (workers=0)", lambda: make(0), step_s, steps, []),
-        _run(f"Lightning's suggestion (workers={suggested})", lambda: make(suggested), step_s, steps, []),
-    ]
-    for w in sweep:
-        rows.append(_run(f"hand-set workers={w}", lambda w=w: make(w), step_s, steps, [], hand=w))
-    rows.append(_run("PrefetchTuner, from defaults", lambda: make(0), step_s, steps, [tuner]))
+def _run_rounds(contenders: list[_Contender], step_s: float, steps: int, repeat: int) -> list[_Row]:
+    """Every contender once per round, rounds back to back: rows side by side under the same load drift."""
+    rows = [_Row(c.name, [], c.hand_workers) for c in contenders]
+    for _ in range(repeat):
+        for contender, row in zip(contenders, rows):
+            monitor, wall = _fit(contender.make(), step_s, steps, contender.callbacks())
+            row.runs.append((monitor.meter.waits[: len(monitor.meter.steps)], wall))
     return rows
 
 
+def _tuned(tuners: list[PrefetchTuner], **kwargs: object) -> Callable[[], list]:
+    """Callbacks with a fresh PrefetchTuner per fit; ``tuners`` collects them for the report."""
+
+    def make() -> list:
+        tuners.append(PrefetchTuner(**kwargs))  # type: ignore[arg-type]
+        return [tuners[-1]]
+
+    return make
+
+
+def _standard(make: Callable[[int], DataLoader], sweep: list[int], tuners: list[PrefetchTuner]) -> list[_Contender]:
+    """Defaults, Lightning's suggestion, the hand-set sweep, the tuner from defaults, in this order."""
+    suggested = suggested_max_num_workers(1)
+    return [
+        _Contender("DataLoader defaults (workers=0)", lambda: make(0)),
+        _Contender(f"Lightning's suggestion (workers={suggested})", lambda: make(suggested)),
+        *[_Contender(f"hand-set workers={w}", lambda w=w: make(w), hand_workers=w) for w in sweep],
+        _Contender("PrefetchTuner, from defaults", lambda: make(0), _tuned(tuners)),
+    ]
+
+
 def _table(rows: list[_Row], steady_steps: int) -> tuple[str, float]:
-    """The table, and the best hand-set fit time every ratio is against."""
+    """The table, and the best hand-set fit time (median over the rounds) every ratio is against."""
     reference = min(r.wall_s for r in rows if r.hand_workers is not None)
     out = []
     for r in rows:
         mark = " <- best hand-set" if r.hand_workers is not None and r.wall_s == reference else ""
-        mean = sum(r.waits) / len(r.waits) if r.waits else float("nan")
-        out.append([r.name, mean, r.steady(steady_steps), r.wall_s, f"{r.wall_s / reference:.2f}x{mark}"])
-    return format_table(["contender", "mean wait s", "steady wait s", "fit s", "fit vs best hand-set"], out), reference
+        spread = f"{min(r.walls):.2f}-{max(r.walls):.2f}" if len(r.runs) > 1 else "-"
+        out.append([r.name, r.mean_wait(), r.steady(steady_steps), r.wall_s, spread, f"{r.wall_s / reference:.2f}x{mark}"])
+    rounds = len(rows[0].runs)
+    fit = "fit s" if rounds == 1 else f"fit s (median of {rounds})"
+    return format_table(["contender", "mean wait s", "steady wait s", fit, "fit range s", "fit vs best hand-set"], out), reference
 
 
-def _tuner_line(tuner: PrefetchTuner) -> str:
-    chosen = tuner.chosen.label() if tuner.chosen is not None else "(kept defaults)"
-    line = f"  tuner: {chosen}; {tuner.reason}; search over by step {tuner.finished_step}"
-    return line + (f"\n  {tuner.cpu_note}" if tuner.cpu_note else "")
+def _tuner_line(tuners: list[PrefetchTuner]) -> str:
+    lines = []
+    for i, tuner in enumerate(tuners):
+        chosen = tuner.chosen.label() if tuner.chosen is not None else "(kept defaults)"
+        which = f"round {i + 1}: " if len(tuners) > 1 else ""
+        lines.append(f"  tuner {which}{chosen}; {tuner.reason}; search over by step {tuner.finished_step}")
+    notes = {t.cpu_note for t in tuners if t.cpu_note}
+    return "\n".join(lines + [f"  {note}" for note in sorted(notes)])
 
 
 def _fit_target(name: str, rows: list[_Row], reference: float) -> tuple[str, bool]:
     tuned = next(r for r in rows if r.name.startswith("PrefetchTuner, from defaults"))
     ok = tuned.wall_s <= 1.05 * reference
-    return f"{name}: tuner fit {tuned.wall_s / reference:.3f}x best hand-set (<= 1.05: {'yes' if ok else 'no'})", ok
+    line = f"{name}: tuner fit {tuned.wall_s / reference:.3f}x best hand-set (<= 1.05: {'yes' if ok else 'no'})"
+    if len(tuned.runs) > 1:  # each round against that round's best hand-set fit
+        hand = [r for r in rows if r.hand_workers is not None]
+        paired = [tuned.walls[i] / min(r.walls[i] for r in hand) for i in range(len(tuned.runs))]
+        line += "; per round " + " ".join(f"{x:.2f}x" for x in paired)
+    return line, ok
 
 
 def _seed004(args: argparse.Namespace, tmp: str) -> list[str]:
     dataset = SyntheticArrays(args.steps, shape=args.shape, latency_s=args.latency)
-    cache_path = str(Path(tmp) / "prefetch_tuned.json")  # fresh: the first tuner run searches
-    tuner, second = PrefetchTuner(cache_path=cache_path), PrefetchTuner(cache_path=cache_path)
+    tuners: list[PrefetchTuner] = []
+    seconds: list[PrefetchTuner] = []
+
+    def first() -> list:
+        # A fresh cache each round, so the first tuner searches; the second run of the round reads it.
+        tuners.append(PrefetchTuner(cache_path=str(Path(tmp) / f"prefetch_tuned_{len(tuners)}.json")))
+        return [tuners[-1]]
+
+    def second() -> list:
+        seconds.append(PrefetchTuner(cache_path=tuners[-1].cache_path))
+        return [seconds[-1]]
 
     def make(w: int) -> DataLoader:
         return DataLoader(dataset, batch_size=1, num_workers=w, persistent_workers=w > 0)
 
     sweep = sorted(set(args.sweep) | {args.hand_workers})
-    rows = [_run("plain loop", lambda: _PlainLoop(dataset), args.step, args.steps, [])]
-    rows += _standard_rows(make, args.step, args.steps, sweep, tuner)
-    rows.append(_run("PrefetchTuner, from cache (second run)", lambda: make(0), args.step, args.steps, [second]))
+    contenders = [_Contender("plain loop", lambda: _PlainLoop(dataset))]
+    contenders += _standard(make, sweep, [])
+    contenders[-1].callbacks = first
+    contenders.append(_Contender("PrefetchTuner, from cache (second run)", lambda: make(0), second))
     if _ray_available():
-        rows.append(_run("Ray Data (its defaults)", lambda: _RayData(dataset), args.step, args.steps, []))
+        contenders.append(_Contender("Ray Data (its defaults)", lambda: _RayData(dataset)))
+    rows = _run_rounds(contenders, args.step, args.steps, args.repeat)
+    if _ray_available():
         import ray
 
         ray.shutdown()
@@ -270,11 +338,12 @@ def _seed004(args: argparse.Namespace, tmp: str) -> list[str]:
         table += "\nRay Data: not measured: pip install 'lightning-accel[ray]'"
     tuned = next(r for r in rows if r.name == "PrefetchTuner, from defaults")
     target, _ = _fit_target("seed004", rows, reference)
+    tuner = tuners[-1]
     lines = [
         f"== seed004: batch {tuple(args.shape)} float32, {args.latency} s latency, {args.step} s step, {args.steps} steps",
         table,
-        _tuner_line(tuner),
-        f"  second run: {second.reason}",
+        _tuner_line(tuners),
+        f"  second run: {seconds[-1].reason}",
         f"  targets, tuner from defaults: steady wait {tuned.steady(args.steady_steps):.3f} s (<= 0.010: "
         f"{'yes' if tuned.steady(args.steady_steps) <= 0.01 else 'no'}); search over by step {tuner.finished_step}; {target}",
     ]
@@ -288,23 +357,24 @@ def _seed004(args: argparse.Namespace, tmp: str) -> list[str]:
 
 
 def _stream(args: argparse.Namespace, tmp: str) -> list[str]:
-    tuner = PrefetchTuner()
+    tuners: list[PrefetchTuner] = []
 
     def make(w: int) -> DataLoader:
         return DataLoader(LatencyStream(args.stream_latency), batch_size=1, num_workers=w, persistent_workers=w > 0)
 
-    rows = _standard_rows(make, args.stream_step, args.stream_steps, args.sweep, tuner)
+    rows = _run_rounds(_standard(make, args.sweep, tuners), args.stream_step, args.stream_steps, args.repeat)
     table, reference = _table(rows, args.steady_steps)
     tuned = next(r for r in rows if r.name == "PrefetchTuner, from defaults")
-    window = tuned.waits[100:120] if len(tuned.waits) >= 120 else tuned.waits[-args.steady_steps :]
-    where = "steps 100-120" if len(tuned.waits) >= 120 else f"the last {len(window)} steps"
+    waits = tuned.waits
+    window = waits[100:120] if len(waits) >= 120 else waits[-args.steady_steps :]
+    where = "steps 100-120" if len(waits) >= 120 else f"the last {len(window)} steps"
     steady = statistics.median(window)
     target, _ = _fit_target("stream", rows, reference)
     return [
         f"== stream: endless IterableDataset, {args.stream_latency} s I/O latency per item, batch 1, "
         f"{args.stream_step} s step, {args.stream_steps} steps in one epoch",
         table,
-        _tuner_line(tuner),
+        _tuner_line(tuners),
         f"  targets: tuner steady wait over {where} {1000 * steady:.1f} ms (<= 20: {'yes' if steady <= 0.02 else 'no'}); {target}",
     ]
 
@@ -319,21 +389,21 @@ def _jpeg(args: argparse.Namespace, tmp: str, tar: bool) -> list[str]:
     else:
         dataset = JpegFiles(paths, out=args.jpeg_size)
         what = f"{len(paths)} files, map-style, shuffled"
-    tuner = PrefetchTuner()
+    tuners: list[PrefetchTuner] = []
 
     def make(w: int) -> DataLoader:
         return DataLoader(
             dataset, batch_size=args.jpeg_batch, shuffle=not tar, num_workers=w, persistent_workers=w > 0, drop_last=True
         )
 
-    rows = _standard_rows(make, args.jpeg_step, args.jpeg_steps, args.sweep, tuner)
+    rows = _run_rounds(_standard(make, args.sweep, tuners), args.jpeg_step, args.jpeg_steps, args.repeat)
     table, reference = _table(rows, args.steady_steps)
     target, _ = _fit_target("jpeg-tar" if tar else "jpeg", rows, reference)
     return [
         f"== {'jpeg-tar' if tar else 'jpeg'}: 320x240 JPEGs decoded with Pillow + random resized crop to "
         f"{args.jpeg_size}, flip, normalise; {what}; batch {args.jpeg_batch}, {args.jpeg_step} s step, {args.jpeg_steps} steps",
         table,
-        _tuner_line(tuner),
+        _tuner_line(tuners),
         f"  targets: {target}",
     ]
 
@@ -344,6 +414,8 @@ def main(argv: list[str]) -> int:
     for flag, value in (("--steps", args.steps), ("--stream-steps", args.stream_steps), ("--jpeg-steps", args.jpeg_steps)):
         if value < 4:
             raise SystemExit(f"{flag} {value} is too few to see a steady state; pass {flag} 4 or more")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat {args.repeat} must be at least 1; pass e.g. --repeat 3")
     if args.steady_steps < 1:
         raise SystemExit(f"--steady-steps {args.steady_steps} must be at least 1; pass e.g. --steady-steps 20")
     if args.images < args.jpeg_batch:

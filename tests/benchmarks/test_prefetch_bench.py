@@ -14,7 +14,7 @@ from lightning_accel.benchmarks.prefetch import main
 def test_shrunk_benchmark_prints_every_contender(capsys, tmp_path):
     csv, svg = tmp_path / "trials.csv", tmp_path / "trials.svg"
     argv = ["--workloads", "seed004", "--sweep", "2", "--steps", "24", "--latency", "0.03", "--step", "0.005"]
-    argv += ["--shape", "4,100,3", "--hand-workers", "4"]
+    argv += ["--shape", "4,100,3", "--hand-workers", "4", "--repeat", "1"]
     assert main([*argv, "--csv", str(csv), "--plot", str(svg)]) == 0
     out = capsys.readouterr().out
     for name in (
@@ -54,12 +54,19 @@ def test_stream_and_jpeg_workloads_shrunk(capsys):
     pytest.importorskip("PIL", reason="the JPEG workloads need Pillow (pip install 'lightning-accel[bench]')")
     argv = ["--workloads", "stream,jpeg,jpeg-tar", "--sweep", "2", "--stream-steps", "16", "--stream-latency", "0.02"]
     argv += ["--stream-step", "0.005", "--jpeg-steps", "6", "--images", "32", "--jpeg-batch", "4", "--jpeg-size", "32"]
-    assert main([*argv, "--jpeg-step", "0.001", "--steady-steps", "4"]) == 0
+    assert main([*argv, "--jpeg-step", "0.001", "--steady-steps", "4", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     for header in ("== stream: endless IterableDataset", "== jpeg: 320x240 JPEGs decoded with Pillow", "== jpeg-tar:"):
         assert header in out
     assert out.count("<- best hand-set") == 3 and out.count("PrefetchTuner, from defaults") == 3
     assert "targets: tuner steady wait over the last" in out and "jpeg-tar: tuner fit" in out
+    # Two rounds: medians with their range, each round's tuner said, and the paired ratio per round.
+    assert out.count("fit s (median of 2)") == 3 and out.count("tuner round 2: ") == 3
+    tuner_rows = [line for line in out.splitlines() if line.startswith("PrefetchTuner, from defaults")]
+    for line in tuner_rows:
+        low, high = (float(x) for x in line.split()[6].split("-"))  # fit range s
+        assert low <= float(line.split()[5]) <= high  # the median lies in it
+    assert out.count("; per round ") == 3
 
 
 def test_too_few_steps_is_rejected():
@@ -69,6 +76,8 @@ def test_too_few_steps_is_rejected():
         main(["--stream-steps", "3"])
     with pytest.raises(SystemExit, match=r"--steady-steps 0 must be at least 1"):
         main(["--steady-steps", "0"])
+    with pytest.raises(SystemExit, match=r"--repeat 0 must be at least 1"):
+        main(["--repeat", "0"])
     with pytest.raises(SystemExit):
         main(["--workloads", "seed004,video"])  # argparse: unknown workload, one line and exit 2
     with pytest.raises(SystemExit, match=r"--images 8 is fewer than one batch"):
