@@ -15,11 +15,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
 
 # (name, class, description) for each strategy this package provides.
 STRATEGIES: list[tuple[str, type, str]] = [
     ("l2l_offload", L2LOffloadStrategy, "L2L CPU offload: blocks stream layer to layer from host memory"),
+    ("l2l_offload_ddp", L2LOffloadDDPStrategy, "L2L CPU offload on N processes, data parallel, the host optimizer partitioned across ranks (ZeRO-Offload)"),
     ("gpipe", GPipeStrategy, "GPipe micro-batching: blocks split into stages over devices, batches into micro-batches"),
     ("gpipe_distributed", DistributedGPipeStrategy, "GPipe across processes: one stage per rank on torch.distributed.pipelining, launched like DDP"),
     ("xla_pjrt", XLAPJRTStrategy, "one torch_xla device, or SPMD data parallel over all of a host's, on PJRT_DEVICE (TPU, CUDA or CPU); stable step graphs"),

@@ -1,6 +1,9 @@
 """L2L (layer-to-layer) CPU offload mechanism: plan, host store, streamer, executor, the host
 optimizer step (fused CPU kernels, thread budget), and the optional one-step delayed update
-and host-memory activation offload the executor uses.
+and host-memory activation offload the executor uses. For data parallel: the host optimizer's
+partition across ranks (``partition``), gradients averaged as blocks finish (``grad_sync``),
+weights sent back from their owners (``weight_sync``) and the optimizer state's shards
+(``optimizer_state``).
 
 Nothing here imports Lightning; :class:`lightning_accel.strategies.L2LOffloadStrategy`
 wires it into a Trainer.

@@ -114,6 +114,9 @@ class L2LExecutor:
         self._ready_lock = threading.Lock()
         # parameters whose shadows already hold this step's update (refreshed right after it)
         self._fresh: set[nn.Parameter] = set()
+        # called with a block's index once its last gradient of a backward pass has gone to the
+        # host (data parallel: launch that block's reduction, :mod:`.grad_sync`); None: nothing
+        self.grads_landed: Callable[[int], None] | None = None
 
     # -- installation -----------------------------------------------------------------
     def attach(self) -> None:
@@ -236,6 +239,8 @@ class L2LExecutor:
         self._pending_grads[index] -= 1
         if self._pending_grads[index] == 0:
             self._release_block(index)
+            if self.grads_landed is not None:
+                self.grads_landed(index)
             if self._block_step is not None:
                 assert self._pool is not None
                 with self._ready_lock:

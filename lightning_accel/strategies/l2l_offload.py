@@ -1,4 +1,10 @@
-"""The L2L (layer-to-layer) CPU offload strategy.
+"""The L2L (layer-to-layer) CPU offload strategy, on one device.
+
+The hooks live in :class:`L2LOffloadHooks`, shared with the data-parallel
+:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy` (``"l2l_offload_ddp"``);
+:class:`L2LOffloadStrategy` adds them to ``SingleDeviceStrategy`` and refuses, when the
+``Trainer`` is built, ``devices``, ``num_nodes`` or a launcher's ``WORLD_SIZE`` above 1 (it
+would train on one device and drop the rest), naming the data-parallel strategy.
 
 A thin Lightning adapter over :mod:`lightning_accel.offload`: parameters, gradients and
 optimizer state of the model's blocks live in host memory; only the block being computed
@@ -53,6 +59,7 @@ back at teardown (:mod:`lightning_accel.offload.host_threads`).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -61,11 +68,12 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_accel.cpu_budget import CpuBudget
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
@@ -75,71 +83,25 @@ from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision
 
 
-class L2LOffloadStrategy(SingleDeviceStrategy):
-    """Train on one device with the model's blocks offloaded to host memory.
+class L2LOffloadHooks(Strategy):
+    """What L2L offload adds to a Lightning strategy's hooks, for one device
+    (:class:`L2LOffloadStrategy`) and data parallel
+    (:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy`): combined with
+    ``SingleDeviceStrategy`` or ``DDPStrategy``, never used alone. The data-parallel strategy
+    fills in :meth:`_base_setup`, :meth:`_gradients_ready` and :meth:`_after_update`."""
 
-    Args:
-        blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class, or
-            each child of a mixed ``nn.Sequential``; see
-            :func:`lightning_accel.models.block_policy.find_blocks`), class names/classes
-            (``["GPTBlock"]``), or a callable ``model -> modules``.
-        prefetch_blocks: how many blocks ahead to copy while one computes (device memory
-            grows by one block per step of depth; 1 hides the copy behind compute).
-        offload_resident: also keep the non-block parameters on the host, streamed in for
-            each step (saves their device memory, costs their copy every step).
-        checkpoint_blocks: recompute each block in backward instead of keeping its
-            activations and weights (device memory independent of depth; about one extra
-            forward of compute).
-        overlap_step: step each block on the host as soon as its gradients arrive, while
-            the backward pass continues (off automatically under clipping / fp16). None
-            (default): on when the device is an accelerator; off on the CPU, where the
-            "host" step would compete with the "device" compute for the same cores
-            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``). With
-            ``delayed_update`` it applies to the warm-up steps only.
-        delayed_update: ZeRO-Offload's one-step delayed parameter update. The host update
-            for step t (computed from step t's gradients, clipped by their own global norm
-            when ``gradient_clip_val`` is set, with step t's learning rate) runs on the host
-            while step t+1's forward and backward run, so step t+1 computes on weights that
-            do not yet include update t: one step stale. The host step overlaps the whole
-            next step (also under clipping; the step waits only for an update longer than
-            itself), at the cost of that staleness and one more copy of the host parameters
-            in host memory (the compute snapshot). Parameters
-            kept on the device (the resident unit unless ``offload_resident``) are updated
-            at once, as usual. A pending update is applied before validation, before every
-            checkpoint is written and at the end of fit (waiting for it there); the step
-            after such a point computes on fully updated weights, as a resumed run does,
-            which keeps resuming exact.
-            Needs a per-parameter optimizer and automatic optimization; not with fp16 loss
-            scaling (an overflow at step t+1 could not cancel update t, already applied).
-        delayed_update_warmup: optimizer steps (counted by ``trainer.global_step``, so a
-            resumed run does not repeat them) that update at once before the delay starts,
-            as ZeRO-Offload does while the early, fast-changing gradients make staleness
-            costly. Default 10; only meaningful with ``delayed_update=True``.
-        offload_activations: keep the block-boundary activations that checkpointing saves
-            for backward (each block's input) in host memory between the forward and the
-            backward pass instead of on the device: device memory no longer grows with depth
-            by one activation per block, at the cost of copying each one out and back once
-            per step (counted in ``offload_stats.activation_*_bytes``). Needs
-            ``checkpoint_blocks=True``. On a CPU device it only costs time.
-        device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
-    """
-
-    strategy_name = "l2l_offload"
-
-    def __init__(
+    def _init_offload(
         self,
-        blocks: BlockPolicy = "auto",
-        prefetch_blocks: int = 1,
-        offload_resident: bool = False,
-        checkpoint_blocks: bool = True,
-        overlap_step: bool | None = None,
-        delayed_update: bool = False,
-        delayed_update_warmup: int | None = None,
-        offload_activations: bool = False,
-        device: str | torch.device | None = None,
-        **kwargs: Any,
+        blocks: BlockPolicy,
+        prefetch_blocks: int,
+        offload_resident: bool,
+        checkpoint_blocks: bool,
+        overlap_step: bool | None,
+        delayed_update: bool,
+        delayed_update_warmup: int | None,
+        offload_activations: bool,
     ) -> None:
-        super().__init__(device=device if device is not None else "cpu", **kwargs)
+        """Check and keep the offload options (see :class:`L2LOffloadStrategy`'s arguments)."""
         if prefetch_blocks < 0:
             raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; use 1 to overlap copies with compute")
         if delayed_update_warmup is not None and not delayed_update:
@@ -156,7 +118,6 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
                 "offload_activations=True needs checkpoint_blocks=True (without checkpointing every activation inside "
                 "every block is saved and would cross the bus); HINT: set checkpoint_blocks=True or offload_activations=False"
             )
-        self._device_given = device is not None
         self.blocks = blocks
         self.prefetch_blocks = prefetch_blocks
         self.offload_resident = offload_resident
@@ -170,13 +131,6 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
         self._threads: HostThreads | None = None
         self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if not self._device_given and isinstance(self.accelerator, CUDAAccelerator):
-            return torch.device("cuda", torch.cuda.current_device())
-        return super().root_device
 
     @property
     def offload_stats(self) -> OffloadStats:
@@ -216,7 +170,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         self._compute_dtype()  # refuse an unsupported precision before anything moves
-        super().setup(trainer)
+        self._base_setup(trainer)
         kernels = []
         for optimizer in self.optimizers:
             _check_host_optimizer(optimizer)
@@ -266,7 +220,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         if device.type == "cuda":
             _check_fits(plan, device, compute_dtype)
         if self._threads is None:  # the rank's CPU budget for the host step and the copies
-            self._threads = HostThreads.plan()
+            self._threads = HostThreads.plan(self._cpu_budget())
             self._threads.apply()
         self._executor = L2LExecutor(
             self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks,
@@ -290,7 +244,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             self._threads.describe(),
         ]
         # said in setup, once the optimizers' host kernels are known: one line per fit
-        self._plan_text = f"L2LOffloadStrategy: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
+        self._plan_text = f"{type(self).__name__}: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -373,6 +327,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         def closure_then_host_grads() -> Any:
             executor.step_blocks_during_backward(functools.partial(step_params, optimizer, fuse=fuse) if overlap else None)
             result = closure()
+            self._gradients_ready()
             executor.install_grads()  # clipping and the final step see the host gradients
             return result
 
@@ -380,6 +335,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
         # kernel; batch by batch of blocks, each batch's shadows refreshed right after it.
         with host_update(optimizer, fuse, executor.shadow_batches, executor.refresh_shadows):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
         return output
 
@@ -440,6 +396,135 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
             self._cache_settings.restore()
             self._cache_settings = None
         super().teardown()
+
+    def _base_setup(self, trainer: Trainer) -> None:
+        """The base strategy's setup (device, model placement, optimizers)."""
+        super().setup(trainer)
+
+    def _cpu_budget(self) -> CpuBudget | None:
+        """This rank's CPU budget; None: :func:`~lightning_accel.cpu_budget.cpu_budget` from the launcher's environment."""
+        return None
+
+    def _gradients_ready(self) -> None:
+        """After the step's last backward, before the host gradients become ``param.grad``."""
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """After the optimizer updated the parameters, before the shadows are refreshed."""
+
+
+class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
+    """Train on one device with the model's blocks offloaded to host memory.
+
+    Args:
+        blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class, or
+            each child of a mixed ``nn.Sequential``; see
+            :func:`lightning_accel.models.block_policy.find_blocks`), class names/classes
+            (``["GPTBlock"]``), or a callable ``model -> modules``.
+        prefetch_blocks: how many blocks ahead to copy while one computes (device memory
+            grows by one block per step of depth; 1 hides the copy behind compute).
+        offload_resident: also keep the non-block parameters on the host, streamed in for
+            each step (saves their device memory, costs their copy every step).
+        checkpoint_blocks: recompute each block in backward instead of keeping its
+            activations and weights (device memory independent of depth; about one extra
+            forward of compute).
+        overlap_step: step each block on the host as soon as its gradients arrive, while
+            the backward pass continues (off automatically under clipping / fp16). None
+            (default): on when the device is an accelerator; off on the CPU, where the
+            "host" step would compete with the "device" compute for the same cores
+            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``). With
+            ``delayed_update`` it applies to the warm-up steps only.
+        delayed_update: ZeRO-Offload's one-step delayed parameter update. The host update
+            for step t (computed from step t's gradients, clipped by their own global norm
+            when ``gradient_clip_val`` is set, with step t's learning rate) runs on the host
+            while step t+1's forward and backward run, so step t+1 computes on weights that
+            do not yet include update t: one step stale. The host step overlaps the whole
+            next step (also under clipping; the step waits only for an update longer than
+            itself), at the cost of that staleness and one more copy of the host parameters
+            in host memory (the compute snapshot). Parameters
+            kept on the device (the resident unit unless ``offload_resident``) are updated
+            at once, as usual. A pending update is applied before validation, before every
+            checkpoint is written and at the end of fit (waiting for it there); the step
+            after such a point computes on fully updated weights, as a resumed run does,
+            which keeps resuming exact.
+            Needs a per-parameter optimizer and automatic optimization; not with fp16 loss
+            scaling (an overflow at step t+1 could not cancel update t, already applied).
+        delayed_update_warmup: optimizer steps (counted by ``trainer.global_step``, so a
+            resumed run does not repeat them) that update at once before the delay starts,
+            as ZeRO-Offload does while the early, fast-changing gradients make staleness
+            costly. Default 10; only meaningful with ``delayed_update=True``.
+        offload_activations: keep the block-boundary activations that checkpointing saves
+            for backward (each block's input) in host memory between the forward and the
+            backward pass instead of on the device: device memory no longer grows with depth
+            by one activation per block, at the cost of copying each one out and back once
+            per step (counted in ``offload_stats.activation_*_bytes``). Needs
+            ``checkpoint_blocks=True``. On a CPU device it only costs time.
+        device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
+    """
+
+    strategy_name = "l2l_offload"
+
+    def __init__(
+        self,
+        blocks: BlockPolicy = "auto",
+        prefetch_blocks: int = 1,
+        offload_resident: bool = False,
+        checkpoint_blocks: bool = True,
+        overlap_step: bool | None = None,
+        delayed_update: bool = False,
+        delayed_update_warmup: int | None = None,
+        offload_activations: bool = False,
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device=device if device is not None else "cpu", **kwargs)
+        self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
+                           delayed_update_warmup, offload_activations)
+        self._device_given = device is not None
+        self._devices: list[torch.device] = []  # what Trainer(devices=...) asked for (see parallel_devices)
+        self._num_nodes = 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._device_given and self._devices:  # Trainer(devices=[1]): cuda:1, not the current device
+            return torch.device(self._devices[0])
+        if not self._device_given and isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        return super().root_device
+
+    # The Trainer hands a strategy with these attributes the devices and nodes it was asked for
+    # (``Trainer(devices=..., num_nodes=...)``); a single-device strategy has none and would
+    # silently train on one device. Taking them lets ``_configure_launcher`` refuse the rest.
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return self._devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[Any] | None) -> None:
+        self._devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices or []]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @override
+    def _configure_launcher(self) -> None:
+        # the Trainer is being built: refuse what one process on one device cannot honour, before anything starts
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        asked = [f"devices={len(self._devices)}"] if len(self._devices) > 1 else []
+        asked += [f"num_nodes={self._num_nodes}"] if self._num_nodes > 1 else []
+        asked += [f"WORLD_SIZE={world} (a launcher such as torchrun)"] if world > 1 else []
+        if asked:
+            raise ValueError(
+                f"strategy='l2l_offload' trains on one device in one process, but {' and '.join(asked)} asks for more; "
+                "HINT: use strategy='l2l_offload_ddp' (data parallel, the host optimizer partitioned across ranks), "
+                "or devices=1"
+            )
+        super()._configure_launcher()
 
 
 # Optimizers whose update of a parameter reads only that parameter's gradient and state:

@@ -1,0 +1,354 @@
+"""L2LOffloadDDPStrategy: L2L offload on N processes, data parallel, the host optimizer partitioned (ZeRO-Offload).
+
+Why a class of its own (registered as ``"l2l_offload_ddp"``) and not ``"l2l_offload"`` with
+``devices=N``: Lightning decides how to launch (its subprocess launcher, or nothing under
+torchrun), the process-group backend (gloo on CPU, nccl on GPU) and whether to add a
+``DistributedSampler`` from the strategy's *class* (a ``DDPStrategy`` with
+``parallel_devices``), exactly as ``"ddp"`` and ``"single_device"`` are different classes.
+``Trainer(strategy="l2l_offload", devices=2)`` fails when the Trainer is built, naming this one.
+
+Each rank runs today's layer-to-layer streaming (:class:`~lightning_accel.offload.L2LExecutor`)
+on its own shard of the data; the model is never wrapped in ``DistributedDataParallel``.
+What this adds, each mechanism in :mod:`lightning_accel.offload`:
+
+- gradients averaged as blocks finish their backward (:mod:`~lightning_accel.offload.grad_sync`):
+  a block's collective is launched on a worker thread as soon as its last gradient has landed
+  on the host, and overlaps the backward of the earlier blocks; all are joined before the
+  step. The parameters kept on the device (embeddings, head, norms) are averaged with one
+  all-reduce after the backward. While Lightning accumulates gradients
+  (``accumulate_grad_batches``) nothing is sent: once per optimizer step, on the sum;
+- ``host_step="partitioned"`` (default): each block belongs to one rank
+  (:mod:`~lightning_accel.offload.partition`, block-granular), which alone receives its averaged
+  gradients and keeps its optimizer state, steps it, and sends the updated fp32 weights to every
+  rank (:mod:`~lightning_accel.offload.weight_sync`). A node then holds the host optimizer
+  state (AdamW: two fp32 moments per parameter) once, not once per rank. The fp32 masters
+  themselves are still on every rank (the ranks do not share host memory), and the parameters
+  kept on the device are all-reduced and stepped by every rank, as DDP does;
+- ``host_step="replicated"``: every block all-reduced and stepped by every rank (the
+  comparison point: N copies of the optimizer state);
+- clipping by norm uses the norm of the whole averaged gradient: squared norms of each rank's
+  blocks summed across ranks, the device parameters' counted once;
+- checkpoints hold what DDP would write: the user's parameter names and one plain optimizer
+  state over every parameter (rank 0 gathers the shards,
+  :mod:`~lightning_accel.offload.optimizer_state`); loading one hands each rank its shard, so a
+  checkpoint of this strategy loads into a one-device run or DDP and theirs into this.
+
+At setup rank 0's weights and buffers go to every rank, as DDP does when it wraps the model;
+after that each rank keeps its own buffers (DDP's ``broadcast_buffers=False``): BatchNorm
+running statistics are per rank.
+
+Refused, each with its reason, when the Trainer is built or fit starts: ``delayed_update``,
+``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
+no wrapper), and fp16 loss scaling with the partitioned step (each rank would see only its
+blocks' overflows). ``OffloadPrecision("bf16-mixed")`` and ``offload_activations`` work as on
+one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_accel.cpu_budget import CpuBudget, cpu_budget, local_ranks
+from lightning_accel.models.block_policy import BlockPolicy
+from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
+from lightning_accel.offload.partition import HostPartition, partition_units
+from lightning_accel.offload.weight_sync import broadcast_units
+from lightning_accel.patching import swapped
+from lightning_accel.strategies.l2l_offload import L2LOffloadHooks
+
+HostStep = Literal["partitioned", "replicated"]
+_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
+    """L2L offload on every rank, data parallel, the host optimizer partitioned across ranks.
+
+    Args:
+        host_step: ``"partitioned"`` (each rank keeps and steps the optimizer state of its share
+            of the blocks, then sends their weights to the others) or ``"replicated"`` (every rank
+            steps every block, as DDP does).
+        blocks, prefetch_blocks, offload_resident, checkpoint_blocks, offload_activations: as for
+            :class:`~lightning_accel.strategies.L2LOffloadStrategy`.
+        overlap_step: only ``None``/``False``: the host step runs after the gradients are averaged.
+        delayed_update: only ``False`` for now.
+        process_group_backend, timeout, start_method, parallel_devices, cluster_environment,
+            checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "l2l_offload_ddp"
+
+    def __init__(
+        self,
+        host_step: HostStep = "partitioned",
+        blocks: BlockPolicy = "auto",
+        prefetch_blocks: int = 1,
+        offload_resident: bool = False,
+        checkpoint_blocks: bool = True,
+        overlap_step: bool | None = None,
+        delayed_update: bool = False,
+        delayed_update_warmup: int | None = None,
+        offload_activations: bool = False,
+        timeout: timedelta | float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if host_step not in ("partitioned", "replicated"):
+            raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
+        if delayed_update:
+            raise ValueError(
+                "L2LOffloadDDPStrategy does not run delayed_update=True yet (the deferred host update would have to wait "
+                "for the averaged gradients and send its weights a step late); HINT: delayed_update=False, or "
+                "strategy='l2l_offload' on one device"
+            )
+        if overlap_step:
+            raise ValueError(
+                "L2LOffloadDDPStrategy(overlap_step=True): a block's host step needs its gradients averaged over the "
+                "ranks first, so it runs after the backward (the averaging is what overlaps); HINT: leave overlap_step unset"
+            )
+        unused = [k for k in _DDP_ONLY if kwargs.get(k) is not None] + [k for k in kwargs if k not in _DDP_KEYS]
+        if unused:
+            raise ValueError(
+                f"L2LOffloadDDPStrategy does not wrap the model in DistributedDataParallel, so {unused[0]}=... would be "
+                "ignored; HINT: remove it (gradients are averaged block by block by the strategy itself)"
+            )
+        if timeout is not None and not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        super().__init__(**({"timeout": timeout} if timeout is not None else {}), **kwargs)
+        self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
+                           delayed_update_warmup, offload_activations)
+        self.host_step = host_step
+        self._sync = True  # False while Lightning accumulates gradients (block_backward_sync)
+        self._host_group: dist.ProcessGroup | None = None  # gloo, host tensors only, used by the sync worker
+        self._grad_sync: HostGradientSync | None = None
+        self._partition: HostPartition | None = None
+        self._units: list[list[nn.Parameter]] = []  # host parameters (requiring grad) per unit
+        self._resident: list[nn.Parameter] = []  # parameters kept on the device, all-reduced after backward
+        self._resident_pending: PendingMean | None = None
+        self.reduced_bytes = 0  # gradient payload averaged for the last optimizer step (blocks and device parameters)
+        self.gathered_bytes = 0  # weights broadcast after the last step (partitioned)
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        if self._host_group is None:
+            # host tensors (CPU even beside nccl); the gradient worker is its only user besides the
+            # main thread between steps, so its collectives never interleave with Lightning's
+            self._host_group = dist.new_group(backend="gloo", timeout=self._timeout)
+
+    @override
+    def _base_setup(self, trainer: Trainer) -> None:
+        # DDPStrategy.setup without the DistributedDataParallel wrapper (and without its module
+        # broadcast, which would send host tensors over nccl on a GPU)
+        assert self.accelerator is not None and self.model is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._refuse(trainer, fitting)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._broadcast_initial_weights()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._setup_sync()
+
+    def _refuse(self, trainer: Trainer, fitting: bool) -> None:
+        module = trainer.lightning_module
+        if fitting and not module.automatic_optimization:
+            raise ValueError(
+                f"L2LOffloadDDPStrategy needs automatic optimization ({type(module).__name__} sets "
+                "automatic_optimization=False): it averages gradients once per optimizer step; HINT: use automatic optimization"
+            )
+        if fitting and self._layer_sync is not None:
+            raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); HINT: remove sync_batchnorm")
+        if self.host_step == "partitioned" and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "L2LOffloadDDPStrategy(host_step='partitioned') with fp16 loss scaling: each rank sees only its own blocks' "
+                "gradients, so the ranks would disagree about an overflow; HINT: OffloadPrecision('bf16-mixed'), or "
+                "host_step='replicated'"
+            )
+
+    def _broadcast_initial_weights(self) -> None:
+        """Rank 0's parameters and buffers on every rank, as DDP does when it wraps the model."""
+        assert self.lightning_module is not None and self._executor is not None
+        tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+        host = [t.data for t in tensors if t.device.type == "cpu"]
+        device = [t.data for t in tensors if t.device.type != "cpu"]
+        broadcast_units([host], [0], self._host_group)
+        if device:
+            broadcast_units([device], [0], None)
+        self._executor.store.refresh_shadows()
+
+    def _setup_sync(self) -> None:
+        executor = self._executor
+        assert executor is not None
+        plan = executor.plan
+        units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
+        self._units = [[p for _, p in unit.params if p.requires_grad] for unit in units]
+        numels = [sum(p.numel() for p in unit) for unit in self._units]
+        self._resident = [] if plan.offload_resident else [p for _, p in plan.resident.params if p.requires_grad]
+        self._partition = partition_units(numels, self.world_size) if self.host_step == "partitioned" else None
+        if self._grad_sync is not None:
+            self._grad_sync.close()
+        self._grad_sync = HostGradientSync(
+            self._units, executor.store.grads, self._host_group,
+            owners=None if self._partition is None else self._partition.owners,
+            land=executor.streamer.finish_grads, init_worker=self._threads.init_worker if self._threads else None,
+        )
+        how = self._partition.describe(numels) if self._partition is not None else "host optimizer replicated on every rank"
+        self._plan_text += f"; {self.world_size} ranks, {how}"
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning accumulates gradients over batches: they are averaged only after the last one."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self._executor is not None
+        if self._sync and self._grad_sync is not None:
+            self._grad_sync.begin()
+            self._executor.grads_landed = self._grad_sync.ready
+        super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self._executor is not None
+        syncing = self._executor.grads_landed is not None
+        if syncing:
+            assert self._grad_sync is not None
+            self._grad_sync.drain()  # the worker has read what it launched before the rest lands here
+        super().post_backward(closure_loss)
+        self._executor.grads_landed = None
+        if syncing:
+            assert self._grad_sync is not None
+            self._grad_sync.flush()
+            if self._resident:
+                self._resident_pending = launch_mean(self._resident, [p.grad for p in self._resident], None)
+
+    @override
+    def _gradients_ready(self) -> None:
+        self.reduced_bytes = 0
+        if self._grad_sync is not None:
+            self._grad_sync.wait()
+            self.reduced_bytes += self._grad_sync.bytes_reduced
+        if self._resident_pending is not None:
+            self.reduced_bytes += self._resident_pending.nbytes
+            for param, grad in self._resident_pending.result():
+                param.grad = grad
+            self._resident_pending = None
+
+    @override
+    def _cpu_budget(self) -> CpuBudget | None:
+        # Lightning's launcher does not export the ranks per host; a launcher that does (torchrun, SLURM) is believed
+        return cpu_budget(self.num_processes if local_ranks()[1] == "default" else None)
+
+    @override
+    def _can_overlap(self, optimizer: Optimizer) -> bool:
+        return False
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self._partition is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Lightning's clipping by norm would see only this rank's blocks
+        with swapped(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        assert self._executor is not None
+        host = self._executor.store.master
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # a host gradient here is one this rank owns; the device parameters' are alike on every rank
+        counted = [p in host or self.global_rank == 0 for p in params]
+        clip_grad_norm_across([p.grad for p in params], counted, float(clip_val), self._host_group)
+
+    @override
+    def _after_update(self, optimizer: Optimizer) -> None:
+        if self._partition is None:
+            return
+        assert self._executor is not None
+        store = self._executor.store
+        received, self.gathered_bytes = broadcast_units(
+            [[store.master[p] for p in unit] for unit in self._units], self._partition.owners, self._host_group
+        )
+        params = [p for i in received for p in self._units[i]]
+        if params:
+            self._executor.refresh_shadows(params)
+
+    # -- what each rank holds, and checkpoints ----------------------------------------------------
+
+    def owned_parameters(self) -> list[nn.Parameter]:
+        """The host parameters this rank steps (all of them when replicated)."""
+        if self._partition is None:
+            return [p for unit in self._units for p in unit]
+        return [p for i in self._partition.owned(self.global_rank) for p in self._units[i]]
+
+    def host_optimizer_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds for host parameters (1/N of all when partitioned)."""
+        host = [p for unit in self._units for p in unit]
+        return sum(state_bytes(o, host) for o in self.optimizers)
+
+    def host_weight_bytes(self) -> int:
+        """Bytes of host weights this rank holds (fp32 masters and low-precision copies; not partitioned)."""
+        return self._executor.store.host_bytes() if self._executor is not None else 0
+
+    def _kept_indices(self, optimizer: Optimizer) -> set[int]:
+        """Indices of ``optimizer.state_dict()`` whose state this rank keeps: its own host
+        parameters and every parameter not on the host."""
+        index = param_indices(optimizer)
+        host = {id(p) for unit in self._units for p in unit}
+        mine = {id(p) for p in self.owned_parameters()}
+        return {i for pid, i in index.items() if pid in mine or pid not in host}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._partition is None:
+            return state
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        index = param_indices(inner)
+        send = {index[id(p)] for p in self.owned_parameters()}
+        return gather_state(state, send, self._host_group, dst=0)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self._partition is not None:
+                state = keep_state(state, self._kept_indices(optimizer))
+            optimizer.load_state_dict(state)
+
+    @override
+    def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.close()
+            self._grad_sync = None
+        self._resident_pending = None
+        super().teardown()
+
+
+_DDP_KEYS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+             "process_group_backend", "start_method", *_DDP_ONLY}

@@ -1,0 +1,115 @@
+"""The data-parallel pieces of L2L offload without Lightning: the partition plan, the gradient mean with its
+presence flags, clipping across ranks, the weight broadcast and the optimizer-state shards (on a gloo group of 1
+here; the 2-rank behaviour against DDP is tested in tests/strategies/test_l2l_offload_ddp.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_accel.offload.grad_sync import HostGradientSync, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
+from lightning_accel.offload.partition import partition_units
+from lightning_accel.offload.weight_sync import broadcast_units
+
+
+def test_equal_blocks_go_round_robin_and_split_evenly() -> None:
+    plan = partition_units([10] * 8, 4)
+    assert plan.owners == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert plan.shares([10] * 8) == [20] * 4
+    assert plan.owned(1) == [1, 5]
+    assert "rank 0: 2 units (25%)" in plan.describe([10] * 8)
+
+
+def test_unequal_units_balance_by_size_and_fewer_units_than_ranks_leave_a_rank_empty() -> None:
+    # largest first to the emptiest rank: 7 -> r0, 5 -> r1, 4 -> r1 (5 < 7), 3 -> r0 ... shares 10 and 9
+    assert partition_units([3, 7, 4, 5], 2).owners == (0, 0, 1, 1)
+    assert partition_units([3, 7, 4, 5], 2).shares([3, 7, 4, 5]) == [10, 9]
+    assert partition_units([5], 2).owned(1) == []
+    with pytest.raises(ValueError, match="world size must be >= 1, got 0"):
+        partition_units([1], 0)
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[dist.ProcessGroup]:
+    saved = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_mean_keeps_no_gradient_where_no_rank_had_one(group_of_one: dist.ProcessGroup) -> None:
+    a, b = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64)), nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    grad = torch.arange(6.0, dtype=torch.float64).view(2, 3)
+    pending = launch_mean([a, b], [grad, None], group_of_one, owner=0)
+    (pa, ga), (pb, gb) = pending.result()
+    assert pa is a and torch.equal(ga, grad) and pb is b and gb is None
+    assert pending.nbytes == (6 + 4 + 2) * 8  # the values and one flag per parameter
+
+
+def test_units_launch_in_descending_order_whatever_order_they_land(group_of_one: dist.ProcessGroup) -> None:
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    grads = {p: torch.full((3,), float(i + 1)) for i, p in enumerate(params)}
+    landed: list[int] = []
+    sync = HostGradientSync([[p] for p in params], grads, group_of_one, owners=[0, 0, 0],
+                            land=lambda ps: landed.append(next(i for i, p in enumerate(params) if p is ps[0])))
+    sync.begin()
+    sync.ready(0)  # unit 0 first: it must wait for units 2 and 1
+    sync.ready(2)
+    sync.drain()
+    assert landed == [2]
+    sync.flush()  # unit 1 never landed during the backward
+    sync.wait()
+    assert landed == [2, 1, 0]
+    assert [float(grads[p][0]) for p in params] == [1.0, 2.0, 3.0]
+    assert sync.bytes_reduced == 3 * (3 + 1) * 4
+    sync.close()
+
+
+def test_clip_across_ranks_counts_each_gradient_once_like_torch(group_of_one: dist.ProcessGroup) -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(5, dtype=torch.float64) for _ in range(3)]
+    expected = [g.clone() for g in grads]
+    params = [nn.Parameter(torch.zeros(5, dtype=torch.float64)) for _ in range(3)]
+    for p, g in zip(params, expected):
+        p.grad = g
+    want = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    norm = clip_grad_norm_across(grads, [True, True, True], 0.5, group_of_one)
+    assert norm == pytest.approx(float(want), rel=1e-12)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
+    # a gradient counted on another rank (not here) is scaled but not summed
+    grads = [torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
+    assert clip_grad_norm_across(grads, [True, False], 1.0, group_of_one) == pytest.approx(2.0)
+    torch.testing.assert_close(grads[1], torch.full((4,), 1.0 / (2.0 + 1e-6), dtype=torch.float64))
+
+
+def test_broadcast_units_from_their_owner(group_of_one: dist.ProcessGroup) -> None:
+    a, b = torch.ones(2, 2), torch.zeros(3, dtype=torch.float64)
+    received, nbytes = broadcast_units([[a, b], []], [0, 0], group_of_one)
+    assert received == [] and nbytes == 7 * 8  # the owner receives nothing; one float64 buffer for the unit
+
+
+def test_optimizer_state_shards_merge_under_plain_indices(group_of_one: dist.ProcessGroup) -> None:
+    params = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    opt = torch.optim.AdamW(params)
+    for p in params[:2]:  # as on a partitioned rank: only the parameters with a gradient get state
+        p.grad = torch.ones(3)
+    opt.step()
+    assert state_bytes(opt) == 2 * (2 * 3 * 4 + 4) and state_bytes(opt, params[1:]) == 2 * 3 * 4 + 4
+    full = opt.state_dict()
+    assert param_indices(opt) == {id(p): i for i, p in enumerate(params)}
+    kept = keep_state(full, {1})
+    assert list(kept["state"]) == [1] and kept["param_groups"] == full["param_groups"]
+    merged = gather_state(kept, {1}, group_of_one)
+    assert list(merged["state"]) == [1]

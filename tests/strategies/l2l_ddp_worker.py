@@ -1,0 +1,151 @@
+"""A user script training with ``L2LOffloadDDPStrategy`` and with plain Lightning DDP on N CPU processes (gloo).
+
+Run as ``python l2l_ddp_worker.py OUT_DIR DEVICES CASE[,CASE...]``: Lightning's subprocess launcher
+re-runs this script for the other ranks. Each case is one ``Trainer.fit`` in the same processes
+(start-up paid once); every rank writes ``{case}-rank{r}.pt`` (its weights after fit, the losses,
+the bytes of optimizer state it holds for block parameters and in all, the bytes reduced and
+gathered in the last step) and rank 0 writes ``{case}.ckpt``.
+
+Case names: ``{model}-{how}[-{extra}]``; model ``gpt64`` (zoo GPT, float64), ``gpt32``, ``gptbf16``
+(OffloadPrecision / Lightning's bf16-mixed), ``llama64`` (transformers Llama, float64); how ``ddp``
+(Lightning's DDP), ``part`` (partitioned host step) or ``repl`` (replicated); extras ``accclip``
+(accumulate 2 batches, clip the norm at 0.05), ``act`` (offload_activations), ``2ep`` (two epochs),
+``resumed`` (two epochs from ``gpt64-part.ckpt``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lightning_accel.models import GPT, LanguageModelTask  # noqa: E402
+from lightning_accel.plugins.precision import OffloadPrecision  # noqa: E402
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy  # noqa: E402
+
+PER_RANK_BATCH = 4
+SEQUENCES = 32
+CLIP = 0.05  # below the first steps' gradient norm (~0.3): clipping acts
+
+
+def gpt_task(dtype: torch.dtype = torch.float64) -> LanguageModelTask:
+    """The zoo GPT, 4 blocks, tied embedding and head, AdamW with weight decay."""
+    torch.manual_seed(0)
+    net = GPT("tiny", n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=32)
+    return LanguageModelTask(net, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)).to(dtype)
+
+
+def gpt_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32, (SEQUENCES, 8), generator=g)
+    return TensorDataset(x, torch.roll(x, -1, dims=1))
+
+
+class GlobalBatches:
+    """The global batches N DDP ranks train on (Lightning's DistributedSampler, seed 0, each rank's
+    ``PER_RANK_BATCH``), concatenated in rank order: one process on these sees what the ranks see together."""
+
+    def __init__(self, n: int, world: int) -> None:
+        self.n, self.world = n, world
+        self.sampler = self  # Lightning sets the epoch on ``batch_sampler.sampler``
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        from torch.utils.data import DistributedSampler
+
+        shards = []
+        for rank in range(self.world):
+            sampler = DistributedSampler(range(self.n), num_replicas=self.world, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(self.epoch)
+            shards.append(list(sampler))
+        for start in range(0, len(shards[0]), PER_RANK_BATCH):
+            yield [i for shard in shards for i in shard[start : start + PER_RANK_BATCH]]
+
+    def __len__(self) -> int:
+        return self.n // self.world // PER_RANK_BATCH
+
+
+def llama_task() -> pl.LightningModule:
+    from real_models import real_task
+
+    return real_task("llama", torch.float64)
+
+
+def llama_loader() -> DataLoader:
+    from real_models import lm_loader
+
+    return lm_loader(n=SEQUENCES, batch_size=PER_RANK_BATCH)
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.returned: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.returned.append(float(outputs["loss"]))
+
+
+def fit(out: str, devices: int, case: str) -> None:
+    model, how, *extras = case.split("-")
+    task = llama_task() if model == "llama64" else gpt_task(torch.float32 if model in ("gpt32", "gptbf16") else torch.float64)
+    data = llama_loader() if model == "llama64" else DataLoader(gpt_data(), batch_size=PER_RANK_BATCH)
+    kwargs: dict[str, Any] = {}
+    if "accclip" in extras:
+        kwargs.update(accumulate_grad_batches=2, gradient_clip_val=CLIP)
+    plugins = []
+    if how == "ddp":
+        strategy: Any = "ddp"
+        if model == "gptbf16":
+            kwargs["precision"] = "bf16-mixed"
+    else:
+        strategy = L2LOffloadDDPStrategy(host_step="partitioned" if how == "part" else "replicated",
+                                         offload_activations="act" in extras, timeout=60)
+        if model == "gptbf16":
+            plugins.append(OffloadPrecision("bf16-mixed"))
+    epochs = 2 if {"2ep", "resumed"} & set(extras) else 1
+    losses = Losses()
+    trainer = pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses], **kwargs,
+    )
+    ckpt = os.path.join(out, f"{model}-{how}.ckpt") if "resumed" in extras else None
+    if "resumed" in extras and how == "ddp":
+        ckpt = os.path.join(out, "gpt64-part.ckpt")  # DDP resumes from the partitioned strategy's checkpoint
+    trainer.fit(task, data, ckpt_path=ckpt)
+    trainer.save_checkpoint(os.path.join(out, f"{case}.ckpt"))
+    result: dict[str, Any] = {
+        "weights": {k: v.detach().cpu().clone() for k, v in task.state_dict().items()},
+        "losses": losses.returned,
+        "optimizer_bytes": sum(
+            v.numel() * v.element_size() for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)
+        ),
+    }
+    if isinstance(trainer.strategy, L2LOffloadDDPStrategy):
+        strategy = trainer.strategy
+        names = {id(p): n for n, p in task.named_parameters()}
+        result.update(
+            host_optimizer_bytes=strategy.host_optimizer_bytes(),
+            owned=sorted(names[id(p)] for p in strategy.owned_parameters()),
+            reduced_bytes=strategy.reduced_bytes, gathered_bytes=strategy.gathered_bytes,
+        )
+    torch.save(result, os.path.join(out, f"{case}-rank{trainer.global_rank}.pt"))
+
+
+def main() -> None:
+    out, devices, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+    torch.set_num_threads(1)
+    for case in cases:
+        fit(out, devices, case)
+
+
+if __name__ == "__main__":
+    main()

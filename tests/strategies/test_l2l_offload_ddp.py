@@ -1,0 +1,198 @@
+"""L2L offload on several processes: L2LOffloadDDPStrategy against plain Lightning DDP on the same global batch, and
+the refusals of what neither L2L strategy can honour (a second device for 'l2l_offload' first of all)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[0] / "pipeline"))
+from l2l_ddp_worker import PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task  # noqa: E402
+from user_script import run_user_script  # noqa: E402
+
+
+def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+# -- bad input: refused when the Trainer is built, or before the first step ------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"devices": 2}, "devices=2"), ({"devices": 1, "num_nodes": 3}, "num_nodes=3")])
+def test_l2l_offload_refuses_more_than_one_device_when_the_trainer_is_built(kwargs: dict[str, Any], named: str) -> None:
+    for strategy in ("l2l_offload", L2LOffloadStrategy()):
+        with pytest.raises(ValueError, match=rf"strategy='l2l_offload' trains on one device in one process, but {named} asks "
+                                             r"for more; HINT: use strategy='l2l_offload_ddp'"):
+            _trainer(strategy, **kwargs)
+
+
+def test_l2l_offload_refuses_a_launcher_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"but WORLD_SIZE=4 \(a launcher such as torchrun\) asks for more"):
+        _trainer("l2l_offload", devices=1)
+
+
+def test_one_device_is_honoured_and_counted() -> None:
+    trainer = _trainer("l2l_offload", devices=1)
+    assert trainer.num_devices == 1 and trainer.strategy.root_device == torch.device("cpu")
+
+
+def test_the_data_parallel_name_takes_every_device() -> None:
+    trainer = _trainer("l2l_offload_ddp", devices=2)
+    assert isinstance(trainer.strategy, L2LOffloadDDPStrategy) and trainer.num_devices == 2
+    assert trainer.strategy.host_step == "partitioned"
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"host_step": "sharded"}, r"host_step='sharded' is not one of 'partitioned', 'replicated'"),
+    ({"delayed_update": True}, r"does not run delayed_update=True yet.*HINT: delayed_update=False"),
+    ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*HINT: leave overlap_step unset"),
+    ({"find_unused_parameters": True}, r"does not wrap the model in DistributedDataParallel, so find_unused_parameters=\.\.\. would be ignored"),
+    ({"ddp_comm_hook": print}, r"so ddp_comm_hook=\.\.\. would be ignored"),
+])
+def test_data_parallel_options_it_cannot_honour_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        L2LOffloadDDPStrategy(**kwargs)
+
+
+def _gpt_loader() -> DataLoader:
+    return DataLoader(gpt_data(), batch_size=PER_RANK_BATCH)
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_fp16_scaling_with_the_partitioned_step_is_refused_before_training() -> None:
+    trainer = _trainer(L2LOffloadDDPStrategy(), devices=1, plugins=[OffloadPrecision("16-mixed")], max_steps=1)
+    with pytest.raises(ValueError, match=r"host_step='partitioned'\) with fp16 loss scaling.*HINT: OffloadPrecision\('bf16-mixed'\)"):
+        trainer.fit(gpt_task(torch.float32), _gpt_loader())
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_manual_optimization_is_refused_before_training() -> None:
+    task = gpt_task()
+    task.automatic_optimization = False
+    with pytest.raises(ValueError, match=r"needs automatic optimization \(LanguageModelTask sets automatic_optimization=False\)"):
+        _trainer(L2LOffloadDDPStrategy(), devices=1, max_steps=1).fit(task, _gpt_loader())
+
+
+# -- 2 gloo ranks against plain Lightning DDP ---------------------------------------------------------
+
+CASES = [
+    "gpt64-ddp", "gpt64-part", "gpt64-repl",
+    "gpt64-ddp-accclip", "gpt64-part-accclip", "gpt64-repl-accclip",
+    "gpt64-part-act", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
+    "llama64-ddp", "llama64-part", "llama64-repl",
+    "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("l2l_ddp")
+    result = run_user_script(HERE / "l2l_ddp_worker.py", [str(out), "2", ",".join(CASES)], 600, "2-process l2l_offload_ddp")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return out
+
+
+def _ranks(out: Path, case: str) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{case}-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
+    assert got.keys() == want.keys()  # the user's names
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=name)
+
+
+# fp32: the host parameters step on torch's fused CPU AdamW, DDP on its per-tensor loop (test_l2l_offload.py)
+FP32_ATOL = 2e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "reference", "atol"), [
+    ("gpt64-part", "gpt64-ddp", 1e-12), ("gpt64-repl", "gpt64-ddp", 1e-12),
+    ("gpt64-part-accclip", "gpt64-ddp-accclip", 1e-12), ("gpt64-repl-accclip", "gpt64-ddp-accclip", 1e-12),
+    ("gpt64-part-act", "gpt64-ddp", 1e-12),
+    ("gpt32-part", "gpt32-ddp", FP32_ATOL),
+    ("gptbf16-part", "gptbf16-ddp", 2e-2),
+    ("llama64-part", "llama64-ddp", 1e-12), ("llama64-repl", "llama64-ddp", 1e-12),
+])
+def test_trains_to_the_weights_of_plain_ddp(two_ranks: Path, case: str, reference: str, atol: float) -> None:
+    ranks, ddp = _ranks(two_ranks, case), _ranks(two_ranks, reference)
+    initial = (gpt_task() if case.startswith("gpt") else None)
+    for rank, ddp_rank in zip(ranks, ddp):  # every rank ends with the same, trained weights; its losses are its shard's
+        _assert_close(rank["weights"], ddp[0]["weights"], rtol=0, atol=atol)
+        assert rank["losses"] == pytest.approx(ddp_rank["losses"], rel=1e-6 if atol > 1e-12 else 1e-12, abs=atol)
+    if initial is not None:  # guard against an offload that silently does not train
+        moved = [n for n, w in initial.state_dict().items() if not torch.equal(w.to(ranks[0]["weights"][n].dtype), ranks[0]["weights"][n])]
+        assert len(moved) == len(ranks[0]["weights"])
+    # the gradients were averaged in the last step, and with the partitioned step the weights went back out
+    assert all(r["reduced_bytes"] > 0 for r in ranks)
+    assert all((r["gathered_bytes"] > 0) == ("-part" in case) for r in ranks)
+
+
+@pytest.mark.slow
+def test_accumulation_and_clipping_act(two_ranks: Path) -> None:
+    """The accumulate-and-clip comparison is not the plain one again: those settings move DDP's weights elsewhere."""
+    plain, accclip = _ranks(two_ranks, "gpt64-ddp")[0], _ranks(two_ranks, "gpt64-ddp-accclip")[0]
+    assert len(accclip["losses"]) == len(plain["losses"]) == 4  # 4 batches per rank: 4 optimizer steps, or 2
+    assert max((plain["weights"][k] - accclip["weights"][k]).abs().max() for k in plain["weights"]) > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt64", "llama64"])
+def test_each_rank_holds_the_optimizer_state_of_its_share_only(two_ranks: Path, model: str) -> None:
+    part, repl = _ranks(two_ranks, f"{model}-part"), _ranks(two_ranks, f"{model}-repl")
+    full = repl[0]["host_optimizer_bytes"]
+    assert repl[1]["host_optimizer_bytes"] == full  # replicated: every rank holds all of it
+    held = [r["host_optimizer_bytes"] for r in part]
+    assert sum(held) == full and 0 < min(held)  # partitioned: once over the ranks
+    if model == "gpt64":  # 4 equal blocks over 2 ranks: exactly half each
+        assert held == [full // 2, full // 2]
+    else:  # 3 equal blocks: block-granular, 2 and 1
+        assert sorted(held) == [full // 3, 2 * full // 3]
+    assert set(part[0]["owned"]).isdisjoint(part[1]["owned"])
+    assert sorted(part[0]["owned"] + part[1]["owned"]) == repl[0]["owned"]
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_plain_state_and_resumes_exactly_here_in_ddp_and_on_one_device(two_ranks: Path) -> None:
+    ckpt = torch.load(two_ranks / "gpt64-part.ckpt", weights_only=False)
+    task = gpt_task()
+    assert set(ckpt["state_dict"]) == set(task.state_dict())
+    # one optimizer state over every parameter, under plain indices, gathered from both ranks' shards
+    state = ckpt["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(list(task.parameters()))))
+    assert all(int(s["step"]) == 4 for s in state.values())
+    straight = _ranks(two_ranks, "gpt64-part-2ep")[0]["weights"]
+    # this strategy resuming from its checkpoint, and Lightning's DDP resuming from it
+    _assert_close(_ranks(two_ranks, "gpt64-part-resumed")[0]["weights"], straight, rtol=0, atol=0)
+    _assert_close(_ranks(two_ranks, "gpt64-ddp-resumed")[0]["weights"], straight, rtol=0, atol=1e-12)
+    # one process on the same global batches resuming from it
+    single = gpt_task()
+    batches = DataLoader(gpt_data(), batch_sampler=GlobalBatches(len(gpt_data()), 2))
+    _trainer("auto", devices=1, max_epochs=2).fit(single, batches, ckpt_path=two_ranks / "gpt64-part.ckpt")
+    _assert_close({k: v.detach() for k, v in single.state_dict().items()}, straight, rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_plain_one_process_run_on_the_global_batches_is_the_same_reference(two_ranks: Path) -> None:
+    """The DDP reference is itself one process on the global batch: AdamW on the mean gradient of 8 sequences."""
+    single = gpt_task()
+    batches = DataLoader(gpt_data(), batch_sampler=GlobalBatches(len(gpt_data()), 2))
+    _trainer("auto", devices=1, max_epochs=1).fit(single, batches)
+    _assert_close({k: v.detach() for k, v in single.state_dict().items()}, _ranks(two_ranks, "gpt64-part")[0]["weights"], rtol=0, atol=1e-12)
