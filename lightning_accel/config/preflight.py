@@ -33,7 +33,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
-from lightning_accel.config.errors import UserError, explain
+from lightning_accel.config.errors import UserError, explain, one_line
 from lightning_accel.config.validate import check_launchable, validate
 
 _REQUIRED_GROUPS = ("model", "data", "trainer")
@@ -51,8 +51,8 @@ def is_sweep(override: str) -> bool:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    """The error's first line, in the one shape of :mod:`~lightning_accel.config.errors` (``...; fix``)."""
+    return one_line(str(err)) or type(err).__name__
 
 
 def _compose(path: Path, overrides: Sequence[str]) -> DictConfig:
@@ -72,7 +72,7 @@ def _compose(path: Path, overrides: Sequence[str]) -> DictConfig:
         removed = [o.split("=", 1)[0] for o in overrides if re.fullmatch(r"[\w/]+=null", o)]
         if removed:
             raise UserError(f"{removed[0]}=null removes the {removed[0]} config a run needs; choose an option, e.g. {_example(removed[0])}") from None
-        raise UserError(f"cannot compose {path.stem}: {_first_line(err)}") from None
+        raise UserError(f"cannot compose {path.stem}: {_first_line(err)}; rerun with HYDRA_FULL_ERROR=1 for the traceback") from None
 
 
 def _example(group: str) -> str:
@@ -195,8 +195,8 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
         for name, node in (cfg.get("callbacks") or {}).items():
             if node is not None:
                 _built(f"callbacks.{name}", node)
-        for i, node in enumerate(cfg.get("plugins") or []):
-            _built(f"plugins[{i}]", node)
+        plugins = [_built(f"plugins[{i}]", node) for i, node in enumerate(cfg.get("plugins") or [])]
+        check_offload_precision(strategy, plugins, cfg.trainer.get("precision"))
         loop = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if k != "_target_"}
         # The loop settings on the CPU: the hardware is check_launchable's question.
         loop.update(accelerator="cpu", devices=1, precision="32-true", logger=False, enable_checkpointing=False, default_root_dir=os.devnull)
@@ -216,6 +216,38 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
     _check_balance(strategy, net)
     _check_pipeline_batch(strategy, cfg)
     return module
+
+
+# Lightning's flags and the offload-* option that keeps their compute precision.
+_OFFLOAD_TWIN = {"bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "16-mixed": "16-mixed", "16": "16-mixed"}
+_FP32 = ("32-true", "32")
+
+
+def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) -> None:
+    """L2L offload computes on device copies of fp32 host masters, in the precision of its own
+    plugin (``precision=offload-*``); a Lightning flag other than fp32 would be refused by the
+    strategy only once training starts, and an offload plugin without the strategy means nothing."""
+    from lightning_accel.plugins.precision import OffloadPrecision
+    from lightning_accel.strategies.l2l_offload import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
+
+    offload = next((p for p in plugins if isinstance(p, OffloadPrecision)), None)
+    flag = None if flag is None else str(flag)
+    if isinstance(strategy, L2LOffloadHooks):
+        if offload is not None and flag is not None:
+            raise UserError(
+                f"trainer.precision={flag} and precision=offload-{offload.precision} are both set; "
+                f"keep one: precision=offload-{_OFFLOAD_TWIN.get(flag, offload.precision)} (it sets trainer.precision=null)"
+            )
+        if offload is None and flag is not None and flag not in _FP32:
+            twin = _OFFLOAD_TWIN.get(flag)
+            fix = (f"precision=offload-{twin} (device copies in {twin} over fp32 host masters)" if twin
+                   else "precision=offload-bf16-mixed, offload-16-mixed or offload-32-true")
+            raise UserError(f"trainer.precision={flag}: strategy=l2l_offload takes its precision from its own plugin; use {fix}")
+    elif offload is not None:
+        raise UserError(
+            f"precision=offload-{offload.precision} is for strategy=l2l_offload, but the strategy is "
+            f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
+        )
 
 
 def _check_pipeline_batch(strategy: Any, cfg: DictConfig) -> None:
@@ -334,4 +366,4 @@ def check_data(cfg: DictConfig) -> None:
     _built("data", cfg.data)
 
 
-__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "is_sweep", "preflight", "recipe_root"]
+__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "check_offload_precision", "is_sweep", "preflight", "recipe_root"]

@@ -111,6 +111,7 @@ class HostGradientSync:
         self._ready: set[int] = set()
         self._next = -1
         self.bytes_reduced = 0  # payload of the last synchronised backward's collectives
+        self.launched_in_backward = 0  # of those, launched while the backward pass was still running
 
     def begin(self) -> None:
         """Before a backward pass whose gradients are to be averaged (the last of an accumulation)."""
@@ -128,6 +129,7 @@ class HostGradientSync:
 
     def flush(self) -> None:
         """After the backward pass: launch every unit not launched yet, in order."""
+        self.launched_in_backward = len(self._launched)
         while self._next >= 0:
             self._launch(self._next)
             self._next -= 1

@@ -39,8 +39,8 @@ running statistics are per rank.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``delayed_update``,
 ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
-no wrapper), and fp16 loss scaling with the partitioned step (each rank would see only its
-blocks' overflows). ``OffloadPrecision("bf16-mixed")`` and ``offload_activations`` work as on
+no wrapper), and fp16 loss scaling (with the step partitioned each rank would see only its
+blocks' overflows; the ranks' overflow verdicts are not agreed yet). ``OffloadPrecision("bf16-mixed")`` and ``offload_activations`` work as on
 one device.
 """
 
@@ -139,6 +139,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         self._resident_pending: PendingMean | None = None
         self.reduced_bytes = 0  # gradient payload averaged for the last optimizer step (blocks and device parameters)
         self.gathered_bytes = 0  # weights broadcast after the last step (partitioned)
+        self.reduced_in_backward = 0  # blocks whose averaging the last step launched before its backward had ended
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -177,11 +178,11 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
             )
         if fitting and self._layer_sync is not None:
             raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); HINT: remove sync_batchnorm")
-        if self.host_step == "partitioned" and getattr(self.precision_plugin, "scaler", None) is not None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
-                "L2LOffloadDDPStrategy(host_step='partitioned') with fp16 loss scaling: each rank sees only its own blocks' "
-                "gradients, so the ranks would disagree about an overflow; HINT: OffloadPrecision('bf16-mixed'), or "
-                "host_step='replicated'"
+                "L2LOffloadDDPStrategy does not run fp16 loss scaling (OffloadPrecision('16-mixed')) yet: with the host "
+                "step partitioned each rank sees only its own blocks' overflows, and the ranks' verdicts are not agreed; "
+                "HINT: OffloadPrecision('bf16-mixed')"
             )
 
     def _broadcast_initial_weights(self) -> None:
@@ -253,6 +254,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
     def _gradients_ready(self) -> None:
         self.reduced_bytes = 0
         if self._grad_sync is not None:
+            self.reduced_in_backward = self._grad_sync.launched_in_backward
             self._grad_sync.wait()
             self.reduced_bytes += self._grad_sync.bytes_reduced
         if self._resident_pending is not None:

@@ -41,9 +41,10 @@ def gpt_task(dtype: torch.dtype = torch.float64) -> LanguageModelTask:
     return LanguageModelTask(net, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)).to(dtype)
 
 
-def gpt_data() -> TensorDataset:
+def gpt_data(world: int = 2) -> TensorDataset:
+    """16 sequences per rank: 4 batches of ``PER_RANK_BATCH`` each."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, 32, (SEQUENCES, 8), generator=g)
+    x = torch.randint(0, 32, (SEQUENCES // 2 * world, 8), generator=g)
     return TensorDataset(x, torch.roll(x, -1, dims=1))
 
 
@@ -97,7 +98,7 @@ class Losses(pl.Callback):
 def fit(out: str, devices: int, case: str) -> None:
     model, how, *extras = case.split("-")
     task = llama_task() if model == "llama64" else gpt_task(torch.float32 if model in ("gpt32", "gptbf16") else torch.float64)
-    data = llama_loader() if model == "llama64" else DataLoader(gpt_data(), batch_size=PER_RANK_BATCH)
+    data = llama_loader() if model == "llama64" else DataLoader(gpt_data(devices), batch_size=PER_RANK_BATCH)
     kwargs: dict[str, Any] = {}
     if "accclip" in extras:
         kwargs.update(accumulate_grad_batches=2, gradient_clip_val=CLIP)
@@ -136,6 +137,7 @@ def fit(out: str, devices: int, case: str) -> None:
             host_optimizer_bytes=strategy.host_optimizer_bytes(),
             owned=sorted(names[id(p)] for p in strategy.owned_parameters()),
             reduced_bytes=strategy.reduced_bytes, gathered_bytes=strategy.gathered_bytes,
+            reduced_in_backward=strategy.reduced_in_backward,
         )
     torch.save(result, os.path.join(out, f"{case}-rank{trainer.global_rank}.pt"))
 

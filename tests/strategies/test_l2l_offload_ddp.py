@@ -74,9 +74,9 @@ def _gpt_loader() -> DataLoader:
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_fp16_scaling_with_the_partitioned_step_is_refused_before_training() -> None:
+def test_fp16_loss_scaling_is_refused_before_training() -> None:
     trainer = _trainer(L2LOffloadDDPStrategy(), devices=1, plugins=[OffloadPrecision("16-mixed")], max_steps=1)
-    with pytest.raises(ValueError, match=r"host_step='partitioned'\) with fp16 loss scaling.*HINT: OffloadPrecision\('bf16-mixed'\)"):
+    with pytest.raises(ValueError, match=r"does not run fp16 loss scaling \(OffloadPrecision\('16-mixed'\)\) yet.*HINT: OffloadPrecision\('bf16-mixed'\)"):
         trainer.fit(gpt_task(torch.float32), _gpt_loader())
 
 
@@ -108,8 +108,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _ranks(out: Path, case: str) -> list[dict[str, Any]]:
-    return [torch.load(out / f"{case}-rank{r}.pt", weights_only=False) for r in range(2)]
+def _ranks(out: Path, case: str, world: int = 2) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{case}-rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float, atol: float) -> None:
@@ -140,8 +140,10 @@ def test_trains_to_the_weights_of_plain_ddp(two_ranks: Path, case: str, referenc
     if initial is not None:  # guard against an offload that silently does not train
         moved = [n for n, w in initial.state_dict().items() if not torch.equal(w.to(ranks[0]["weights"][n].dtype), ranks[0]["weights"][n])]
         assert len(moved) == len(ranks[0]["weights"])
-    # the gradients were averaged in the last step, and with the partitioned step the weights went back out
+    # the gradients were averaged in the last step, every block's launched while the backward of the blocks before it
+    # still ran, and with the partitioned step the weights went back out
     assert all(r["reduced_bytes"] > 0 for r in ranks)
+    assert all(r["reduced_in_backward"] == (3 if case.startswith("llama") else 4) for r in ranks)
     assert all((r["gathered_bytes"] > 0) == ("-part" in case) for r in ranks)
 
 
@@ -196,3 +198,21 @@ def test_a_plain_one_process_run_on_the_global_batches_is_the_same_reference(two
     batches = DataLoader(gpt_data(), batch_sampler=GlobalBatches(len(gpt_data()), 2))
     _trainer("auto", devices=1, max_epochs=1).fit(single, batches)
     _assert_close({k: v.detach() for k, v in single.state_dict().items()}, _ranks(two_ranks, "gpt64-part")[0]["weights"], rtol=0, atol=1e-12)
+
+
+# -- 4 gloo ranks ---------------------------------------------------------------------------------------
+
+FOUR = ["gpt64-ddp", "gpt64-part", "gpt64-repl", "gpt64-ddp-accclip", "gpt64-part-accclip"]
+
+
+@pytest.mark.slow
+def test_four_ranks_train_to_the_weights_of_plain_ddp_with_a_quarter_of_the_state_each(tmp_path: Path) -> None:
+    result = run_user_script(HERE / "l2l_ddp_worker.py", [str(tmp_path), "4", ",".join(FOUR)], 600, "4-process l2l_offload_ddp")
+    assert result.returncode == 0, result.stdout[-4000:]
+    for case, reference in (("gpt64-part", "gpt64-ddp"), ("gpt64-repl", "gpt64-ddp"), ("gpt64-part-accclip", "gpt64-ddp-accclip")):
+        ddp = _ranks(tmp_path, reference, 4)
+        for rank, ddp_rank in zip(_ranks(tmp_path, case, 4), ddp):
+            _assert_close(rank["weights"], ddp[0]["weights"], rtol=0, atol=1e-12)
+            assert rank["losses"] == pytest.approx(ddp_rank["losses"], rel=1e-12)
+    full = _ranks(tmp_path, "gpt64-repl", 4)[0]["host_optimizer_bytes"]
+    assert [r["host_optimizer_bytes"] for r in _ranks(tmp_path, "gpt64-part", 4)] == [full // 4] * 4
