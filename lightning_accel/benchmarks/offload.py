@@ -14,6 +14,9 @@ measured in the same run (absolute times on shared machines are noise).
   ``OffloadPrecision("bf16-mixed")``; plus the host-to-device bandwidth the offload
   achieved against a plain pinned copy on the same machine. Sizes that do not fit
   without offload are reported as "OOM".
+- With ``--devices N``: ``l2l_offload_ddp`` on N gloo processes against plain DDP
+  (:mod:`.offload_ddp`): step time, optimizer state and host weights per rank, bytes reduced
+  and gathered per step, with the host optimizer partitioned and replicated.
 - Everywhere: the host optimizer step (:mod:`.offload_host_step`): Mparam/s of
   ``l2l_offload``'s host step against torch's default and fused AdamW, DeepSpeedCPUAdam
   where importable and a plain memory copy; one call per block against batched calls;
@@ -187,7 +190,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fit-layers", type=int, default=4, help="GPT (gpt2 width) depth of the in-fit step timing")
     parser.add_argument("--fit-seq", type=int, default=32, help="sequence length of the in-fit step timing (batch 1)")
     parser.add_argument("--fit-steps", type=int, default=6, help="steps per round of the in-fit step timing")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="N > 1: l2l_offload_ddp (partitioned and replicated host step) against plain DDP on N gloo "
+                             "processes on the CPU, instead of the one-device tables")
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds before giving up on the N-process run")
     args = parser.parse_args(argv)
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}; e.g. --devices 2")
+    if args.devices > 1:
+        from lightning_accel.benchmarks.offload_ddp import ddp_table
+
+        print(ddp_table(args))
+        print(machine_line())
+        return 0
     for flag in ("host_params", "host_rounds", "host_width", "fit_layers", "fit_seq", "fit_steps", "rounds"):
         values = getattr(args, flag)
         if any(v <= 0 for v in (values if isinstance(values, list) else [values])):
