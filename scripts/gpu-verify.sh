@@ -3,11 +3,16 @@
 #
 #   scripts/gpu-verify.sh pack   # here (no GPU): copy the pure-Python packages the GPU image
 #                                # lacks (hydra-core, omegaconf, antlr4, litgpt, torchdata, ...) into .gpu-site/ (git-ignored)
-#   scripts/gpu-verify.sh run    # there: tests with CUDA, then the benchmarks; a table last
+#   scripts/gpu-verify.sh run [PART]   # there: PART is tests, bench, recipes or all (default)
 #
-# With the device tool: run(command="scripts/gpu-verify.sh run", carry=[".gpu-site"]).
-# Full logs land in $OUT (or ./gpu-results): versions.txt, tests-cuda.log, tests-all.log,
-# bench-offload.txt, bench-prefetch.txt, bench-pipeline.txt, summary.txt.
+# The device tool runs one command for at most 10 minutes, so call it once per part:
+#   run(command="scripts/gpu-verify.sh run tests", carry=[".gpu-site"])    # -m cuda, then the suite
+#   run(command="scripts/gpu-verify.sh run bench", carry=[".gpu-site"])    # offload, prefetch, pipeline tables
+#   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, measured
+# Each step is cut at $STEP_LIMIT seconds (default 540) and then reads FAILED (rc 124) in the
+# table instead of losing the part's results. Full logs land in $OUT (or ./gpu-results):
+# versions.txt, tests-cuda.log, tests-all.log, bench-offload.txt, bench-prefetch.txt,
+# bench-pipeline.txt, recipe-llama-1b.log, summary.txt.
 # The package itself is used from the working tree (PYTHONPATH): the GPU image's torch
 # (2.11 + CUDA) stays, and nothing is fetched there.
 set -uo pipefail
@@ -30,6 +35,8 @@ pack() {
 }
 
 run() {
+    local part=${1:-all}
+    case "$part" in tests|bench|recipes|all) ;; *) echo "run: unknown part '$part'; use tests, bench, recipes or all" >&2; exit 2 ;; esac
     local out="${OUT:-$repo/gpu-results}"
     mkdir -p "$out"
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
@@ -50,15 +57,25 @@ PY
         local name=$1 log=$2; shift 2
         echo "+ $*" | tee "$out/$log"
         local start=$SECONDS
-        if "$@" >> "$out/$log" 2>&1; then status+=("$name|ok|$((SECONDS - start)) s|$log");
+        if timeout "${STEP_LIMIT:-540}" "$@" >> "$out/$log" 2>&1; then status+=("$name|ok|$((SECONDS - start)) s|$log");
         else status+=("$name|FAILED (rc $?)|$((SECONDS - start)) s|$log"); fi
         tail -n 25 "$out/$log"
     }
-    step "GPU-only tests (-m cuda)" tests-cuda.log python3 -m pytest -m cuda -ra -q tests
-    step "whole suite, CUDA visible" tests-all.log python3 -m pytest -ra -q -m "not xla" -p no:cacheprovider tests
-    step "bench offload" bench-offload.txt python3 -m lightning_accel.cli bench offload
-    step "bench prefetch" bench-prefetch.txt python3 -m lightning_accel.cli bench prefetch --steps 60
-    step "bench pipeline (memory vs M)" bench-pipeline.txt python3 -m lightning_accel.cli bench pipeline --memory-only
+    if [ "$part" = tests ] || [ "$part" = all ]; then
+        step "GPU-only tests (-m cuda)" tests-cuda.log python3 -m pytest -m cuda -ra -q tests
+        step "whole suite, CUDA visible" tests-all.log python3 -m pytest -ra -q -m "not xla" -p no:cacheprovider tests
+    fi
+    if [ "$part" = bench ] || [ "$part" = all ]; then
+        step "bench offload" bench-offload.txt python3 -m lightning_accel.cli bench offload
+        step "bench prefetch" bench-prefetch.txt python3 -m lightning_accel.cli bench prefetch --steps 60
+        step "bench pipeline (memory vs M)" bench-pipeline.txt python3 -m lightning_accel.cli bench pipeline --memory-only
+    fi
+    if [ "$part" = recipes ] || [ "$part" = all ]; then
+        # the 1B recipe's memory figures are arithmetic in its header; this measures them (OffloadMonitor's
+        # summary line: peak device bytes) on 20 steps with the recipe's own settings
+        step "recipe llama-3.2-1b l2l bf16" recipe-llama-1b.log python3 -m lightning_accel.cli run llama-3.2-1b_l2l-bf16_1gpu \
+            trainer.max_steps=20 trainer.val_check_interval=20 trainer.limit_val_batches=2
+    fi
     {
         cat "$out/versions.txt"
         printf '%-32s %-14s %-8s %s\n' step result time log
@@ -70,6 +87,6 @@ PY
 
 case "${1:-}" in
     pack) pack ;;
-    run) run ;;
-    *) echo "usage: $0 pack|run  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
+    run) run "${2:-all}" ;;
+    *) echo "usage: $0 pack|run [tests|bench|recipes|all]  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
 esac
