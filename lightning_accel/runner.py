@@ -50,10 +50,9 @@ def build_model(cfg: DictConfig) -> pl.LightningModule:
 
 
 def build_strategy(cfg: DictConfig) -> Any:
+    """``cfg.strategy``'s class (a ``_target_`` node), or Lightning's choice for ``strategy=auto`` (no node)."""
     node = cfg.get("strategy")
-    if node is None:
-        return "auto"
-    return instantiate(node) if "_target_" in node else str(node.name)
+    return instantiate(node) if node else "auto"
 
 
 def build_plugins(cfg: DictConfig) -> list[Any]:

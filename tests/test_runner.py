@@ -40,8 +40,8 @@ def test_a_bare_nn_module_is_refused_with_the_fix() -> None:
         build_model(cfg)
 
 
-def test_strategy_by_name_or_target_and_atomic_checkpoints_by_default() -> None:
-    assert build_strategy(OmegaConf.create({"strategy": {"name": "auto"}})) == "auto"
+def test_strategy_by_target_or_auto_and_atomic_checkpoints_by_default() -> None:
+    assert build_strategy(OmegaConf.create({"strategy": None})) == "auto"  # strategy=auto: Lightning picks
     ddp = build_strategy(OmegaConf.create({"strategy": {"_target_": "lightning.pytorch.strategies.DDPStrategy"}}))
     assert type(ddp).__name__ == "DDPStrategy"
     plugins = build_plugins(OmegaConf.create({"plugins": []}))

@@ -4,11 +4,17 @@ Hydra and OmegaConf report composition problems as multi-line exceptions with a
 traceback. A user who typed ``model=gtp`` needs one line that names the value, the close
 matches and what to type instead; :func:`explain` turns the known exception types into
 that line, and :class:`UserError` carries our own checks' messages.
+
+Every message here has one shape: ``<the value and what is wrong>; <what to do>``, the
+fix after a semicolon, in the imperative (``...; choose one of: cnn, gpt``). A message
+from a constructor the checks run (a strategy's ``... HINT: set chunks=4``) is brought
+to that shape by :func:`one_line` before it is shown.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -20,6 +26,17 @@ _KINDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or 
 
 class UserError(Exception):
     """Bad input a user can fix: printed as one line, exit status 2, no traceback."""
+
+
+_HINT = re.compile(r"[.;:,]?\s+HINT:\s*")
+
+
+def one_line(message: str) -> str:
+    """``message``'s first line in this module's shape: Lightning-style ``... . HINT: fix``
+    becomes ``...; fix``; a message already in shape comes back unchanged."""
+    text = message.strip()
+    first = text.splitlines()[0] if text else ""
+    return _HINT.sub("; ", first, count=1)
 
 
 def close_matches(word: str, choices: Iterable[str]) -> str:
@@ -41,10 +58,10 @@ def _explain_missing_config(err: MissingConfigException) -> str | None:
     if "/" not in missing or not err.options:
         return None
     group, option = missing.rsplit("/", 1)
-    options = sorted(o for o in err.options if o not in ("base", "by_name"))
+    options = sorted(o for o in err.options if o != "base")
     extra = _PLUGIN_EXTRAS.get((group, option))
     if extra is not None and option not in options:
-        return f'{group}={option} comes with the {extra} extra, which is not installed: pip install "lightning-accel[{extra}]"'
+        return f'{group}={option} comes with the {extra} extra, which is not installed; install it: pip install "lightning-accel[{extra}]"'
     return (
         f"unknown {group} option {option!r}{close_matches(option, options)}; "
         f"choose one of: {', '.join(options)} (e.g. {group}={options[0]})"
@@ -86,6 +103,6 @@ def explain(err: BaseException) -> str | None:
         if cause is not None and (line := explain(cause)) is not None:
             return line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"{first} (rerun with HYDRA_FULL_ERROR=1 for the traceback)"
+        return f"{first}; rerun with HYDRA_FULL_ERROR=1 for the traceback"
     cause = err.__cause__ or err.__context__
     return explain(cause) if cause is not None else None

@@ -70,7 +70,7 @@ def schema_for(target: Callable[..., Any], *, exclude: Iterable[str] = ()) -> ty
     fields: list[tuple[str, Any, Any]] = [("_target_", str, dataclasses.field(default=_target_path(target)))]
     for param in signature.parameters.values():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
-            raise TypeError(f"{_target_path(target)} takes **{param.name}; a closed schema would reject its keys")
+            raise TypeError(f"{_target_path(target)} takes **{param.name}, so a closed schema would reject its keys; check it by binding (validate) instead")
         if param.kind is inspect.Parameter.VAR_POSITIONAL or param.name in skip:
             continue
         kind = _field_type(hints.get(param.name, Any))
@@ -116,7 +116,6 @@ def register_schemas() -> None:
     )
 
     store_schema("trainer", "base", Trainer, exclude=TRAINER_SUPPLIED)
-    ConfigStore.instance().store(group="strategy", name="by_name", node=NamedStrategySchema)
     for name, callback in {
         "model_checkpoint": ModelCheckpoint,
         "early_stopping": EarlyStopping,
@@ -125,14 +124,3 @@ def register_schemas() -> None:
         "rich_progress_bar": RichProgressBar,
     }.items():
         store_schema("schema/callbacks", name, callback)
-
-
-@dataclasses.dataclass
-class NamedStrategySchema:
-    """A strategy chosen by its registered name (``Trainer(strategy="ddp")``).
-
-    The name is checked against Lightning's StrategyRegistry by ``lightning-accel
-    validate`` and before every run.
-    """
-
-    name: str = "auto"

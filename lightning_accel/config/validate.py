@@ -3,9 +3,14 @@
 ``validate`` walks the config for every ``_target_``, imports it, and binds the node's
 keys to the callable's signature (``bind_partial`` for ``_partial_: true``), so a wrong
 class path or argument name fails in a second instead of minutes into a run. It also
-checks the values Lightning would only reject at ``Trainer(...)``: the precision flag and
-the strategy name. ``check_launchable`` adds what only matters for a run on *this*
+checks the values Lightning would only reject at ``Trainer(...)``: the precision flag, a
+strategy node that names no class, and the accelerator and strategy that only run
+together (``xla_pjrt``). ``check_launchable`` adds what only matters for a run on *this*
 machine: the hardware the recipe asks for, and the data files it names.
+
+A strategy is chosen one way, the Hydra way: an option of ``conf/strategy`` whose node
+has a ``_target_`` (``strategy=ddp``), or ``strategy=auto``, which leaves the node empty
+(``null``) and lets Lightning pick, as ``Trainer(strategy="auto")`` does.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_accel.config.errors import UserError, close_matches
+from lightning_accel.config.errors import UserError, close_matches, one_line
 from lightning_accel.config.schema import TRAINER_SUPPLIED
 
 # Keyword arguments the runner passes itself, by config path.
@@ -80,9 +85,9 @@ def _check_binding(where: str, node: dict[str, Any]) -> None:
             hint = close_matches(unknown[0], names)
             raise UserError(
                 f"{where}.{unknown[0]} is not an argument of {node['_target_']}{hint}; "
-                f"it takes: {', '.join(names)}"
+                f"use one of: {', '.join(names)}"
             ) from None
-        raise UserError(f"{where}: {err} for {node['_target_']}; it takes: {', '.join(names)}") from None
+        raise UserError(f"{where}: {err} for {node['_target_']}; pass its arguments by name: {', '.join(names)}") from None
 
 
 def _check_precision(cfg: DictConfig) -> None:
@@ -107,18 +112,60 @@ def typing_args(alias: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _check_strategy(cfg: DictConfig) -> None:
+def strategy_options() -> list[str]:
+    """The options of the ``strategy`` config group (``conf/strategy/*.yaml``)."""
+    from lightning_accel.config.locate import conf_dir
+
+    return sorted(p.stem for p in (conf_dir() / "strategy").glob("*.yaml"))
+
+
+def _by_name_fix(name: str) -> str:
+    """The override that builds what ``Trainer(strategy=name)`` would: our option of that
+    name, else the registered class by ``_target_`` (with the registry's own arguments)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    options = strategy_options()
+    if name in options:
+        return f"strategy={name}"
+    if name in StrategyRegistry:
+        entry = StrategyRegistry[name]
+        cls = entry["strategy"]
+        params = " ".join(f"+strategy.{k}={v}" for k, v in entry.get("init_params", {}).items())
+        return f"+strategy._target_={cls.__module__}.{cls.__qualname__}" + (f" {params}" if params else "")
+    return f"one of the options{close_matches(name, options)}: {', '.join(options)} (e.g. strategy={options[0]})"
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    """A strategy node either builds its class (``_target_``) or is empty (``strategy=auto``)."""
     strategy = cfg.get("strategy")
-    if strategy is None or "_target_" in strategy:
+    if not strategy or "_target_" in strategy:
         return
-    names = ["auto", *StrategyRegistry.available_strategies()]
-    if strategy.name not in names:
+    if "name" in strategy:
         raise UserError(
-            f"strategy.name={strategy.name!r} is not a registered strategy{close_matches(strategy.name, names)}; "
-            f"choose a registered name or a strategy option: strategy=ddp"
+            f"strategy.name={strategy.name!r}: a strategy is chosen by option or by _target_, not by name; "
+            f"use {_by_name_fix(str(strategy.name))}"
         )
+    key = next(iter(strategy.keys()), None)
+    raise UserError(
+        f"strategy.{key} is set but the strategy node has no _target_ (strategy=auto builds none); "
+        f"choose a strategy option (strategy=ddp, strategy=l2l_offload, ...) or set +strategy._target_=<class path>"
+    )
+
+
+def _check_xla_pairing(cfg: DictConfig) -> None:
+    """The ``xla_pjrt`` accelerator and strategy run only together (each refuses the other's
+    absence once the Trainer starts; here it is one line before any work)."""
+    from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
+
+    accelerator = str(cfg.trainer.get("accelerator"))
+    strategy = cfg.get("strategy")
+    cls = locate(str(strategy._target_), "strategy") if strategy is not None and "_target_" in strategy else None
+    xla_strategy = isinstance(cls, type) and issubclass(cls, XLAPJRTStrategy)
+    if accelerator == "xla_pjrt" and not xla_strategy:
+        what = getattr(cls, "__name__", str(cls)) if cls is not None else "strategy=auto"
+        raise UserError(f"trainer.accelerator=xla_pjrt runs only under the xla_pjrt strategy, not {what}; add strategy=xla_pjrt")
+    if xla_strategy and accelerator != "xla_pjrt":
+        raise UserError(f"strategy=xla_pjrt needs trainer.accelerator=xla_pjrt, not {accelerator}; add accelerator=xla")
 
 
 def validate(cfg: DictConfig) -> list[str]:
@@ -130,6 +177,7 @@ def validate(cfg: DictConfig) -> list[str]:
         checked.append(f"{where}: {node['_target_']}")
     _check_precision(cfg)
     _check_strategy(cfg)
+    _check_xla_pairing(cfg)
     return checked
 
 
@@ -197,7 +245,7 @@ def check_launchable(cfg: DictConfig, recipe: str) -> None:
 
         problem = xla_problem()
         if problem is not None:
-            raise UserError(f"recipe '{recipe}': {problem}")
+            raise UserError(f"recipe '{recipe}': {one_line(problem)}")
 
 
 def _stage_devices(cfg: DictConfig) -> str:
