@@ -2,8 +2,8 @@
 
 The parent process starts ``python -m lightning_accel.benchmarks.offload_ddp OUT ...`` (Lightning's
 launcher starts the other ranks from it); each rank trains the same GPT on its shard of the same
-random tokens with plain Lightning DDP, ``l2l_offload_ddp`` with the partitioned host step and
-with the replicated one, in interleaved rounds, and writes what it measured; the parent prints
+random tokens with plain Lightning DDP, ``l2l_offload_ddp`` with the partitioned host step, with
+the replicated one, and partitioned without block checkpointing, in interleaved rounds, and writes what it measured; the parent prints
 the table. Per contender: the median step time and its ratio to DDP in the same run (absolute
 times on a shared machine are noise), the optimizer state each rank holds (for the parameters
 offloaded to the host, and in all), the host weights each rank holds (fp32 masters and
@@ -32,7 +32,14 @@ from lightning_accel.bench import format_table
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 
-CONTENDERS = ("plain DDP", "l2l_offload_ddp, partitioned", "l2l_offload_ddp, replicated")
+# name -> L2LOffloadDDPStrategy arguments (None: Lightning's DDP); plain DDP first, the baseline of the ratios
+CONTENDERS: dict[str, dict[str, Any] | None] = {
+    "plain DDP": None,
+    "l2l_offload_ddp, partitioned": {"host_step": "partitioned"},
+    "l2l_offload_ddp, replicated": {"host_step": "replicated"},
+    # without the recomputation of each block in backward: what the data-parallel mechanism itself costs
+    "l2l_offload_ddp, partitioned, no checkpointing": {"host_step": "partitioned", "checkpoint_blocks": False},
+}
 
 
 class _Meter(pl.Callback):
@@ -64,7 +71,8 @@ def _fit(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model = LanguageModelTask(GPT(args.preset, n_layer=args.layers, block_size=args.seq))
     tokens = torch.randint(0, 256, (args.batch * args.steps * args.devices, args.seq + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
-    strategy: Any = "ddp" if name == "plain DDP" else L2LOffloadDDPStrategy(host_step=name.rsplit(", ", 1)[1])
+    kwargs = CONTENDERS[name]
+    strategy: Any = "ddp" if kwargs is None else L2LOffloadDDPStrategy(**kwargs)
     meter = _Meter(args.warmup)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[meter])
@@ -99,8 +107,8 @@ def ddp_table(args: argparse.Namespace) -> str:
             raise RuntimeError(f"bench offload --devices {args.devices}: the worker failed:\n{proc.stderr[-3000:]}")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.devices)]
     mib = 2**20
-    median = {n: sorted(t for r in ranks[0][n] for t in r["times"])[len([t for r in ranks[0][n] for t in r["times"]]) // 2]
-              for n in CONTENDERS}
+    times = {n: sorted(t for r in ranks[0][n] for t in r["times"]) for n in CONTENDERS}
+    median = {n: t[len(t) // 2] for n, t in times.items()}
     rows = []
     for name in CONTENDERS:
         per_rank = [rank[name][-1] for rank in ranks]
@@ -112,7 +120,7 @@ def ddp_table(args: argparse.Namespace) -> str:
             f"{per_rank[0]['host_weights'] / mib:.2f}" if per_rank[0]["host_weights"] else "-",
             f"{per_rank[0]['reduced'] / 1e6:.2f}", f"{per_rank[0]['gathered'] / 1e6:.2f}",
         ])
-    params = ranks[0][CONTENDERS[0]][0]["params"]
+    params = ranks[0]["plain DDP"][0]["params"]
     header = ["contender", "step s (median)", "x DDP", "host opt. state MiB per rank", "opt. state MiB (max rank)",
               "host weights MiB/rank", "MB reduced/step", "MB gathered/step"]
     title = (f"GPT {args.preset} x{args.layers} layers ({params / 1e6:.1f}M params), {args.devices} gloo processes on the CPU, "

@@ -18,10 +18,11 @@ does; a parameter no rank produced a gradient for keeps none (a flag per paramet
 the same buffer), so the optimizer skips it as plain training would.
 
 Ordering: every rank must issue the same collectives in the same order. The worker is the only
-thread using the group handed in (give it one of its own), and units are launched in
-descending index only: unit i waits until every later unit has been launched, and units whose
-gradients never all landed (a parameter unused this step) go at :meth:`flush`, after the
-backward. Nothing here imports Lightning.
+thread using the group handed in (give it one of its own), and units are launched in one fixed
+order (``order``; default: descending index, the backward's): a unit waits until every unit
+before it in that order has been launched, and units whose gradients never all landed (a
+parameter unused this step, a unit the executor does not report) go at :meth:`flush`, after
+the backward. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -96,12 +97,16 @@ class HostGradientSync:
         owners: partitioned: the rank of ``group`` that steps each unit; None: replicated.
         land: called on the worker with a unit's parameters before reading their gradients
             (the streamer's ``finish_grads``, which waits for in-flight device copies).
+        order: the unit indices in launch order (default: last unit first).
     """
 
     def __init__(self, units: Sequence[Sequence[nn.Parameter]], grads: dict[nn.Parameter, Tensor], group: dist.ProcessGroup | None,
                  owners: Sequence[int] | None = None, land: Callable[[list[nn.Parameter]], None] | None = None,
-                 init_worker: Callable[[], None] | None = None) -> None:
+                 init_worker: Callable[[], None] | None = None, order: Sequence[int] | None = None) -> None:
         self.units = [[p for p in unit if p.requires_grad] for unit in units]
+        self.order = list(range(len(self.units) - 1, -1, -1)) if order is None else list(order)
+        if sorted(self.order) != list(range(len(self.units))):
+            raise ValueError(f"order {self.order} must list each of the {len(self.units)} unit indices once")
         self.grads = grads
         self.group = group
         self.owners = None if owners is None else list(owners)
@@ -109,7 +114,7 @@ class HostGradientSync:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-grad-sync", initializer=init_worker)
         self._launched: dict[int, Future[PendingMean]] = {}
         self._ready: set[int] = set()
-        self._next = -1
+        self._next = len(self.order)  # nothing to launch before begin()
         self.bytes_reduced = 0  # payload of the last synchronised backward's collectives
         self.launched_in_backward = 0  # of those, launched while the backward pass was still running
 
@@ -117,22 +122,22 @@ class HostGradientSync:
         """Before a backward pass whose gradients are to be averaged (the last of an accumulation)."""
         self._ready.clear()
         self._launched.clear()
-        self._next = len(self.units) - 1
+        self._next = 0  # position in ``order`` of the next unit to launch
         self.bytes_reduced = 0
 
     def ready(self, index: int) -> None:
         """Unit ``index``'s gradients have all landed (main thread, during backward)."""
         self._ready.add(index)
-        while self._next >= 0 and self._next in self._ready:
-            self._launch(self._next)
-            self._next -= 1
+        while self._next < len(self.order) and self.order[self._next] in self._ready:
+            self._launch(self.order[self._next])
+            self._next += 1
 
     def flush(self) -> None:
         """After the backward pass: launch every unit not launched yet, in order."""
         self.launched_in_backward = len(self._launched)
-        while self._next >= 0:
-            self._launch(self._next)
-            self._next -= 1
+        while self._next < len(self.order):
+            self._launch(self.order[self._next])
+            self._next += 1
 
     def drain(self) -> None:
         """Wait until every launch handed to the worker has been issued (before the main
@@ -142,7 +147,7 @@ class HostGradientSync:
 
     def wait(self) -> None:
         """Join every collective; the means go back into ``grads`` on the ranks that step them."""
-        for index in sorted(self._launched, reverse=True):
+        for index in [i for i in self.order if i in self._launched]:
             pending = self._launched[index].result()
             self.bytes_reduced += pending.nbytes
             for param, grad in pending.result():

@@ -211,6 +211,9 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
             self._units, executor.store.grads, self._host_group,
             owners=None if self._partition is None else self._partition.owners,
             land=executor.streamer.finish_grads, init_worker=self._threads.init_worker if self._threads else None,
+            # blocks last first, as the backward finishes them; a streamed resident unit (head and
+            # embeddings: its gradients arrive at both ends of the backward) after all of them
+            order=[*range(len(plan.blocks) - 1, -1, -1), *range(len(plan.blocks), len(units))],
         )
         how = self._partition.describe(numels) if self._partition is not None else "host optimizer replicated on every rank"
         self._plan_text += f"; {self.world_size} ranks, {how}"

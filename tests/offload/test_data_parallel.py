@@ -113,3 +113,24 @@ def test_optimizer_state_shards_merge_under_plain_indices(group_of_one: dist.Pro
     assert list(kept["state"]) == [1] and kept["param_groups"] == full["param_groups"]
     merged = gather_state(kept, {1}, group_of_one)
     assert list(merged["state"]) == [1]
+
+
+def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.ProcessGroup) -> None:
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    grads = {p: torch.ones(2) for p in params}
+    landed: list[int] = []
+    # units 0 and 1 are blocks (last first); unit 2 (a streamed resident unit) is never reported ready
+    sync = HostGradientSync([[p] for p in params], grads, group_of_one, owners=None, order=[1, 0, 2],
+                            land=lambda ps: landed.append(next(i for i, p in enumerate(params) if p is ps[0])))
+    sync.begin()
+    sync.ready(1)
+    sync.ready(0)
+    sync.drain()
+    assert landed == [1, 0] and sync.launched_in_backward == 0
+    sync.flush()
+    assert sync.launched_in_backward == 2
+    sync.wait()
+    assert landed == [1, 0, 2]
+    sync.close()
+    with pytest.raises(ValueError, match=r"order \[0, 0\] must list each of the 2 unit indices once"):
+        HostGradientSync([[params[0]], [params[1]]], grads, group_of_one, order=[0, 0])

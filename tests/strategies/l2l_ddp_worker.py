@@ -9,7 +9,8 @@ gathered in the last step) and rank 0 writes ``{case}.ckpt``.
 Case names: ``{model}-{how}[-{extra}]``; model ``gpt64`` (zoo GPT, float64), ``gpt32``, ``gptbf16``
 (OffloadPrecision / Lightning's bf16-mixed), ``llama64`` (transformers Llama, float64); how ``ddp``
 (Lightning's DDP), ``part`` (partitioned host step) or ``repl`` (replicated); extras ``accclip``
-(accumulate 2 batches, clip the norm at 0.05), ``act`` (offload_activations), ``2ep`` (two epochs),
+(accumulate 2 batches, clip the norm at 0.05), ``act`` (offload_activations), ``resident`` (offload_resident:
+the embeddings and head stream from the host too, a fifth unit of the partition), ``2ep`` (two epochs),
 ``resumed`` (two epochs from ``gpt64-part.ckpt``).
 """
 
@@ -109,7 +110,7 @@ def fit(out: str, devices: int, case: str) -> None:
             kwargs["precision"] = "bf16-mixed"
     else:
         strategy = L2LOffloadDDPStrategy(host_step="partitioned" if how == "part" else "replicated",
-                                         offload_activations="act" in extras, timeout=60)
+                                         offload_activations="act" in extras, offload_resident="resident" in extras, timeout=60)
         if model == "gptbf16":
             plugins.append(OffloadPrecision("bf16-mixed"))
     epochs = 2 if {"2ep", "resumed"} & set(extras) else 1

@@ -93,7 +93,7 @@ def test_manual_optimization_is_refused_before_training() -> None:
 CASES = [
     "gpt64-ddp", "gpt64-part", "gpt64-repl",
     "gpt64-ddp-accclip", "gpt64-part-accclip", "gpt64-repl-accclip",
-    "gpt64-part-act", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
+    "gpt64-part-act", "gpt64-part-resident", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
     "llama64-ddp", "llama64-part", "llama64-repl",
     "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
 ]
@@ -126,7 +126,7 @@ FP32_ATOL = 2e-5
 @pytest.mark.parametrize(("case", "reference", "atol"), [
     ("gpt64-part", "gpt64-ddp", 1e-12), ("gpt64-repl", "gpt64-ddp", 1e-12),
     ("gpt64-part-accclip", "gpt64-ddp-accclip", 1e-12), ("gpt64-repl-accclip", "gpt64-ddp-accclip", 1e-12),
-    ("gpt64-part-act", "gpt64-ddp", 1e-12),
+    ("gpt64-part-act", "gpt64-ddp", 1e-12), ("gpt64-part-resident", "gpt64-ddp", 1e-12),
     ("gpt32-part", "gpt32-ddp", FP32_ATOL),
     ("gptbf16-part", "gptbf16-ddp", 2e-2),
     ("llama64-part", "llama64-ddp", 1e-12), ("llama64-repl", "llama64-ddp", 1e-12),
