@@ -228,7 +228,7 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
     plugin (``precision=offload-*``); a Lightning flag other than fp32 would be refused by the
     strategy only once training starts, and an offload plugin without the strategy means nothing."""
     from lightning_accel.plugins.precision import OffloadPrecision
-    from lightning_accel.strategies.l2l_offload import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
 
     offload = next((p for p in plugins if isinstance(p, OffloadPrecision)), None)
     flag = None if flag is None else str(flag)

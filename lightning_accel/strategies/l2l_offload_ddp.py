@@ -68,7 +68,7 @@ from lightning_accel.offload.optimizer_state import gather_state, keep_state, pa
 from lightning_accel.offload.partition import HostPartition, partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.patching import swapped
-from lightning_accel.strategies.l2l_offload import L2LOffloadHooks
+from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
 HostStep = Literal["partitioned", "replicated"]
 _DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")

@@ -3,7 +3,6 @@ the refusals of what neither L2L strategy can honour (a second device for 'l2l_o
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any

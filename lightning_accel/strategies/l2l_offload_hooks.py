@@ -1,0 +1,469 @@
+"""What L2L (layer-to-layer) CPU offload adds to a Lightning strategy's hooks.
+
+:class:`L2LOffloadHooks` is combined with ``SingleDeviceStrategy`` in
+:class:`~lightning_accel.strategies.L2LOffloadStrategy` (``"l2l_offload"``) and with
+``DDPStrategy`` in :class:`~lightning_accel.strategies.L2LOffloadDDPStrategy`
+(``"l2l_offload_ddp"``). A thin Lightning adapter over :mod:`lightning_accel.offload`: parameters, gradients and
+optimizer state of the model's blocks live in host memory; only the block being computed
+(plus ``prefetch_blocks`` blocks on their way) lives on the device. The user's
+``configure_optimizers`` is honoured unchanged: the optimizer simply finds the block
+parameters on the host, with their fp32 gradients, when it steps.
+
+What each hook adds to :class:`SingleDeviceStrategy`:
+
+- ``model_to_device``: plan the units, move block parameters to the host store, keep the
+  rest (embeddings, head, norms) on the device, wrap the blocks' forwards;
+- ``training_step`` / ``pre_backward`` / ``post_backward``: bracket the passes so the
+  executor prefetches in the right direction and lands the gradients on the host;
+- ``optimizer_step``: on a step's backward pass, step each block's parameters on the host
+  (in a worker thread) as soon as that block's gradients have arrived, overlapping the
+  backward of the blocks still running (blocks whose gradients landed together share one
+  optimizer call); then expose the remaining host gradients as ``param.grad`` for
+  clipping and the final step (resident parameters, and every block when the overlap is
+  off), which refreshes each batch of blocks' low-precision shadows right after its
+  update. Host parameters step on torch's fused CPU kernel when the user's optimizer has
+  one (SGD, Adam, AdamW, Adagrad) and left ``foreach``/``fused`` unset
+  (:mod:`lightning_accel.offload.host_step`: 5x torch's default loop for AdamW here);
+- ``load_optimizer_state_dict``: keep each state tensor on its parameter's device (host
+  for blocks) instead of moving everything to the root device.
+
+Gradient clipping by global norm works (it sees every gradient, host and device), but it
+needs all gradients before any parameter may step, so with ``gradient_clip_val`` set (and
+likewise under fp16 loss scaling, whose overflow check spans all gradients) the whole
+host step runs after the backward pass: the overlap is lost and the step time is added
+to the critical path. The overlap also needs a per-parameter optimizer (SGD, Adam(W),
+RMSprop, Adagrad, ...), for which stepping blocks one at a time equals one full step.
+
+With ``delayed_update=True`` (ZeRO-Offload's one-step delayed parameter update) the host
+step overlaps a whole step instead of part of a backward, clipping or not: step t's host
+update runs in a worker thread during step t+1's forward and backward (which waits for it
+only if it takes longer), so step t+1 computes on weights without update t.
+``optimizer_step`` then lets ``optimizer.step()`` update only the parameters kept on the
+device, and hands the host gradients (after Lightning's clipping) to
+:class:`~lightning_accel.offload.delayed.DelayedUpdate`; ``on_validation_start``,
+``lightning_module_state_dict`` (every checkpoint) and ``on_train_end`` land a pending
+update first, so what is validated, saved and left at the end includes every update.
+``offload_activations=True`` parks the checkpointed blocks' saved inputs in host memory
+between forward and backward.
+
+The host step and the host-side copies run within the rank's CPU budget
+(:func:`lightning_accel.cpu_budget.cpu_budget`: affinity, cgroup quota,
+``SLURM_CPUS_PER_TASK``, local ranks; not ``os.cpu_count()``): torch's intra-op threads,
+in the main thread and in the host-step threads, are lowered to it for the fit and put
+back at teardown (:mod:`lightning_accel.offload.host_threads`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Callable
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_accel.cpu_budget import CpuBudget
+from lightning_accel.models.block_policy import BlockPolicy
+from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
+from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
+from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
+from lightning_accel.offload.host_threads import HostThreads
+from lightning_accel.patching import swapped
+from lightning_accel.plugins.precision.offload import OffloadPrecision
+
+
+class L2LOffloadHooks(Strategy):
+    """What L2L offload adds to a Lightning strategy's hooks, for one device
+    (:class:`L2LOffloadStrategy`) and data parallel
+    (:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy`): combined with
+    ``SingleDeviceStrategy`` or ``DDPStrategy``, never used alone. The data-parallel strategy
+    fills in :meth:`_base_setup`, :meth:`_gradients_ready` and :meth:`_after_update`."""
+
+    def _init_offload(
+        self,
+        blocks: BlockPolicy,
+        prefetch_blocks: int,
+        offload_resident: bool,
+        checkpoint_blocks: bool,
+        overlap_step: bool | None,
+        delayed_update: bool,
+        delayed_update_warmup: int | None,
+        offload_activations: bool,
+    ) -> None:
+        """Check and keep the offload options (see :class:`L2LOffloadStrategy`'s arguments)."""
+        if prefetch_blocks < 0:
+            raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; use 1 to overlap copies with compute")
+        if delayed_update_warmup is not None and not delayed_update:
+            raise ValueError(
+                f"delayed_update_warmup={delayed_update_warmup} has no effect with delayed_update=False; "
+                "HINT: set delayed_update=True, or drop delayed_update_warmup"
+            )
+        if delayed_update_warmup is not None and delayed_update_warmup < 0:
+            raise ValueError(
+                f"delayed_update_warmup must be >= 0, got {delayed_update_warmup}; HINT: 0 delays from the first step"
+            )
+        if offload_activations and not checkpoint_blocks:
+            raise ValueError(
+                "offload_activations=True needs checkpoint_blocks=True (without checkpointing every activation inside "
+                "every block is saved and would cross the bus); HINT: set checkpoint_blocks=True or offload_activations=False"
+            )
+        self.blocks = blocks
+        self.prefetch_blocks = prefetch_blocks
+        self.offload_resident = offload_resident
+        self.checkpoint_blocks = checkpoint_blocks
+        self.overlap_step = overlap_step
+        self.delayed_update = delayed_update
+        self.delayed_update_warmup = 10 if delayed_update_warmup is None else delayed_update_warmup
+        self.offload_activations = offload_activations
+        self._executor: L2LExecutor | None = None
+        self._last_stats = OffloadStats()
+        self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
+        self._threads: HostThreads | None = None
+        self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        """Bytes moved, copy time, overlap, peak device bytes and resident blocks."""
+        if self._executor is None:
+            return self._last_stats
+        return self._executor.stats
+
+    def _compute_dtype(self) -> torch.dtype:
+        plugin = self.precision_plugin
+        if isinstance(plugin, OffloadPrecision):
+            plugin.set_device(self.root_device.type)
+            return plugin.compute_dtype
+        if type(plugin) is Precision:
+            return torch.float32
+        raise ValueError(
+            f"L2LOffloadStrategy does not support the precision plugin {type(plugin).__name__}"
+            f"{'(' + repr(getattr(plugin, 'precision', '')) + ')'}; HINT: pass plugins=[OffloadPrecision('bf16-mixed')] "
+            "(or '16-mixed', '32-true') and leave Trainer(precision=...) unset"
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        # before the accelerator sets up the device: refuse XLA with the reason, not a device error
+        from lightning.pytorch.accelerators import XLAAccelerator
+
+        from lightning_accel.accelerators import XLAPJRTAccelerator
+
+        if isinstance(self.accelerator, (XLAAccelerator, XLAPJRTAccelerator)) or self.root_device.type == "xla":
+            raise ValueError(
+                "L2LOffloadStrategy does not run on XLA devices: it streams one block at a time between host and device "
+                "inside the step, and on XLA each such copy ends the traced graph (a recompile or host round trip per block). "
+                "HINT: on a TPU use strategy='xla_pjrt' with precision='bf16-true', or run L2L on CUDA or the CPU"
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self._compute_dtype()  # refuse an unsupported precision before anything moves
+        self._base_setup(trainer)
+        kernels = []
+        for optimizer in self.optimizers:
+            _check_host_optimizer(optimizer)
+            kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
+            kernels.append(kernel.why)
+        said = "; ".join([self._plan_text, *kernels])
+        if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
+            self._plan_said = said
+            rank_zero_info(said)
+        if self.delayed_update:
+            self._check_delayed_update(trainer)
+
+    def _check_delayed_update(self, trainer: Trainer) -> None:
+        """Refuse what the delayed update cannot do, before any step."""
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "L2LOffloadStrategy(delayed_update=True) cannot run with fp16 loss scaling (OffloadPrecision('16-mixed')): "
+                "an overflow found at step t+1 cannot cancel update t, already applied; "
+                "HINT: use OffloadPrecision('bf16-mixed') or delayed_update=False"
+            )
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"L2LOffloadStrategy(delayed_update=True) needs automatic optimization, but {type(module).__name__} "
+                "sets automatic_optimization=False; HINT: use delayed_update=False with manual optimization"
+            )
+        for optimizer in self.optimizers:
+            # the exact class: a subclass may override step() with a rule across parameters
+            if type(optimizer) not in _PER_PARAMETER:
+                raise ValueError(
+                    f"L2LOffloadStrategy(delayed_update=True) updates the host parameters apart from the device ones, "
+                    f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; HINT: use one of "
+                    f"{', '.join(c.__name__ for c in _PER_PARAMETER)}, or delayed_update=False"
+                )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self._executor is not None:
+            self._executor.detach()
+        try:
+            plan = make_plan(self.model, self.blocks, self.prefetch_blocks, self.offload_resident)
+        except ValueError as err:
+            raise ValueError(f"L2LOffloadStrategy: {err}") from None
+        device = self.root_device
+        compute_dtype = self._compute_dtype()
+        if device.type == "cuda":
+            _check_fits(plan, device, compute_dtype)
+        if self._threads is None:  # the rank's CPU budget for the host step and the copies
+            self._threads = HostThreads.plan(self._cpu_budget())
+            self._threads.apply()
+        self._executor = L2LExecutor(
+            self.model, plan, device, compute_dtype, checkpoint_blocks=self.checkpoint_blocks,
+            delayed_update=self.delayed_update, offload_activations=self.offload_activations,
+            init_worker=self._threads.init_worker, owner=type(self).__name__,
+        )
+        self._executor.attach()
+        if self._cache_settings is None and self.checkpoint_blocks:
+            # transformers models cache keys and values by default; a recomputed block would append them twice
+            self._cache_settings = disable_kv_cache(self.model)
+            if self._cache_settings:
+                rank_zero_warn(self._cache_settings.notice("L2LOffloadStrategy", "recomputing"))
+        copies = (
+            "the device is the host in fp32, so blocks compute on their masters (no copies)"
+            if self._executor.streamer.alias
+            else f"device copies in {compute_dtype} on {device}"
+        )
+        extras = [
+            *([f"host updates one step late after {self.delayed_update_warmup} warm-up steps"] if self.delayed_update else []),
+            *(["block-boundary activations parked on the host"] if self.offload_activations else []),
+            self._threads.describe(),
+        ]
+        # said in setup, once the optimizers' host kernels are known: one line per fit
+        self._plan_text = f"{type(self).__name__}: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._executor is not None
+        self._executor.begin_step()
+        self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
+        return super().training_step(*args, **kwargs)
+
+    def _land_delayed_update(self) -> None:
+        if self._executor is not None:
+            self._executor.finish_delayed_update()
+
+    @override
+    def on_validation_start(self) -> None:
+        # validate (and let ModelCheckpoint save, right after) the weights with every update
+        self._land_delayed_update()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._land_delayed_update()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._land_delayed_update()  # every checkpoint holds every update
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+        self._land_delayed_update()
+        return super().optimizer_state(optimizer)
+
+    def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        assert self._executor is not None
+        self._executor.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._executor.end_eval()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval(super().predict_step, *args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        assert self._executor is not None
+        self._executor.begin_backward()
+        super().pre_backward(closure_loss)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        assert self._executor is not None
+        self._executor.end_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        executor = self._executor
+        assert executor is not None
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.delayed_update and trainer is not None and trainer.global_step >= self.delayed_update_warmup:
+            return self._delayed_optimizer_step(optimizer, closure, model, **kwargs)
+        executor.finish_delayed_update()  # (nothing pending unless delaying was just turned off)
+
+        wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
+        overlap = wanted and self._can_overlap(optimizer)
+        fuse = self._fuse(optimizer)
+
+        def closure_then_host_grads() -> Any:
+            executor.step_blocks_during_backward(functools.partial(step_params, optimizer, fuse=fuse) if overlap else None)
+            result = closure()
+            self._gradients_ready()
+            executor.install_grads()  # clipping and the final step see the host gradients
+            return result
+
+        # The update (after the closure and clipping): the host parameters on the fused CPU
+        # kernel; batch by batch of blocks, each batch's shadows refreshed right after it.
+        with host_update(optimizer, fuse, executor.shadow_batches, executor.refresh_shadows):
+            output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        self._after_update(optimizer)
+        executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
+        return output
+
+    def _fuse(self, optimizer: Optimizer) -> bool:
+        kernel = self._host_kernels.get(id(optimizer))
+        return kernel is not None and kernel.fused
+
+    def _delayed_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        executor = self._executor
+        assert executor is not None
+
+        def closure_then_host_grads() -> Any:
+            executor.start_delayed_update()  # normally already running since training_step
+            try:
+                result = closure()
+            finally:
+                executor.finish_delayed_update()  # update t-1 lands; this step's compute is over
+            executor.install_grads()  # clipping sees this step's host gradients too
+            return result
+
+        # After clipping, before the update: this step's host gradients become the pending
+        # update, and optimizer.step() updates only the parameters kept on the device.
+        fuse = self._fuse(optimizer)
+        with host_update(optimizer, fuse), _after_closure(optimizer, functools.partial(executor.defer_update, optimizer, fuse=fuse)):
+            output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        executor.after_step(masters_changed=False)
+        return output
+
+    def _can_overlap(self, optimizer: Optimizer) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        clipping = bool(trainer is not None and trainer.gradient_clip_val)
+        scaling = getattr(self.precision_plugin, "scaler", None) is not None
+        return isinstance(optimizer, _PER_PARAMETER) and not clipping and not scaling
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self._executor is not None:
+            self._executor.store.refresh_shadows()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Optimizer.load_state_dict already puts each state tensor on its parameter's
+        # device (host for blocks); the base class would then move all of it to the GPU.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    @override
+    def teardown(self) -> None:
+        if self._executor is not None:
+            self._executor.detach()  # the model computes normally again; stats stay readable
+            self._last_stats = self._executor.stats
+            self._executor = None
+        if self._threads is not None:
+            self._threads.restore()
+            self._threads = None
+        if self._cache_settings is not None:
+            self._cache_settings.restore()
+            self._cache_settings = None
+        super().teardown()
+
+    def _base_setup(self, trainer: Trainer) -> None:
+        """The base strategy's setup (device, model placement, optimizers)."""
+        super().setup(trainer)
+
+    def _cpu_budget(self) -> CpuBudget | None:
+        """This rank's CPU budget; None: :func:`~lightning_accel.cpu_budget.cpu_budget` from the launcher's environment."""
+        return None
+
+    def _gradients_ready(self) -> None:
+        """After the step's last backward, before the host gradients become ``param.grad``."""
+
+    def _after_update(self, optimizer: Optimizer) -> None:
+        """After the optimizer updated the parameters, before the shadows are refreshed."""
+
+
+# Optimizers whose update of a parameter reads only that parameter's gradient and state:
+# stepping them block by block equals one step over all parameters.
+_PER_PARAMETER = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+)
+
+
+@contextmanager
+def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[None, None, None]:
+    """For the ``optimizer.step(closure)`` calls inside: run ``fn()`` after the closure
+    returns and before the update. The precision plugin folds Lightning's
+    ``on_before_optimizer_step`` hooks and gradient clipping into the closure it passes, so
+    ``fn`` sees the final (clipped) gradients; there is no other hook at that point."""
+    step = optimizer.step  # the instance's own wrapper if an LR scheduler put one there
+
+    def step_then(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        def closure_then_fn() -> Any:
+            result = closure() if closure is not None else None
+            fn()
+            return result
+
+        return step(closure=closure_then_fn, **kwargs)
+
+    with swapped(optimizer, "step", step_then):
+        yield
+
+
+def _check_host_optimizer(optimizer: Optimizer) -> None:
+    """Refuse optimizers that cannot step parameters living in host memory."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, LBFGS):
+        raise ValueError(
+            "L2LOffloadStrategy cannot run LBFGS on the host: it re-evaluates the whole model inside step(); "
+            "HINT: use a per-parameter optimizer such as AdamW or SGD"
+        )
+    # fused=True is fine: SGD, Adam, AdamW and Adagrad have fused CPU kernels (torch >= 2.4)
+    for group in optimizer.param_groups:
+        if group.get("capturable"):
+            raise ValueError(
+                f"L2LOffloadStrategy steps block parameters on the host, but {name}(capturable=True) is for CUDA-graph "
+                "capture on an accelerator, which host parameters cannot take part in; HINT: set capturable=False "
+                "in configure_optimizers (fused=True stays fast on the host)"
+            )
+
+
+def _check_fits(plan: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a block that does not fit on the device by itself, before any step."""
+    free, _ = torch.cuda.mem_get_info(device)
+    element = torch.tensor([], dtype=dtype).element_size()
+    biggest = max(plan.blocks, key=lambda u: u.numel)
+    need = biggest.nbytes(element) * (1 + plan.prefetch_blocks)
+    if not plan.offload_resident:
+        need += plan.resident.nbytes(4)
+    if need > free:
+        raise ValueError(
+            f"block {biggest.name} needs {need / 2**30:.2f} GiB on {device} with prefetch_blocks={plan.prefetch_blocks} "
+            f"(plus the resident parameters) but only {free / 2**30:.2f} GiB is free; use smaller blocks "
+            "(a finer block policy), prefetch_blocks=0, or offload_resident=True"
+        )
