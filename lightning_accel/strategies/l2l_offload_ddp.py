@@ -37,10 +37,15 @@ At setup rank 0's weights and buffers go to every rank, as DDP does when it wrap
 after that each rank keeps its own buffers (DDP's ``broadcast_buffers=False``): BatchNorm
 running statistics are per rank.
 
+Where the bytes go: the blocks' gradients and weights are averaged and sent where they live,
+in host memory, over a gloo process group of their own (beside nccl on a GPU, which carries only
+the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
+
 Refused, each with its reason, when the Trainer is built or fit starts: ``delayed_update``,
 ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
 no wrapper), and fp16 loss scaling (with the step partitioned each rank would see only its
-blocks' overflows; the ranks' overflow verdicts are not agreed yet). ``OffloadPrecision("bf16-mixed")`` and ``offload_activations`` work as on
+blocks' overflows; the ranks' overflow verdicts are not agreed yet).
+``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident`` work as on
 one device.
 """
 
