@@ -35,29 +35,18 @@ Shapes: a stage fixes its activation shapes at its first step. A batch of anothe
 per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
 every rank can compute (the batch's shapes), and without one a new shape is refused.
 
-Data parallel across pipeline replicas (DP x PP): ``world_size = pp * dp`` ranks on a
-device mesh of dims ``("pp", "dp")`` (:func:`pipeline_mesh`), ``pp`` outermost: global rank
-``pp_rank * dp + dp_rank`` (:func:`mesh_coordinates`). Each replica's ``pp`` ranks form one
-pipeline (a :class:`RankPipeline` on the mesh's ``pp`` group); after its backward,
-:func:`average_gradients` averages each stage's gradients over the ``dp`` group, the ranks
-holding the same stage in the other replicas. Why ``pp`` outermost (as torchtitan and
-Megatron order their meshes): the gradient all-reduce moves a whole stage's gradients at every
-step, the pipeline only the activations at the stage boundaries, so the ``dp`` ranks are
-the adjacent ones (one host's local ranks are consecutive: its fast links), and a pipeline
-may cross hosts.
+Data parallel across pipeline replicas (DP x PP): each replica's ``pp`` ranks form one
+pipeline, a :class:`RankPipeline` on the mesh's ``pp`` group
+(:mod:`lightning_accel.pipeline.mesh`); after its backward,
+:func:`lightning_accel.pipeline.gradients.average_gradients` averages each stage's
+gradients over the ``dp`` group.
 
-Evaluation micro-batches too: :meth:`RankPipeline.forward` splits the batch into up to
-``chunks`` micro-batches (``torch.tensor_split``: any batch size, fewer micro-batches when
-the batch is smaller) and streams them through the stages on GPipe's forward clock
-(:func:`lightning_accel.pipeline.schedule.clock_cycles`): a rank runs micro-batch ``i``
-while the next runs ``i - 1``, its sends non-blocking (waited for before it returns), so
-the ranks compute at once instead of in turn, and a stage holds one micro-batch's
-activations, not the whole batch's. Each tensor goes after a small header (dtype, shape,
-micro-batch count), so shapes may change per batch and no rank needs to know the batch
-size in advance; the last stage's rank concatenates the outputs in order. One exception:
-``interleaved_1f1b`` on 2 ranks off the CPU evaluates the batch whole, since there the two
-ranks send each other activations and NCCL would deadlock on crossing sends (see
-:meth:`RankPipeline.eval_chunks`).
+Evaluation micro-batches too, streamed through the stages on GPipe's forward clock with
+a header before each tensor, so batches may have any size and shape
+(:mod:`lightning_accel.pipeline.evaluation`). One exception: ``interleaved_1f1b`` on 2
+ranks off the CPU evaluates the batch whole, since there the two ranks send each other
+activations and NCCL would deadlock on crossing sends (see :meth:`RankPipeline.eval_chunks`).
+A step's timeline (``record=True``) comes from :mod:`lightning_accel.pipeline.stage_recorder`.
 
 :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
 inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
@@ -80,9 +69,11 @@ from lightning_accel.pipeline.boundaries import StageBoundaries
 from lightning_accel.pipeline.gradients import average_gradients, sum_gradients
 from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
-from lightning_accel.pipeline.microbatch import batch_size, gather, map_tensors, scatter, tensors_in
+from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, clock_cycles
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
+from lightning_accel.pipeline.evaluation import stream_evaluate
+from lightning_accel.pipeline.stage_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
 
 __all__ = [
@@ -94,85 +85,6 @@ __all__ = [
     "stage_indices",
     "sum_gradients",
 ]
-
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
-_MAX_DIMS = 8
-
-
-def _isend(x: Tensor, dst: int, group: dist.ProcessGroup | None, count: int) -> list[tuple[dist.Work, Tensor]]:
-    """Start sending ``x`` to global rank ``dst``, after a header (dtype, ndim, ``count``, shape) so the receiver can
-    allocate it and knows how many micro-batches follow. Returns the pending sends: wait on each before returning
-    (the tensors ride along so they outlive the transfer); not waiting here lets the next micro-batch compute."""
-    if x.ndim > _MAX_DIMS or x.dtype not in _DTYPES:
-        raise ValueError(
-            f"a stage output of dtype {x.dtype} and {x.ndim} dims cannot cross ranks in evaluation; "
-            f"stages must pass one tensor of at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
-        )
-    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=x.device)
-    header[0], header[1], header[2] = _DTYPES.index(x.dtype), x.ndim, count
-    header[3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
-    x = x.contiguous()
-    return [(dist.isend(header, dst, group=group), header), (dist.isend(x, dst, group=group), x)]
-
-
-def _recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[Tensor, int]:
-    """Receive the tensor :func:`_isend` sent from global rank ``src``, and the micro-batch count it sent along."""
-    header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    dtype, ndim, count = _DTYPES[int(header[0])], int(header[1]), int(header[2])
-    x = torch.empty(header[3 : 3 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src, group=group)
-    return x, count
-
-
-class _Mark(torch.autograd.Function):
-    """Identity whose backward calls ``callback``: tells the recorder when a gradient passes a point."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, callback: Callable[[], None]) -> Tensor:
-        ctx.callback = callback
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.callback()
-        return grad, None
-
-
-class _Recorder:
-    """Collects this rank's timeline events of one step (wall-clock seconds)."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.forwards: dict[int, int] = {}
-        self.backward_start: dict[tuple[int, int], float] = {}
-
-    def reset(self) -> None:
-        self.events, self.forwards, self.backward_start = [], {}, {}
-
-    def next_forward(self, stage: int) -> int:
-        index = self.forwards.get(stage, 0)
-        self.forwards[stage] = index + 1
-        return index
-
-    def start_backward(self, stage: int, microbatch: int) -> None:
-        self.backward_start[(stage, microbatch)] = time.time()
-
-    def end_backward(self, stage: int, microbatch: int) -> None:
-        start = self.backward_start.pop((stage, microbatch), None)
-        if start is not None:
-            self.events.append(Event(stage, "B", microbatch, start, time.time()))
-
-    def step_events(self, chunks: int) -> list[Event]:
-        """The events of the step's ``chunks`` micro-batches. On the first step the stage runs
-        an extra forward first (its shape inference, on real tensors); that one is dropped."""
-        out = []
-        for e in self.events:
-            extra = self.forwards.get(e.stage, chunks) - chunks
-            if e.microbatch >= extra:
-                out.append(e._replace(microbatch=e.microbatch - extra))
-        return out
-
 
 class StageModule(nn.Module):
     """One pipeline stage as torch's ``PipelineStage`` runs it: the model's own forward on a micro-batch, with this
@@ -190,7 +102,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.pipe, self.stage, self.remat_stop, self.microbatch = pipe, stage, remat_stop, 0
         self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
-        self.recorder: _Recorder | None = None
+        self.recorder: StepRecorder | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         index = int(x.reshape(-1)[0]) if self.stage == 0 else self.microbatch
@@ -200,7 +112,7 @@ class StageModule(nn.Module):
         recorder, mark = self.recorder, None
         if recorder is not None:
             position, start = recorder.next_forward(self.stage), time.time()
-            mark = lambda t: _Mark.apply(t, lambda: recorder.end_backward(self.stage, position))  # noqa: E731
+            mark = lambda t: Mark.apply(t, lambda: recorder.end_backward(self.stage, position))  # noqa: E731
         last = self.stage == len(self.pipe.balance) - 1
         if last and self.pipe._inferring:
             # torch's shape inference runs each stage once more before the first step; the last stage's output is a
@@ -219,7 +131,7 @@ class StageModule(nn.Module):
         else:
             out = out.contiguous()  # what the transport sends (a block may return a view)
         if recorder is not None:
-            out = _Mark.apply(out, lambda: recorder.start_backward(self.stage, position))
+            out = Mark.apply(out, lambda: recorder.start_backward(self.stage, position))
             recorder.events.append(Event(self.stage, "F", position, start, time.time()))
         return out
 
@@ -325,7 +237,7 @@ class RankPipeline:
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         stop = checkpoint_stop(checkpoint, chunks)
         self.modules = [StageModule(self, s, stop) for s in self.indices]
-        self.recorder = _Recorder() if record else None
+        self.recorder = StepRecorder() if record else None
         self._shapes: Any = None
         for m in self.modules:
             m.recorder = self.recorder
@@ -464,61 +376,19 @@ class RankPipeline:
             "out; its own log has the first error"
         )
 
-    @torch.no_grad()
     def evaluate(self, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
         """Evaluation of a batch of ``size`` samples (every rank of the pipeline calls it), no gradients.
 
         ``run(i)`` runs the model's own code on micro-batch ``i`` of the batch split by
         ``torch.tensor_split`` into :meth:`eval_chunks` pieces; ``run(None)`` on the whole batch.
-        The micro-batches stream through the stages on GPipe's forward clock
-        (:func:`lightning_accel.pipeline.schedule.clock_cycles`): a rank runs micro-batch ``i``
-        while the next runs ``i - 1``, its sends non-blocking (waited for before it returns),
-        so the ranks compute at once and a stage holds one micro-batch's activations. The last
-        stage's rank concatenates what reached it and runs ``run(None)`` once, on the whole
+        The micro-batches stream through the stages (:func:`lightning_accel.pipeline.evaluation.stream_evaluate`).
+        The last stage's rank concatenates what reached it and runs ``run(None)`` once, on the whole
         batch (so the user's step sees the batch it was given); returns that there, ``None``
         elsewhere. ``whole_on_last=False``: the last stage runs per micro-batch too and returns
         the micro-batches' outputs concatenated (for a model that treats samples
-        independently in eval mode, the whole batch's output). Each tensor goes after a small header (dtype, shape), so shapes may change
-        per batch.
+        independently in eval mode, the whole batch's output).
         """
-        count, last = len(self.balance), len(self.balance) - 1
-        m = self.eval_chunks(size)
-        ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
-        arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
-        try:
-            pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, waited for before returning
-            # clock k runs (micro-batch i, stage s) with i + s == k: each rank computes micro-batch i while the next
-            # rank computes i - 1; messages between two ranks go in this one order, so blocking receives cannot deadlock
-            for cycle in clock_cycles(m, count) if count > 1 else []:
-                for i, s in cycle:
-                    if s not in self.indices:
-                        continue
-                    x = None if s == 0 else ready.pop((s, i), None)
-                    if s > 0 and x is None:
-                        x, _ = _recv(self._global((s - 1) % self.world_size), self.device, self.group)
-                    if s == last and whole_on_last:
-                        arrived.append(x)
-                        continue
-                    if s == last:
-                        arrived.append(self.boundaries.run(s, x, lambda i=i: run(i)))
-                        continue
-                    y = self.boundaries.run(s, x, lambda i=i: run(i))
-                    nxt = (s + 1) % self.world_size
-                    if nxt == self.rank:
-                        ready[(s + 1, i)] = y
-                    else:
-                        pending += _isend(y, self._global(nxt), self.group, m)
-            for work, _ in pending:
-                work.wait()
-        except ValueError:
-            raise
-        except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
-            raise self._exchange_error("evaluation", err) from err
-        if not self.holds_last:
-            return None
-        if not whole_on_last:
-            return gather(arrived) if count > 1 else gather([run(i) for i in range(m)])
-        return self.boundaries.run(last, gather(arrived) if count > 1 else None, lambda: run(None))
+        return stream_evaluate(self, size, run, whole_on_last)
 
     def forward(self, inputs: Any) -> Any:
         """:meth:`evaluate` of ``net(inputs)``: every rank passes the batch; the output on the last stage's rank."""

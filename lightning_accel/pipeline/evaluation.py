@@ -1,0 +1,101 @@
+"""Evaluation through a multi-process pipeline: micro-batches streamed through the stages, each activation after a header.
+
+Why not the training schedule: evaluation has no backward to interleave, and its batches
+may have any size and shape (a smaller last batch, another sequence length), while a
+``PipelineStage`` fixes its shapes at its first step. Here :func:`stream_evaluate` splits
+the batch into up to ``chunks`` micro-batches (``torch.tensor_split``) and runs them on
+GPipe's forward clock (:func:`lightning_accel.pipeline.schedule.clock_cycles`): a rank
+runs micro-batch ``i`` while the next runs ``i - 1``, its sends non-blocking (waited for
+before it returns), so the ranks compute at once instead of in turn, and a stage holds one
+micro-batch's activations, not the whole batch's. Each tensor goes after a small header
+(dtype, shape, micro-batch count; :func:`isend_tensor`, :func:`recv_tensor`), so shapes
+may change per batch and no rank needs to know the batch size in advance; the last
+stage's rank concatenates the outputs in order. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_accel.pipeline.microbatch import gather
+from lightning_accel.pipeline.schedule import clock_cycles
+
+__all__ = ["isend_tensor", "recv_tensor", "stream_evaluate"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
+_MAX_DIMS = 8
+
+
+def isend_tensor(x: Tensor, dst: int, group: dist.ProcessGroup | None, count: int) -> list[tuple[dist.Work, Tensor]]:
+    """Start sending ``x`` to global rank ``dst``, after a header (dtype, ndim, ``count``, shape) so the receiver can
+    allocate it and knows how many micro-batches follow. Returns the pending sends: wait on each before returning
+    (the tensors ride along so they outlive the transfer); not waiting here lets the next micro-batch compute."""
+    if x.ndim > _MAX_DIMS or x.dtype not in _DTYPES:
+        raise ValueError(
+            f"a stage output of dtype {x.dtype} and {x.ndim} dims cannot cross ranks in evaluation; "
+            f"stages must pass one tensor of at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
+        )
+    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=x.device)
+    header[0], header[1], header[2] = _DTYPES.index(x.dtype), x.ndim, count
+    header[3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    x = x.contiguous()
+    return [(dist.isend(header, dst, group=group), header), (dist.isend(x, dst, group=group), x)]
+
+
+def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[Tensor, int]:
+    """Receive the tensor :func:`isend_tensor` sent from global rank ``src``, and the micro-batch count it sent along."""
+    header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, ndim, count = _DTYPES[int(header[0])], int(header[1]), int(header[2])
+    x = torch.empty(header[3 : 3 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x, count
+
+
+@torch.no_grad()
+def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
+    """Evaluation of a batch of ``size`` samples on ``pipe`` (a :class:`lightning_accel.pipeline.RankPipeline`; every
+    rank of the pipeline calls it), no gradients; see :meth:`RankPipeline.evaluate`."""
+    count, last = len(pipe.balance), len(pipe.balance) - 1
+    m = pipe.eval_chunks(size)
+    ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
+    arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
+    try:
+        pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, waited for before returning
+        # clock k runs (micro-batch i, stage s) with i + s == k: each rank computes micro-batch i while the next
+        # rank computes i - 1; messages between two ranks go in this one order, so blocking receives cannot deadlock
+        for cycle in clock_cycles(m, count) if count > 1 else []:
+            for i, s in cycle:
+                if s not in pipe.indices:
+                    continue
+                x = None if s == 0 else ready.pop((s, i), None)
+                if s > 0 and x is None:
+                    x, _ = recv_tensor(pipe._global((s - 1) % pipe.world_size), pipe.device, pipe.group)
+                if s == last and whole_on_last:
+                    arrived.append(x)
+                    continue
+                if s == last:
+                    arrived.append(pipe.boundaries.run(s, x, lambda i=i: run(i)))
+                    continue
+                y = pipe.boundaries.run(s, x, lambda i=i: run(i))
+                nxt = (s + 1) % pipe.world_size
+                if nxt == pipe.rank:
+                    ready[(s + 1, i)] = y
+                else:
+                    pending += isend_tensor(y, pipe._global(nxt), pipe.group, m)
+        for work, _ in pending:
+            work.wait()
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
+        raise pipe._exchange_error("evaluation", err) from err
+    if not pipe.holds_last:
+        return None
+    if not whole_on_last:
+        return gather(arrived) if count > 1 else gather([run(i) for i in range(m)])
+    return pipe.boundaries.run(last, gather(arrived) if count > 1 else None, lambda: run(None))
