@@ -3,7 +3,8 @@
 Saving: global rank 0 gathers every stage's tensors under the user's names from its own
 pipeline (the replicas hold the same values), so the checkpoint loads into the plain
 model; the optimizer state of every rank goes under the indices plain training would give
-each parameter. Loading: each rank takes its own part. No Lightning here.
+each parameter. Loading: each rank takes its own part (:func:`load_own_state`,
+:func:`local_optimizer_state`). No Lightning here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_accel.pipeline.placement import RankLayout
 
-__all__ = ["gather_model_state", "gather_optimizer_state", "local_optimizer_state"]
+__all__ = ["gather_model_state", "gather_optimizer_state", "load_own_state", "local_optimizer_state"]
 
 
 def _cpu(value: Any) -> Any:
@@ -67,3 +68,19 @@ def local_optimizer_state(whole: Mapping[str, Any], full: Sequence[Sequence[int]
         groups.append({**group, "params": list(range(offset, offset + count))})
         offset += count
     return {"state": {local[g]: s for g, s in whole["state"].items() if g in local}, "param_groups": groups}
+
+
+def load_own_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> bool:
+    """Load into ``module`` the entries of the whole model's ``state`` that this rank holds (not on ``meta``); False,
+    loading nothing, when the module holds everything (load it as usual). ``strict``: the rest must match by name."""
+    freed = {n for n, t in module.state_dict().items() if t.is_meta}
+    if not freed:
+        return False
+    result = module.load_state_dict({n: t for n, t in state.items() if n not in freed}, strict=False)
+    missing = [n for n in result.missing_keys if n not in freed]
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(
+            f"the checkpoint does not match this rank's part of the model: missing {missing[:5]}, unexpected "
+            f"{result.unexpected_keys[:5]}. HINT: load_model_state_dict(..., strict=False) to ignore them"
+        )
+    return True

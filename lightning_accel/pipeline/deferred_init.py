@@ -37,14 +37,23 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["has_meta_tensors", "materialize", "module_seed"]
+__all__ = ["agreed_seed", "has_meta_tensors", "materialize", "module_seed"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the ``meta`` device."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def agreed_seed() -> int:
+    """Global rank 0's ``torch.initial_seed()`` (what ``seed_everything`` set) on every rank: the seed to materialize with."""
+    seed = [torch.initial_seed()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(seed, src=0)
+    return int(seed[0])
 
 
 def module_seed(seed: int, name: str, phase: str = "init") -> int:

@@ -4,18 +4,20 @@ The pipeline's ranks each hold part of a model; what plain training computes on 
 model's gradients (DDP's mean over replicas, ``clip_grad_norm_``, a ``GradScaler``'s
 found-inf check) needs the ranks' parts put together. Each function takes this rank's
 tensors and the process group(s), and every rank of the group calls it with the same
-parameters in the same order. No Lightning here.
+parameters in the same order. :func:`set_aside` and :func:`add_gradients` hold a pipeline
+step's gradients back until the trainer's own backward adds them. No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["agree_found_inf", "average_gradients", "clip_grad_norm_over", "sum_gradients"]
+__all__ = ["add_gradients", "agree_found_inf", "average_gradients", "clip_grad_norm_over", "set_aside", "sum_gradients"]
 
 
 @torch.no_grad()
@@ -101,3 +103,30 @@ def agree_found_inf(found_per_device: Mapping[torch.device, Tensor], device: tor
     dist.all_reduce(flag)
     for f in found_per_device.values():
         f.copy_((flag > 0).to(f.dtype))
+
+
+@contextmanager
+def set_aside(params: Sequence[Tensor]) -> Iterator[list[Tensor | None]]:
+    """Inside the block ``params`` start without gradients; afterwards they get their earlier ones back, and the yielded
+    list holds what the block computed (a schedule that runs backward itself, before the trainer's backward: gradients
+    accumulated over earlier batches must not be rescaled by it)."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    computed: list[Tensor | None] = []
+    try:
+        yield computed
+    finally:
+        computed[:] = [p.grad for p in params]
+        for p, g in zip(params, earlier):
+            p.grad = g
+
+
+@torch.no_grad()
+def add_gradients(params: Sequence[Tensor], grads: Sequence[Tensor | None], divide_by: int = 1) -> None:
+    """Add ``grads`` (divided by ``divide_by``: gradient accumulation's scaling) to the gradients of ``params``."""
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        g = g / divide_by if divide_by != 1 else g
+        p.grad = g if p.grad is None else p.grad + g

@@ -8,7 +8,9 @@ boundaries, so the ``dp`` ranks are the adjacent ones (one host's local ranks ar
 consecutive: its fast links), and a pipeline may cross hosts.
 
 :func:`process_mesh` builds the mesh once per process group and hands every later fit
-the same one. No Lightning here.
+the same one. :func:`ranks_per_pipeline` says how many ranks make one pipeline, and
+:func:`check_world_size` refuses a world size that is not a multiple of it, before any
+process starts. No Lightning here.
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ from __future__ import annotations
 import atexit
 import gc
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["hold_mesh", "mesh_coordinates", "pipeline_mesh", "process_mesh"]
+from lightning_accel.pipeline.placement import RankLayout
+
+__all__ = [
+    "check_ranks_per_pipeline", "check_world_size", "hold_mesh", "mesh_coordinates", "pipeline_mesh", "process_mesh",
+    "rank_layout", "ranks_per_pipeline",
+]
 
 
 def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
@@ -33,6 +42,43 @@ def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
         )
     dp = world_size // pp
     return rank // dp, rank % dp
+
+
+def check_ranks_per_pipeline(pp: int | None, balance: Sequence[int] | str, stages_per_rank: int, schedule: str) -> None:
+    """Refuse a ``pipeline_parallel_size`` that is not a positive int, or one that a balance list contradicts."""
+    if pp is not None and (not isinstance(pp, int) or isinstance(pp, bool) or pp < 1):
+        raise ValueError(f"pipeline_parallel_size must be a positive int (ranks per pipeline), got {pp!r}")
+    if pp is not None and not isinstance(balance, str) and len(balance) != stages_per_rank * pp:
+        raise ValueError(
+            f"balance {list(balance)} has {len(balance)} stages but pipeline_parallel_size={pp} "
+            f"ranks run {stages_per_rank * pp} with schedule {schedule!r}; HINT: drop one of the two"
+        )
+
+
+def ranks_per_pipeline(pp: int | None, balance: Sequence[int] | str, stages_per_rank: int, world_size: int) -> int:
+    """``pp`` when given; else ``len(balance) // stages_per_rank`` for a balance list; else every rank (dp = 1)."""
+    if pp is not None:
+        return pp
+    if not isinstance(balance, str) and len(balance) % stages_per_rank == 0:
+        return len(balance) // stages_per_rank
+    return world_size
+
+
+def check_world_size(world_size: int, pp: int, given: str, who: str) -> None:
+    """Refuse a world size that is not a multiple of ``pp`` ranks per pipeline (``given``: where ``pp`` came from)."""
+    if world_size % pp:
+        raise ValueError(
+            f"{who}: world size {world_size} is not a multiple of pipeline_parallel_size={pp} "
+            f"(ranks per pipeline, {given}); HINT: run a multiple of {pp} processes (devices x num_nodes), or set "
+            f"pipeline_parallel_size (and balance) to a divisor of {world_size}"
+        )
+
+
+def rank_layout(mesh: DeviceMesh, rank: int, device: torch.device) -> RankLayout:
+    """Global rank ``rank`` on ``mesh`` (:func:`pipeline_mesh`): its coordinates, the sizes, its two groups, its device."""
+    pp, dp = mesh.shape
+    pp_rank, dp_rank = mesh_coordinates(rank, pp * dp, pp)
+    return RankLayout(pp_rank, dp_rank, pp, dp, mesh.get_group("pp"), mesh.get_group("dp"), device)
 
 
 def pipeline_mesh(device_type: str, world_size: int, pp: int, timeout: timedelta | None = None) -> DeviceMesh:

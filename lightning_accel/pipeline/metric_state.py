@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import Metric
 
 from lightning_accel.pipeline.microbatch import map_tensors
 
-__all__ = ["load_metric_state", "loggable", "metric_state"]
+__all__ = ["load_metric_state", "loggable", "metric_state", "metrics_over_replicas", "restore_metric_sync"]
 
 
 def metric_state(metric: Metric) -> dict[str, Any]:
@@ -38,3 +38,23 @@ def loggable(value: Any) -> Any:
         cache = value._forward_cache
         value = cache if cache is not None else value.compute()
     return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def metrics_over_replicas(module: nn.Module, dp_group: Any, dp_size: int, saved: dict[int, tuple[bool, Any]]) -> None:
+    """A pipeline's ranks hold the same metric state (sent on every step): each ``Metric`` of ``module`` syncs over the
+    replicas only (``dp_group``), or not at all with one replica. ``saved`` keeps what the user had set, per metric
+    id (the first time a metric is seen), for :func:`restore_metric_sync`."""
+    for m in module.modules():
+        if isinstance(m, Metric):
+            saved.setdefault(id(m), (m.sync_on_compute, m.process_group))
+            if dp_size == 1:
+                m.sync_on_compute = False
+            else:
+                m.process_group = dp_group
+
+
+def restore_metric_sync(module: nn.Module, saved: dict[int, tuple[bool, Any]]) -> None:
+    """Give each metric back the sync settings :func:`metrics_over_replicas` found."""
+    for m in module.modules():
+        if isinstance(m, Metric) and id(m) in saved:
+            m.sync_on_compute, m.process_group = saved[id(m)]

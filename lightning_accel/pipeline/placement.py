@@ -5,21 +5,25 @@ the blocks is on every rank (``shared``). At setup every rank starts from global
 weights: :func:`send_initial_weights` sends each stage's tensors from the pipeline's first
 rank to their owner only, then over the data-parallel replicas. :func:`keep_own_parameters`
 gives an optimizer only this rank's parameters and remembers where they sat in the whole
-model's optimizer (what :mod:`lightning_accel.pipeline.checkpoint` saves under). No Lightning here.
+model's optimizer (what :mod:`lightning_accel.pipeline.checkpoint` saves under).
+:func:`owners` says which rank holds each tensor; :func:`check_split` refuses a second split
+of a module (after ``fit`` it stays split) for another layout. No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
-__all__ = ["RankLayout", "broadcast_shared", "keep_own_parameters", "send_initial_weights"]
+from lightning_accel.pipeline.partition import check_balance, stage_of_block
+
+__all__ = ["RankLayout", "broadcast_shared", "check_split", "keep_own_parameters", "owners", "send_initial_weights"]
 
 
 @dataclass(frozen=True)
@@ -98,3 +102,45 @@ def keep_own_parameters(
                 optimizer.state.pop(p, None)  # an optimizer that made state eagerly
         group["params"] = [p for p, m in zip(params, mine) if m]
     return full, kept
+
+
+def owners(tensors: Sequence[Tensor], blocks: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> tuple[list[int], list[bool]]:
+    """Per tensor of ``tensors``: the pipeline rank whose stage trains it, and whether it is outside every block (on
+    every rank; its owner is then the last stage's rank). ``blocks`` in order, split by ``balance`` over ``ranks``
+    ranks (stage ``s`` on rank ``s % ranks``: two stages per rank for an interleaved schedule)."""
+    stage_of: dict[int, int] = {}
+    for k, s in enumerate(stage_of_block(balance)):
+        for t in [*blocks[k].parameters(), *blocks[k].buffers()]:
+            stage_of.setdefault(id(t), s)
+    last = len(balance) - 1
+    return [stage_of.get(id(t), last) % ranks for t in tensors], [id(t) not in stage_of for t in tensors]
+
+
+def check_split(
+    previous: tuple[int, bool, tuple[int, ...]] | None,
+    ranks: int,
+    interleaved: bool,
+    schedule: str,
+    requested: Sequence[int] | str,
+    stages: int,
+    num_blocks: int,
+    choose: Callable[[], list[int]],
+) -> list[int]:
+    """The balance of this split: ``previous`` (``(ranks, interleaved, balance)`` of an earlier split of the same module,
+    which must match) or ``choose()``; checked against ``stages`` and ``num_blocks`` before any weights move."""
+    balance = choose() if previous is None else list(previous[2])
+    if previous is not None and previous != (ranks, interleaved, tuple(balance)):
+        raise ValueError(
+            f"this module was split for {previous[0]} ranks with balance {list(previous[2])} by an earlier run; it "
+            f"cannot be split again for {ranks} ranks and schedule {schedule!r}. HINT: build a fresh model "
+            "and load the checkpoint into it"
+        )
+    if not isinstance(requested, str) and previous is not None and list(requested) != balance:
+        raise ValueError(f"balance {list(requested)} differs from {balance}, the split of this module by an earlier run")
+    if len(balance) != stages:
+        raise ValueError(
+            f"schedule {schedule!r} on {ranks} ranks runs {stages} stages but balance has {len(balance)} "
+            f"({balance}); give {stages} entries"
+        )
+    check_balance(balance, num_blocks, stages)
+    return balance

@@ -1,0 +1,91 @@
+"""A module split across a pipeline's ranks: this rank's stages, who holds each tensor, and the optimizer's part.
+
+:func:`split_module` takes a module, its blocks and a balance, and on this rank builds the
+:class:`lightning_accel.pipeline.RankPipeline` over its stages. The first split of a module
+also gives this rank its starting weights: a module built on the ``meta`` device is
+materialized in part (:func:`lightning_accel.pipeline.deferred_init.materialize`, each rank
+its own tensors, nothing sent), any other gets rank 0's
+(:func:`lightning_accel.pipeline.placement.send_initial_weights`). The :class:`RankSplit` it
+returns outlives the pipeline (a checkpoint saved after training still gathers the stages):
+it knows which rank holds each tensor, keeps each optimizer to this rank's parameters and
+maps their state to and from the whole model's. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_accel.models.block_policy import Block
+from lightning_accel.pipeline.checkpoint import gather_optimizer_state, local_optimizer_state
+from lightning_accel.pipeline.deferred_init import agreed_seed, has_meta_tensors, materialize
+from lightning_accel.pipeline.distributed import RankPipeline
+from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, owners, send_initial_weights
+
+__all__ = ["RankSplit", "split_module", "tensors_of"]
+
+
+def tensors_of(module: nn.Module) -> list[Tensor]:
+    """Every parameter and buffer of ``module``, in one order all ranks share."""
+    return [*module.parameters(), *module.buffers()]
+
+
+@dataclass
+class RankSplit:
+    """Per tensor of :func:`tensors_of` the module: the pipeline rank whose stage trains it (``owners``) and whether it is
+    outside every block, so on every rank (``shared``); the ids of the parameters outside the blocks (``resident``);
+    per optimizer, the whole model's optimizer's parameter indices per group and this rank's among them."""
+
+    owners: list[int]
+    shared: list[bool]
+    resident: set[int]
+    optimizer_index: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
+
+    def keep_own_parameters(self, module: nn.Module, optimizers: Sequence[Optimizer], layout: RankLayout) -> None:
+        """Leave in each optimizer only this rank's parameters (see :func:`lightning_accel.pipeline.placement.keep_own_parameters`);
+        a parameter not in ``module`` counts as outside the blocks."""
+        owner = {id(t): (o, sh) for t, o, sh in zip(tensors_of(module), self.owners, self.shared)}
+        default = (layout.pp_size - 1, True)
+        self.optimizer_index = [keep_own_parameters(o, owner, layout.pp_rank, default) for o in optimizers]
+
+    def sync_shared(self, module: nn.Module, layout: RankLayout) -> None:
+        """Every rank gets the current values of what lives outside the stages (every rank of the pipeline calls it)."""
+        broadcast_shared(tensors_of(module), self.owners, self.shared, layout)
+
+    def optimizer_state(self, index: int, state: dict[str, Any], layout: RankLayout) -> dict[str, Any]:
+        """Optimizer ``index``'s state for the whole model (each rank's part under plain training's indices)."""
+        if index >= len(self.optimizer_index):
+            return state
+        full, kept = self.optimizer_index[index]
+        return gather_optimizer_state(state, full, kept, layout)
+
+    def local_optimizer_state(self, index: int, whole: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's part of optimizer ``index``'s whole-model state."""
+        if index >= len(self.optimizer_index):
+            return whole
+        full, kept = self.optimizer_index[index]
+        return local_optimizer_state(whole, full, kept)
+
+
+def split_module(
+    module: nn.Module, blocks: Sequence[Block], balance: Sequence[int], layout: RankLayout, first: bool, **pipeline: Any
+) -> tuple[RankPipeline, RankSplit]:
+    """This rank's :class:`RankPipeline` over ``module`` (``blocks`` split by ``balance``; ``pipeline``: its other
+    arguments), and where each tensor lives. ``first``: the module's first split, so its starting weights are placed
+    (a split module keeps its own). The other ranks' blocks go to the ``meta`` device (names, shapes, dtypes stay)."""
+    tensors = tensors_of(module)
+    owned, shared = owners(tensors, [b.module for b in blocks], balance, layout.pp_size)
+    if first and has_meta_tensors(module):  # built on meta: each rank initializes its own part, nothing is sent
+        mine = {id(t) for t, o, sh in zip(tensors, owned, shared) if sh or o == layout.pp_rank}
+        materialize(module, agreed_seed(), keep=lambda t: id(t) in mine)
+    elif first:
+        send_initial_weights(tensors, owned, shared, layout)
+    pipe = RankPipeline(
+        module, balance, device=layout.device, group=layout.pp_group, blocks=[Block(b.name, b.module) for b in blocks],
+        **pipeline,
+    )
+    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident})

@@ -1,0 +1,99 @@
+"""One step of the user's code on a pipeline rank: training in micro-batches, evaluation streamed, the last rank's result.
+
+Every rank of a pipeline runs the user's step (a LightningModule's ``training_step``,
+``validation_step``, ...) with the model's own forward, which its stage boundaries cut
+short on ranks that do not hold the last stage. Training
+(:func:`train_step`): the step runs once per micro-batch inside the schedule, its logs are
+recorded per micro-batch, its loss (scaled by a ``GradScaler`` when there is one) drives
+the schedule's backward, and the gradients are set aside for the trainer's own backward;
+the last rank reduces the loss and the logs over the micro-batches like plain training's
+batch. Evaluation (:func:`eval_step`): the batch streams through the stages, the last rank
+runs the step once on the whole batch, and what it logged (and returned) reaches every
+rank. The step is any callable on a module with a ``log`` method. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_accel.pipeline.distributed import RankPipeline
+from lightning_accel.pipeline.gradients import set_aside
+from lightning_accel.pipeline.microbatch import batch_size, scatter
+from lightning_accel.pipeline.reduction import reduce_outputs
+from lightning_accel.pipeline.step_logs import EvalLogs, MicroBatchLogs, silenced
+from lightning_accel.pipeline.step_result import StepResult
+
+__all__ = ["eval_step", "train_step"]
+
+
+def train_step(
+    pipe: RankPipeline,
+    module: nn.Module,
+    step: Callable[[Any], Any],
+    batch: Any,
+    shape: Any,
+    loss_reduction: str,
+    scaler: Any = None,
+) -> tuple[StepResult | None, list[Tensor | None]]:
+    """``step(micro_batch)`` over ``pipe.chunks`` micro-batches of ``batch`` through the schedule (``shape``: the
+    batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere) and this
+    rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before)."""
+    micro = scatter(batch, pipe.chunks)
+    sizes = [batch_size(mb) for mb in micro]
+    outputs: list[Any] = [None] * pipe.chunks
+    logs = MicroBatchLogs(pipe.chunks)
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=pipe.device))  # ranks without the loss need the scale too
+
+    def forward(i: int) -> Tensor:
+        """The user's step on micro-batch ``i``: every rank runs it, up to its stage's end."""
+        with logs.recording(module, i):
+            out = step(micro[i])
+        if out is None:
+            raise ValueError("training_step returned None (skip the batch), but the pipeline has already run it")
+        outputs[i] = out
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        return scaler.scale(loss) if scaler is not None else loss  # the schedule's backward: scaled gradients
+
+    with set_aside(pipe.parameters()) as grads:
+        pipe.train_step(forward, shape=shape)  # a smaller last batch gets a schedule of its own
+    if not pipe.holds_last:
+        return None, grads
+    reduced = reduce_outputs(outputs, sizes, loss_reduction)
+    loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
+    return (loss.detach().cpu(), logs.reduced(sizes, loss_reduction), isinstance(reduced, Mapping)), grads
+
+
+def eval_step(
+    pipe: RankPipeline,
+    module: nn.Module,
+    hook: str,
+    batch: Any,
+    step: Callable[[Any], Any],
+    src: int,
+    device: torch.device,
+    output_to_cpu: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``step`` (the module's ``hook``) on ``batch`` streamed through the stages; on the last stage's rank (global rank
+    ``src``) once on the whole batch, its logs replayed on every other rank. Returns the step's output there; elsewhere
+    ``output_to_cpu`` of it as sent (None without ``output_to_cpu``)."""
+    size = batch_size(batch)
+    parts = scatter(batch, pipe.eval_chunks(size))
+    logs = EvalLogs(module, hook)
+
+    def run(i: int | None) -> Any:
+        # i None: the whole batch on the last stage, where the step's logging counts
+        with logs.recording() if i is None else silenced(module):
+            return step(batch if i is None else parts[i])
+
+    out = pipe.evaluate(size, run)
+    sent = output_to_cpu(out) if pipe.holds_last and output_to_cpu is not None else None
+    records, output = logs.exchange(sent, src, pipe.group)
+    if pipe.holds_last:
+        return out
+    EvalLogs.replay(module, records, device)
+    return output
