@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -26,6 +27,10 @@ def test_shrunk_benchmark_prints_every_row_and_draws_the_timeline(capsys, tmp_pa
     assert float(rows["ideal S*M/(M+S-1)"][-4]) == pytest.approx(8 / 5, abs=1e-3)  # S=2, M=4
     assert rows["raw torch.distributed.pipelining"][-2:] == ["1.000", "1.000-1.000"]  # vs itself, step by step
     assert "GPipeStrategy in a Trainer vs raw pipelining: " in out and "target >= 0.95x: " in out
+    cpu = re.search(r"CPU ms per step on rank 0 / rank 1 .*: raw ([\d.]+) / ([\d.]+); RankPipeline ([\d.]+) / ([\d.]+) "
+                    r"\(([\d.]+)x / ([\d.]+)x raw's\); GPipeStrategy ([\d.]+) / ([\d.]+) \(([\d.]+)x / ([\d.]+)x raw's\)", out)
+    assert cpu is not None and all(float(v) > 0 for v in cpu.groups())
+    assert float(cpu[5]) == pytest.approx(float(cpu[3]) / float(cpu[1]), rel=0.02)  # RankPipeline on rank 0 vs raw there
     assert "where the gap to the ideal 1.60x goes: M=4 micro-batches of 4 rows cost" in out
     assert out.rstrip().splitlines()[-1].startswith("machine: ")
     assert "bubble measured" in out and "fill-drain ideal 20.0%" in out  # (S-1)/(M+S-1) = 1/5
@@ -108,6 +113,10 @@ def test_llama_benchmark_runs_every_contender(capsys):
     assert rows["raw torch.distributed.pipelining"][-2:] == ["1.000", "1.000-1.000"]
     assert float(rows["ideal S*M/(M+S-1)"][-4]) == pytest.approx(8 / 5, abs=1e-3)
     assert "GPipeStrategy in a Trainer vs raw pipelining: " in out and "target >= 0.95x: " in out
+    cpu = re.search(r"CPU ms per step on rank 0 / rank 1 .*: raw ([\d.]+) / ([\d.]+); RankPipeline ([\d.]+) / ([\d.]+) "
+                    r"\(([\d.]+)x / ([\d.]+)x raw's\); GPipeStrategy ([\d.]+) / ([\d.]+) \(([\d.]+)x / ([\d.]+)x raw's\)", out)
+    assert cpu is not None and all(float(v) > 0 for v in cpu.groups())
+    assert float(cpu[5]) == pytest.approx(float(cpu[3]) / float(cpu[1]), rel=0.02)  # RankPipeline on rank 0 vs raw there
     assert "M=4 micro-batches of 2 sequences of 16 tokens cost" in out
     assert "checkpoint=" not in out  # the memory table is the MLP's
     assert out.rstrip().splitlines()[-1].startswith("machine: ")
