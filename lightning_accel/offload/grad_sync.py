@@ -188,3 +188,19 @@ def clip_grad_norm_across(grads: Sequence[Tensor], counted: Sequence[bool], max_
     for grad in grads:
         grad.detach().mul_(coef)
     return norm
+
+
+@torch.no_grad()
+def agree_found_inf(flags: Sequence[Tensor], group: dist.ProcessGroup | None) -> bool:
+    """A ``GradScaler``'s found-inf flags on this rank (after ``unscale_``) become 1 on every rank of ``group``
+    if any rank found an overflow: with the host step partitioned each rank checks only the gradients it steps,
+    and every rank must skip the step (and lower the scale) together, as DDP's ranks do on their common
+    gradient. Every rank calls it, with or without flags. Returns whether any rank overflowed."""
+    total = torch.zeros((), dtype=torch.float32)
+    for flag in flags:
+        total += flag.detach().float().sum().cpu()
+    dist.all_reduce(total, group=group)
+    found = bool(total > 0)
+    for flag in flags:
+        flag.fill_(1.0 if found else 0.0)
+    return found

@@ -43,16 +43,16 @@ the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``delayed_update``,
 ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
-no wrapper), and fp16 loss scaling (with the step partitioned each rank would see only its
-blocks' overflows; the ranks' overflow verdicts are not agreed yet).
-``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident`` work as on
-one device.
+no wrapper). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
+work as on one device; with ``OffloadPrecision("16-mixed")`` each rank's ``GradScaler`` checks the
+gradients that rank steps, and the ranks agree (any overflow: every rank skips the step and
+lowers the scale), as DDP's ranks do on their common gradient.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Literal
 
@@ -68,7 +68,7 @@ from typing_extensions import override
 
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget, local_ranks
 from lightning_accel.models.block_policy import BlockPolicy
-from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, agree_found_inf, clip_grad_norm_across, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import HostPartition, partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
@@ -183,11 +183,11 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
             )
         if fitting and self._layer_sync is not None:
             raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); HINT: remove sync_batchnorm")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
-                "L2LOffloadDDPStrategy does not run fp16 loss scaling (OffloadPrecision('16-mixed')) yet: with the host "
-                "step partitioned each rank sees only its own blocks' overflows, and the ranks' verdicts are not agreed; "
-                "HINT: OffloadPrecision('bf16-mixed')"
+                f"L2LOffloadDDPStrategy agrees on fp16 overflows across ranks through torch's GradScaler, not "
+                f"{type(scaler).__name__}; HINT: OffloadPrecision('16-mixed')"
             )
 
     def _broadcast_initial_weights(self) -> None:
@@ -282,10 +282,20 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self._partition is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # Lightning's clipping by norm would see only this rank's blocks
-        with swapped(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm):
+        with ExitStack() as stack:
+            plugin = self.precision_plugin
+            if self._partition is not None:  # Lightning's clipping by norm would see only this rank's blocks
+                stack.enter_context(swapped(plugin, "clip_grad_by_norm", self._clip_grad_by_norm))
+            scaler = getattr(plugin, "scaler", None)
+            if scaler is not None:  # between the plugin's unscale_ and its scaler.step: one overflow verdict for all ranks
+                after_closure = plugin._after_closure
+
+                def agreed(module: Any, opt: Any) -> None:
+                    state = scaler._per_optimizer_states[id(opt)]
+                    agree_found_inf(list(state["found_inf_per_device"].values()), self._host_group)
+                    after_closure(module, opt)
+
+                stack.enter_context(swapped(plugin, "_after_closure", agreed))
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

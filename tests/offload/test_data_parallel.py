@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_accel.offload.grad_sync import HostGradientSync, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.grad_sync import HostGradientSync, agree_found_inf, clip_grad_norm_across, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
@@ -134,3 +134,11 @@ def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.Pr
     sync.close()
     with pytest.raises(ValueError, match=r"order \[0, 0\] must list each of the 2 unit indices once"):
         HostGradientSync([[params[0]], [params[1]]], grads, group_of_one, order=[0, 0])
+
+
+def test_one_overflow_flag_sets_every_flag(group_of_one: dist.ProcessGroup) -> None:
+    flags = [torch.zeros(()), torch.ones(())]  # (per device, as a GradScaler keeps them)
+    assert agree_found_inf(flags, group_of_one) is True and [float(f) for f in flags] == [1.0, 1.0]
+    flags = [torch.zeros(())]
+    assert agree_found_inf(flags, group_of_one) is False and float(flags[0]) == 0.0
+    assert agree_found_inf([], group_of_one) is False  # a rank without flags still takes part

@@ -19,7 +19,7 @@ from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[0] / "pipeline"))
-from l2l_ddp_worker import PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task  # noqa: E402
+from l2l_ddp_worker import FP16_SCALE, PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
 
@@ -73,13 +73,6 @@ def _gpt_loader() -> DataLoader:
 
 
 @pytest.mark.usefixtures("one_rank")
-def test_fp16_loss_scaling_is_refused_before_training() -> None:
-    trainer = _trainer(L2LOffloadDDPStrategy(), devices=1, plugins=[OffloadPrecision("16-mixed")], max_steps=1)
-    with pytest.raises(ValueError, match=r"does not run fp16 loss scaling \(OffloadPrecision\('16-mixed'\)\) yet.*HINT: OffloadPrecision\('bf16-mixed'\)"):
-        trainer.fit(gpt_task(torch.float32), _gpt_loader())
-
-
-@pytest.mark.usefixtures("one_rank")
 def test_manual_optimization_is_refused_before_training() -> None:
     task = gpt_task()
     task.automatic_optimization = False
@@ -92,7 +85,7 @@ def test_manual_optimization_is_refused_before_training() -> None:
 CASES = [
     "gpt64-ddp", "gpt64-part", "gpt64-repl",
     "gpt64-ddp-accclip", "gpt64-part-accclip", "gpt64-repl-accclip",
-    "gpt64-part-act", "gpt64-part-resident", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
+    "gpt64-part-act", "gpt64-part-resident", "gpt16-ddp", "gpt16-part", "gpt16-repl", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
     "llama64-ddp", "llama64-part", "llama64-repl",
     "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
 ]
@@ -127,7 +120,7 @@ FP32_ATOL = 2e-5
     ("gpt64-part-accclip", "gpt64-ddp-accclip", 1e-12), ("gpt64-repl-accclip", "gpt64-ddp-accclip", 1e-12),
     ("gpt64-part-act", "gpt64-ddp", 1e-12), ("gpt64-part-resident", "gpt64-ddp", 1e-12),
     ("gpt32-part", "gpt32-ddp", FP32_ATOL),
-    ("gptbf16-part", "gptbf16-ddp", 2e-2),
+    ("gptbf16-part", "gptbf16-ddp", 2e-2), ("gpt16-part", "gpt16-ddp", 2e-2), ("gpt16-repl", "gpt16-ddp", 2e-2),
     ("llama64-part", "llama64-ddp", 1e-12), ("llama64-repl", "llama64-ddp", 1e-12),
 ])
 def test_trains_to_the_weights_of_plain_ddp(two_ranks: Path, case: str, reference: str, atol: float) -> None:
@@ -136,6 +129,7 @@ def test_trains_to_the_weights_of_plain_ddp(two_ranks: Path, case: str, referenc
     for rank, ddp_rank in zip(ranks, ddp):  # every rank ends with the same, trained weights; its losses are its shard's
         _assert_close(rank["weights"], ddp[0]["weights"], rtol=0, atol=atol)
         assert rank["losses"] == pytest.approx(ddp_rank["losses"], rel=1e-6 if atol > 1e-12 else 1e-12, abs=atol)
+        assert rank["scale"] == ddp_rank["scale"]  # fp16: the same steps skipped for an overflow, the same scale
     if initial is not None:  # guard against an offload that silently does not train
         moved = [n for n, w in initial.state_dict().items() if not torch.equal(w.to(ranks[0]["weights"][n].dtype), ranks[0]["weights"][n])]
         assert len(moved) == len(ranks[0]["weights"])
@@ -215,3 +209,10 @@ def test_four_ranks_train_to_the_weights_of_plain_ddp_with_a_quarter_of_the_stat
             assert rank["losses"] == pytest.approx(ddp_rank["losses"], rel=1e-12)
     full = _ranks(tmp_path, "gpt64-repl", 4)[0]["host_optimizer_bytes"]
     assert [r["host_optimizer_bytes"] for r in _ranks(tmp_path, "gpt64-part", 4)] == [full // 4] * 4
+
+
+@pytest.mark.slow
+def test_fp16_overflow_skips_the_same_steps_on_every_rank_as_ddp(two_ranks: Path) -> None:
+    """The first step's scaled gradients overflow: every rank skips it and halves the scale, as DDP's ranks do."""
+    for case in ("gpt16-ddp", "gpt16-part", "gpt16-repl"):
+        assert [r["scale"] for r in _ranks(two_ranks, case)] == [FP16_SCALE / 2] * 2, case
