@@ -31,6 +31,7 @@ import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,8 +92,9 @@ class HostGradientSync:
 
     Args:
         units: the parameters of each unit, by unit index (the executor's block order).
-        grads: the host gradient buffers (:attr:`HostStore.grads`); a unit's entries are taken
-            out when its collective launches and the means put back by :meth:`wait`.
+        store: holds the host gradient buffers as ``store.grads`` (a :class:`~.host_store.HostStore`);
+            a unit's entries are taken out when its collective launches and the means put back by
+            :meth:`wait`. Read through ``store`` each time: the delayed update swaps the dict.
         group: the process group (one only this object's worker uses).
         owners: partitioned: the rank of ``group`` that steps each unit; None: replicated.
         land: called on the worker with a unit's parameters before reading their gradients
@@ -100,14 +102,14 @@ class HostGradientSync:
         order: the unit indices in launch order (default: last unit first).
     """
 
-    def __init__(self, units: Sequence[Sequence[nn.Parameter]], grads: dict[nn.Parameter, Tensor], group: dist.ProcessGroup | None,
+    def __init__(self, units: Sequence[Sequence[nn.Parameter]], store: Any, group: dist.ProcessGroup | None,
                  owners: Sequence[int] | None = None, land: Callable[[list[nn.Parameter]], None] | None = None,
                  init_worker: Callable[[], None] | None = None, order: Sequence[int] | None = None) -> None:
         self.units = [[p for p in unit if p.requires_grad] for unit in units]
         self.order = list(range(len(self.units) - 1, -1, -1)) if order is None else list(order)
         if sorted(self.order) != list(range(len(self.units))):
             raise ValueError(f"order {self.order} must list each of the {len(self.units)} unit indices once")
-        self.grads = grads
+        self.store = store
         self.group = group
         self.owners = None if owners is None else list(owners)
         self.land = land
@@ -152,7 +154,7 @@ class HostGradientSync:
             self.bytes_reduced += pending.nbytes
             for param, grad in pending.result():
                 if grad is not None:
-                    self.grads[param] = grad
+                    self.store.grads[param] = grad
         self._launched.clear()
 
     def _launch(self, index: int) -> None:
@@ -163,7 +165,7 @@ class HostGradientSync:
         params = self.units[index]
         if self.land is not None:
             self.land(params)
-        grads = [self.grads.pop(p, None) for p in params]
+        grads = [self.store.grads.pop(p, None) for p in params]
         owner = None if self.owners is None else self.owners[index]
         return launch_mean(params, grads, self.group, owner)
 

@@ -41,8 +41,11 @@ Where the bytes go: the blocks' gradients and weights are averaged and sent wher
 in host memory, over a gloo process group of their own (beside nccl on a GPU, which carries only
 the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
 
-Refused, each with its reason, when the Trainer is built or fit starts: ``delayed_update``,
-``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
+``delayed_update``: the averaged gradients of step t become each owner's pending update, applied
+beside step t+1's compute as on one device; the updated weights go to every rank once it has
+landed (after step t+1's backward, or before validation, a checkpoint, the end of fit).
+
+Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
 no wrapper). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
 work as on one device; with ``OffloadPrecision("16-mixed")`` each rank's ``GradScaler`` checks the
 gradients that rank steps, and the ranks agree (any overflow: every rank skips the step and
@@ -89,7 +92,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         blocks, prefetch_blocks, offload_resident, checkpoint_blocks, offload_activations: as for
             :class:`~lightning_accel.strategies.L2LOffloadStrategy`.
         overlap_step: only ``None``/``False``: the host step runs after the gradients are averaged.
-        delayed_update: only ``False`` for now.
+        delayed_update, delayed_update_warmup: as for ``L2LOffloadStrategy``; with the partitioned step
+            each owner applies its blocks' update one step late and then sends their weights.
         process_group_backend, timeout, start_method, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
     """
@@ -112,12 +116,6 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
     ) -> None:
         if host_step not in ("partitioned", "replicated"):
             raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
-        if delayed_update:
-            raise ValueError(
-                "L2LOffloadDDPStrategy does not run delayed_update=True yet (the deferred host update would have to wait "
-                "for the averaged gradients and send its weights a step late); HINT: delayed_update=False, or "
-                "strategy='l2l_offload' on one device"
-            )
         if overlap_step:
             raise ValueError(
                 "L2LOffloadDDPStrategy(overlap_step=True): a block's host step needs its gradients averaged over the "
@@ -145,6 +143,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         self.reduced_bytes = 0  # gradient payload averaged for the last optimizer step (blocks and device parameters)
         self.gathered_bytes = 0  # weights broadcast after the last step (partitioned)
         self.reduced_in_backward = 0  # blocks whose averaging the last step launched before its backward had ended
+        self._weights_pending = False  # delayed_update: owners' updates landing later are still to be sent
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -213,7 +212,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = HostGradientSync(
-            self._units, executor.store.grads, self._host_group,
+            self._units, executor.store, self._host_group,
             owners=None if self._partition is None else self._partition.owners,
             land=executor.streamer.finish_grads, init_worker=self._threads.init_worker if self._threads else None,
             # blocks last first, as the backward finishes them; a streamed resident unit (head and
@@ -308,6 +307,21 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     @override
     def _after_update(self, optimizer: Optimizer) -> None:
+        self._share_updated_weights()
+
+    @override
+    def _after_defer(self) -> None:
+        # the owners' deferred updates land during the next step (or at validation, a checkpoint, the end)
+        self._weights_pending = self._partition is not None
+
+    @override
+    def _after_delayed_landing(self) -> None:
+        if self._weights_pending:
+            self._weights_pending = False
+            self._share_updated_weights()
+
+    def _share_updated_weights(self) -> None:
+        """Partitioned: every unit's masters from its owner, who alone stepped it (the worker is idle here)."""
         if self._partition is None:
             return
         assert self._executor is not None

@@ -251,6 +251,7 @@ class L2LOffloadHooks(Strategy):
     def _land_delayed_update(self) -> None:
         if self._executor is not None:
             self._executor.finish_delayed_update()
+            self._after_delayed_landing()
 
     @override
     def on_validation_start(self) -> None:
@@ -348,6 +349,8 @@ class L2LOffloadHooks(Strategy):
                 result = closure()
             finally:
                 executor.finish_delayed_update()  # update t-1 lands; this step's compute is over
+            self._gradients_ready()
+            self._after_delayed_landing()
             executor.install_grads()  # clipping sees this step's host gradients too
             return result
 
@@ -356,6 +359,7 @@ class L2LOffloadHooks(Strategy):
         fuse = self._fuse(optimizer)
         with host_update(optimizer, fuse), _after_closure(optimizer, functools.partial(executor.defer_update, optimizer, fuse=fuse)):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+        self._after_defer()
         executor.after_step(masters_changed=False)
         return output
 
@@ -405,6 +409,12 @@ class L2LOffloadHooks(Strategy):
 
     def _after_update(self, optimizer: Optimizer) -> None:
         """After the optimizer updated the parameters, before the shadows are refreshed."""
+
+    def _after_defer(self) -> None:
+        """After a step whose host update was deferred (``delayed_update``)."""
+
+    def _after_delayed_landing(self) -> None:
+        """After a point where a pending host update may have landed (every rank reaches the same ones)."""
 
 
 # Optimizers whose update of a parameter reads only that parameter's gradient and state:

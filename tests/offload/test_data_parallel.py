@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_units_launch_in_descending_order_whatever_order_they_land(group_of_one:
     params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
     grads = {p: torch.full((3,), float(i + 1)) for i, p in enumerate(params)}
     landed: list[int] = []
-    sync = HostGradientSync([[p] for p in params], grads, group_of_one, owners=[0, 0, 0],
+    sync = HostGradientSync([[p] for p in params], SimpleNamespace(grads=grads), group_of_one, owners=[0, 0, 0],
                             land=lambda ps: landed.append(next(i for i, p in enumerate(params) if p is ps[0])))
     sync.begin()
     sync.ready(0)  # unit 0 first: it must wait for units 2 and 1
@@ -120,7 +121,7 @@ def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.Pr
     grads = {p: torch.ones(2) for p in params}
     landed: list[int] = []
     # units 0 and 1 are blocks (last first); unit 2 (a streamed resident unit) is never reported ready
-    sync = HostGradientSync([[p] for p in params], grads, group_of_one, owners=None, order=[1, 0, 2],
+    sync = HostGradientSync([[p] for p in params], SimpleNamespace(grads=grads), group_of_one, owners=None, order=[1, 0, 2],
                             land=lambda ps: landed.append(next(i for i, p in enumerate(params) if p is ps[0])))
     sync.begin()
     sync.ready(1)
@@ -133,7 +134,7 @@ def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.Pr
     assert landed == [1, 0, 2]
     sync.close()
     with pytest.raises(ValueError, match=r"order \[0, 0\] must list each of the 2 unit indices once"):
-        HostGradientSync([[params[0]], [params[1]]], grads, group_of_one, order=[0, 0])
+        HostGradientSync([[params[0]], [params[1]]], SimpleNamespace(grads=grads), group_of_one, order=[0, 0])
 
 
 def test_one_overflow_flag_sets_every_flag(group_of_one: dist.ProcessGroup) -> None:

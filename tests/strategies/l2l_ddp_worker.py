@@ -10,7 +10,8 @@ Case names: ``{model}-{how}[-{extra}]``; model ``gpt64`` (zoo GPT, float64), ``g
 (OffloadPrecision / Lightning's bf16-mixed), ``gpt16`` (fp16 with a loss scaler), ``llama64`` (transformers Llama, float64); how ``ddp``
 (Lightning's DDP), ``part`` (partitioned host step) or ``repl`` (replicated); extras ``accclip``
 (accumulate 2 batches, clip the norm at 0.05), ``act`` (offload_activations), ``resident`` (offload_resident:
-the embeddings and head stream from the host too, a fifth unit of the partition), ``2ep`` (two epochs),
+the embeddings and head stream from the host too, a fifth unit of the partition), ``delayed``
+(delayed_update after 1 warm-up step), ``2ep`` (two epochs),
 ``resumed`` (two epochs from ``gpt64-part.ckpt``).
 """
 
@@ -115,7 +116,8 @@ def fit(out: str, devices: int, case: str) -> None:
             plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)))
     else:
         strategy = L2LOffloadDDPStrategy(host_step="partitioned" if how == "part" else "replicated",
-                                         offload_activations="act" in extras, offload_resident="resident" in extras, timeout=60)
+                                         offload_activations="act" in extras, offload_resident="resident" in extras, timeout=60,
+                                         **({"delayed_update": True, "delayed_update_warmup": 1} if "delayed" in extras else {}))
         if model == "gptbf16":
             plugins.append(OffloadPrecision("bf16-mixed"))
         if model == "gpt16":

@@ -58,7 +58,6 @@ def test_the_data_parallel_name_takes_every_device() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"host_step": "sharded"}, r"host_step='sharded' is not one of 'partitioned', 'replicated'"),
-    ({"delayed_update": True}, r"does not run delayed_update=True yet.*HINT: delayed_update=False"),
     ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*HINT: leave overlap_step unset"),
     ({"find_unused_parameters": True}, r"does not wrap the model in DistributedDataParallel, so find_unused_parameters=\.\.\. would be ignored"),
     ({"ddp_comm_hook": print}, r"so ddp_comm_hook=\.\.\. would be ignored"),
@@ -85,7 +84,7 @@ def test_manual_optimization_is_refused_before_training() -> None:
 CASES = [
     "gpt64-ddp", "gpt64-part", "gpt64-repl",
     "gpt64-ddp-accclip", "gpt64-part-accclip", "gpt64-repl-accclip",
-    "gpt64-part-act", "gpt64-part-resident", "gpt16-ddp", "gpt16-part", "gpt16-repl", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
+    "gpt64-part-act", "gpt64-part-resident", "gpt64-part-delayed", "gpt64-repl-delayed", "gpt16-ddp", "gpt16-part", "gpt16-repl", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
     "llama64-ddp", "llama64-part", "llama64-repl",
     "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
 ]
@@ -216,3 +215,21 @@ def test_fp16_overflow_skips_the_same_steps_on_every_rank_as_ddp(two_ranks: Path
     """The first step's scaled gradients overflow: every rank skips it and halves the scale, as DDP's ranks do."""
     for case in ("gpt16-ddp", "gpt16-part", "gpt16-repl"):
         assert [r["scale"] for r in _ranks(two_ranks, case)] == [FP16_SCALE / 2] * 2, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["part", "repl"])
+def test_delayed_update_equals_one_device_delayed_on_the_global_batches(two_ranks: Path, how: str) -> None:
+    """One step late, data parallel: the same weights as the one-device delayed update (itself tested against a
+    hand-written delayed loop) on the batches the ranks see together; every rank ends with every update landed."""
+    single = gpt_task()
+    batches = DataLoader(gpt_data(), batch_sampler=GlobalBatches(len(gpt_data()), 2))
+    trainer = _trainer(L2LOffloadStrategy(delayed_update=True, delayed_update_warmup=1), devices=1, max_epochs=1)
+    trainer.fit(single, batches)
+    assert trainer.strategy.offload_stats.delayed_steps == 3
+    want = {k: v.detach() for k, v in single.state_dict().items()}
+    for rank in _ranks(two_ranks, f"gpt64-{how}-delayed"):
+        _assert_close(rank["weights"], want, rtol=0, atol=1e-12)
+    # and it is not the undelayed run
+    undelayed = _ranks(two_ranks, "gpt64-part")[0]["weights"]
+    assert max((undelayed[k] - want[k]).abs().max() for k in want) > 1e-4
