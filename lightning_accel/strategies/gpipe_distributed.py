@@ -52,7 +52,7 @@ the last rank runs the user's step once on the whole batch and every rank logs w
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -254,13 +254,10 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     @contextmanager
     @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        """``configure_model`` builds on the ``meta`` device; setup materializes this rank's part."""
-        if not self.deferred_init or empty_init is False:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+    def model_sharded_context(self) -> Iterator[None]:
+        """Around ``configure_model`` only (not ``trainer.init_module``): build on the ``meta`` device; setup materializes
+        this rank's part."""
+        with torch.device("meta") if self.deferred_init else nullcontext():
             yield
 
     @property

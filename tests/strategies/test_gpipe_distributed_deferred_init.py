@@ -152,3 +152,13 @@ def test_balance_by_time_is_refused_for_a_network_built_on_meta(one_rank):
 
     with pytest.raises(ValueError, match=r"balance='by_time' times every block of Sequential on rank 0.*HINT: balance='by_size'"):
         _trainer(schedule="interleaved_1f1b", balance="by_time").fit(TwoStages(), _data())
+
+
+def test_only_configure_model_builds_on_meta_not_trainer_init_module():
+    trainer = _trainer()
+    with pytest.warns(UserWarning, match="Please instantiate your model inside the`LightningModule.configure_model`"):
+        with trainer.init_module():
+            layer = nn.Linear(2, 2)
+    assert not layer.weight.is_meta
+    with trainer.strategy.model_sharded_context():
+        assert nn.Linear(2, 2).weight.is_meta
