@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-batch", type=int, default=1024, help="memory table: a batch whose activations outweigh the weights")
     p.add_argument("--memory-hidden", type=int, default=128)
     p.add_argument("--memory-only", action="store_true", help="run only the one-process memory table (no 2-process part)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the 2 ranks are killed")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the 2 ranks are killed (the defaults take "
+                   "1-2 min on a quiet 2-core machine, 5x that under heavy load from other jobs)")
     p.add_argument("--plot", metavar="DIR", help="write the last step of our pipeline as DIR/pipeline-timeline.svg "
                    "and DIR/pipeline-trace.json (Chrome trace), with the measured bubble")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
