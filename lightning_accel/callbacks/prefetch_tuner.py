@@ -5,6 +5,11 @@ wrapped in a :class:`~lightning_accel.prefetch.TunableLoader` (Lightning has alr
 called ``iter()`` on it, so the wrapper is swapped into ``fit_loop._combined_loader``
 and the epoch iterator re-created before any batch is consumed). The first
 ``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
+From a start without workers, a first step that waited longer than it computed already
+starts the likely first candidate's workers in the background, so that their start-up
+(forking each, about 80 ms under load) and first items overlap the measuring steps; the
+steps the forking disturbed are left out of the measurement, and the candidate is
+dropped if the measurement says compute-bound or proposes another.
 Only if waiting takes more than ``data_bound_fraction`` of the time does it search, and
 it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's loader is
 built and its workers started in the background while training goes on consuming the
@@ -27,7 +32,9 @@ batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
 Noise and cores. Each measurement carries its spread, taken on the spot (the standard
 error over the steps, or over the workers' item times): a candidate replaces the start
 only when it waits less by more than twice their combined spread, and among
-candidates within that margin the fewest workers win. Items that keep the workers on
+candidates within that margin the fewest workers win. A candidate whose first samples
+cannot tell it from the best where it would matter is measured longer while it serves
+(up to ``remeasure`` times its usual batches) rather than judged on the draw. Items that keep the workers on
 the CPU (the share of CPU time while loading, measured in this process without workers
 and from ``/proc`` with them, as time on a CPU over the time not spent queued for one,
 so a shared machine makes them look neither idle nor busy) hold the worker count to the rank's CPU budget
@@ -56,6 +63,7 @@ from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.handover import handover_lead
+from lightning_accel.prefetch.inner_loader import worker_start_s
 from lightning_accel.prefetch.loader_rebuild import RebuildError
 from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
@@ -69,6 +77,12 @@ from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 def _positive_int(name: str, value: Any, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer; pass {hint}")
+
+
+def _verdict_batches(workers: int) -> int:
+    """Batches a candidate with ``workers`` serves before its verdict: two rounds, and at least three
+    item times for their spread (two gave +-46 ms)."""
+    return 2 * workers if workers > 2 else workers + 3
 
 
 class PrefetchTuner(Callback):
@@ -150,6 +164,9 @@ class PrefetchTuner(Callback):
         self._cache_key = ""
         self._trying: LoaderSettings | None = None
         self._search_from = 0
+        self.early = True  # start the likely first candidate's workers while the start is measured
+        self._early: LoaderSettings | None = None  # what was started early (the start: nothing was)
+        self._disturbed: set[int] = set()  # steps a background start of workers disturbed
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -174,6 +191,7 @@ class PrefetchTuner(Callback):
             rank_zero_info(f"PrefetchTuner: {self.reason}: {cached.label()}")
             return
         self._done = False
+        self._start_settings = self.loader.settings
         self.meter.start()
 
     def _cached(self, trainer: pl.Trainer) -> LoaderSettings | None:
@@ -191,6 +209,7 @@ class PrefetchTuner(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not self._done:
             self.meter.batch_arrived()
+            self._note_disturbance()
         if self.loader is not None:
             self.loader.step_started()  # batches already used are freed while this step computes
 
@@ -202,9 +221,14 @@ class PrefetchTuner(Callback):
             return
         self.meter.step_ended()
         if self.search is None:
-            if len(self.meter) >= self._skip + self.trial_steps or self._clearly_data_bound():
-                self._batch_bytes = batch_nbytes(batch)
-                self._start_search(self.meter.stats(skip=self._skip))
+            self._batch_bytes = batch_nbytes(batch)
+            if self.loader.settings != self._start_settings:  # the early candidate took over: measured until now
+                self._start_search(stop=len(self.meter) - 1)
+            elif len(self._clean_steps(strict=True)) >= self.trial_steps or self._clearly_data_bound():
+                self._start_search()
+            elif self._early is None and self.early:
+                self._start_early()
+            self._note_disturbance()
         else:
             self._advance()
         if self._done:
@@ -230,14 +254,27 @@ class PrefetchTuner(Callback):
 
     def _clearly_data_bound(self) -> bool:
         """No need to measure more: two steps that each waited longer than they computed."""
-        skip = self._skip
-        waits, steps = self.meter.waits[skip : len(self.meter)], self.meter.steps[skip:]
-        pairs = list(zip(waits, steps))
-        return len(pairs) >= 2 and all(w > s for w, s in pairs)
+        clean = self._clean_steps(strict=True)
+        return len(clean) >= 2 and all(self.meter.waits[i] > self.meter.steps[i] for i in clean)
+
+    def _note_disturbance(self) -> None:
+        """While a candidate's workers are being started in the background, the steps measuring the
+        start are disturbed: each fork holds the interpreter's lock (measured: a 30 ms step with 1 ms
+        items waited ~100 ms while 8 workers started, and looked data-bound)."""
+        if self.loader is not None and self.loader.starting:
+            self._disturbed.update((len(self.meter) - 1, len(self.meter)))  # this step, and the next one's wait
+
+    def _clean_steps(self, stop: int | None = None, strict: bool = False) -> list[int]:
+        """The start's measured steps (after the warm-up, before ``stop``) no background start disturbed;
+        unless ``strict``, all of them when fewer than two are left (the candidate took over first)."""
+        steps = range(self._skip, len(self.meter) if stop is None else stop)
+        clean = [i for i in steps if i not in self._disturbed]
+        return clean if strict or len(clean) >= min(2, self.trial_steps) else list(steps)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._done and self.search is not None:  # training ended mid-search: keep what was learnt
+            self._advance(ending=True)
             self._finish(cut_short=True)
             self.finished_step = len(self.meter)
             rank_zero_info(self.report())
@@ -249,26 +286,56 @@ class PrefetchTuner(Callback):
         rank_zero_warn(f"PrefetchTuner: {why}; training continues with your loader's settings")
         self._done = True
 
-    def _start_search(self, measured: WaitStats) -> None:
+    def _start_early(self) -> None:
+        """After a step that waited longer than it computed: start the likely first candidate's workers now.
+
+        They start (forking, their first items) while the start serves the steps that measure
+        it, instead of after them: the hand-over comes right after the measurement and costs
+        no wait (the bench stream's hand-over to 8 workers blocked 0.95 s before). The guess is
+        the search's own first proposal from this one step; if the full measurement proposes
+        otherwise (or calls the run compute-bound), it is dropped. Steps the forking disturbed
+        are left out of the measurement (:meth:`_note_disturbance`).
+        """
+        assert self.loader is not None
+        n = len(self.meter)
+        # Only from a start without workers: its steps wait on the loading itself, while a start with
+        # workers first serves from buffers they filled, which a longer measurement has to get past.
+        if self.loader.settings.num_workers or not self.loader.resumable or n < 1:
+            return
+        if self.meter.waits[n - 1] <= self.meter.steps[n - 1]:
+            return
+        self._early = self.loader.settings  # tried once, whatever comes of it
+        self._new_search(self.meter.stats(last=1), [n - 1])
+        assert self.search is not None
+        candidate = self.search.propose()  # the first after the start (recorded above)
+        # The start serves at least the steps that measure it (the loop fetches one batch ahead or none:
+        # the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way).
+        lead = 0
+        if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
+            room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
+            lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
+        lead = max(lead, self._skip + self.trial_steps - n)
+        self.search, self.measured, self.cpu_note = None, None, ""
+        if candidate is None:
+            return
+        try:
+            self.loader.prepare(candidate, lead)
+        except RebuildError:
+            return  # said once the search itself meets it
+        self._early = candidate
+
+    def _new_search(self, measured: WaitStats, indices: list[int]) -> None:
+        """The search, with the start measured over the steps ``indices``, held to the budgets."""
         assert self.loader is not None
         self.measured = measured
-        if measured.wait_fraction <= self.data_bound_fraction:
-            self.reason = (
-                f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
-                f"<= {100 * self.data_bound_fraction:.0f}%)"
-            )
-            self._done = True
-            return
-        start = self.loader.settings
-        self._start = start
+        start = self._start = self._start_settings
         self.search = PrefetchSearch(
             start, measured.step_s, self._batch_bytes, budget=self._budget, cuda=self._cuda, guess=self.guess
         )
         # The first steps already measured the start: without workers the loader works only while
         # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
         # arrives every wait + step. Their spread over the steps is the noise of that measurement.
-        n = len(self.meter)
-        waits, steps = self.meter.waits[self._skip : n], self.meter.steps[self._skip : n]
+        waits, steps = [self.meter.waits[i] for i in indices], [self.meter.steps[i] for i in indices]
         samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
         self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
         if start.num_workers == 0:
@@ -277,6 +344,22 @@ class PrefetchTuner(Callback):
                 self.search.headroom = 1.5  # I/O-bound: spare workers are cheap, a count that just keeps up is not
         else:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
+
+    def _start_search(self, stop: int | None = None) -> None:
+        """Decide whether to search, from the start's steps after the warm-up (up to ``stop``), and begin."""
+        assert self.loader is not None
+        clean = self._clean_steps(stop)
+        measured = self.measured = self.meter.stats_of(clean)
+        if measured.wait_fraction <= self.data_bound_fraction:
+            self.reason = (
+                f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
+                f"<= {100 * self.data_bound_fraction:.0f}%)"
+            )
+            self._done = True
+            if self.loader.settings != self._start_settings or self.loader.preparing is not None:
+                self.loader.prepare(self._start_settings, lead=0)  # an early candidate is not needed
+            return
+        self._new_search(measured, clean)
         self._search_from = len(self.meter)
         if not self.loader.resumable:
             self._probe_search()
@@ -291,10 +374,10 @@ class PrefetchTuner(Callback):
         self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
         self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% on a CPU when not queued, {where}): workers held to the CPU budget, {self.cpu}"
 
-    def _lead(self, candidate: LoaderSettings) -> int:
-        """Batches the current loader still serves while the candidate's workers fill up
-        (:func:`~lightning_accel.prefetch.handover.handover_lead`); 0, a cold switch, when
-        both loaders' buffers would not fit the memory budget at once."""
+    def _lead(self, candidate: LoaderSettings, starting: bool = True) -> int:
+        """Batches the current loader still serves while the candidate's workers start (unless not
+        ``starting``) and fill up (:func:`~lightning_accel.prefetch.handover.handover_lead`); 0, a
+        cold switch, when both loaders' buffers would not fit the memory budget at once."""
         assert self.loader is not None and self.search is not None
         current = self.loader.settings
         both = (current.buffered_batches + candidate.buffered_batches) * self.search.batch_bytes
@@ -312,18 +395,26 @@ class PrefetchTuner(Callback):
             self.cpu.cores if self.cpu is not None else 1,
             cpu_share=share,
             max_lead=self.max_lead,
+            start_s=candidate.num_workers * worker_start_s() if starting else 0.0,
         )
 
     def _next_candidate(self) -> None:
         assert self.loader is not None and self.search is not None
         candidate = self.search.propose()
+        if candidate is not None and candidate == self._early and self._early in (self.loader.settings, self.loader.preparing):
+            self._trying = candidate  # started early, while the start was measured
+            return
         # Serving with more workers than a budget that shrank (CPU-bound items): the next
         # candidate, within it, is tried however late; it is the way back into the budget.
         over = not self.search.budget.allows(self.loader.settings, self.search.batch_bytes)
-        lead = self._lead(candidate) if candidate is not None else 0
-        # The verdict on a candidate needs 2 w of its batches after the hand-over.
-        if candidate is not None and not over and len(self.meter) + lead + 2 * max(1, candidate.num_workers) > self.max_search_steps:
-            candidate = None
+        lead = 0
+        if candidate is not None:
+            # The verdict on a candidate needs 2 w of its batches after the hand-over. Steps served while the
+            # workers start fit in what is left of the search's steps; past that, the hand-over waits for them.
+            verdict = len(self.meter) + _verdict_batches(max(1, candidate.num_workers))
+            lead = max(min(self._lead(candidate), self.max_search_steps - verdict), self._lead(candidate, starting=False))
+            if not over and verdict + lead > self.max_search_steps:
+                candidate = None
         if candidate is None:
             self._finish()
             return
@@ -334,8 +425,9 @@ class PrefetchTuner(Callback):
             return
         self._trying = candidate
 
-    def _advance(self) -> None:
-        """After a step of the search: judge the candidate once it has served enough batches."""
+    def _advance(self, ending: bool = False) -> None:
+        """After a step of the search: judge the candidate once it has served enough batches
+        (when training ends, on the two rounds it served if it has)."""
         assert self.loader is not None and self.search is not None
         candidate = self._trying
         if candidate is None:
@@ -344,8 +436,13 @@ class PrefetchTuner(Callback):
             return  # still being prepared
         w = max(1, candidate.num_workers)
         stamps = self.loader.stamps
-        needed = 2 * w if w > 2 else w + 3  # at least three item times, for their spread (two gave +-46 ms)
+        needed = _verdict_batches(w) if not ending else w + 1
         if len(stamps) < needed:
+            return
+        if ending:
+            self._trying = None
+            items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
+            self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
             return
         # Worker j made batches j and j + w back to back (both were queued when it started), so
         # their finish times span one item as the w workers make them together: the second
@@ -383,6 +480,8 @@ class PrefetchTuner(Callback):
             self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
             if self.remeasured:
                 self.reason += f" ({self.remeasured} measured longer, up to {self.remeasure}x, as their first samples could not decide)"
+            if cut_short:
+                self.reason += "; training ended before the search did"
         else:
             self.chosen = target
             self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (

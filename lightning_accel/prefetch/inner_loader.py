@@ -23,6 +23,14 @@ from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.wait_meter import sched_s
 
 
+_START_S_PER_WORKER = [0.05]  # seconds to start one worker: a prior, then the last start measured here
+
+
+def worker_start_s() -> float:
+    """Seconds one worker took to start at the last start in this process (forking, pipes); 50 ms before any."""
+    return _START_S_PER_WORKER[0]
+
+
 class _Plan:
     """Batches ``items[start:stop]`` (or indices), read lazily: lowering ``stop`` stops the workers early."""
 
@@ -87,9 +95,12 @@ class _Inner:
         self.restart = False  # a stream started again from its beginning (counted when it takes over)
 
     def start(self) -> Iterator:
+        self.began = time.monotonic()
         with more_workers_than_cores():
             self.iterator = iter(self.loader)  # workers start fetching now
         self.started_at = time.monotonic()
+        if self.settings.num_workers:
+            _START_S_PER_WORKER[0] = (self.started_at - self.began) / self.settings.num_workers
         return self.iterator
 
     def cpu_busy(self) -> float | None:
@@ -126,6 +137,12 @@ class _Inner:
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=start, name="prefetch-start", daemon=True)
         self._thread.start()
+
+    @property
+    def starting(self) -> bool:
+        """Its background start is under way."""
+        thread = getattr(self, "_thread", None)
+        return thread is not None and thread.is_alive()
 
     def started(self) -> Iterator:
         """The iterator, once the background start is over (started again here if it failed there)."""

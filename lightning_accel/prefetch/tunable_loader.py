@@ -139,6 +139,12 @@ class TunableLoader:
         """Settings prepared in the background that have not taken over yet."""
         return self._next.settings if self._next is not None else (self._pending if self._pending != self.settings else None)
 
+    @property
+    def starting(self) -> bool:
+        """Whether a prepared loader's workers are being started in the background now (forking them
+        holds the interpreter's lock for a moment each, so the training thread's timings are disturbed)."""
+        return self._next is not None and self._next.starting
+
     def switch(self, settings: LoaderSettings) -> None:
         """Use ``settings`` from the next batch (the next round, for a resumable stream) or the next epoch.
 

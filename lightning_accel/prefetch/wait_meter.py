@@ -17,7 +17,7 @@ which queues at each wake-up, look busy (0.3 at a load average of 9).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -124,12 +124,17 @@ class WaitMeter:
     def __len__(self) -> int:
         return len(self.steps)
 
-    def stats(self, last: int | None = None, skip: int = 0) -> WaitStats:
-        """Means over complete steps ``skip:`` (or the ``last`` ones), e.g. to drop warm-up steps."""
-        n = len(self.steps)
+    def stats(self, last: int | None = None, skip: int = 0, stop: int | None = None) -> WaitStats:
+        """Means over complete steps ``skip:stop`` (or the ``last`` ones before ``stop``), e.g. to drop warm-up steps."""
+        n = len(self.steps) if stop is None else min(stop, len(self.steps))
         start = max(skip, n - last) if last is not None else skip
-        waits, steps, cpus, queued = self.waits[start:n], self.steps[start:n], self.wait_cpus[start:n], self.wait_queued[start:n]
-        if not steps:
+        return self.stats_of(range(start, n))
+
+    def stats_of(self, indices: Sequence[int]) -> WaitStats:
+        """Means over the complete steps ``indices`` (e.g. those no background work disturbed)."""
+        indices = [i for i in indices if 0 <= i < len(self.steps)]
+        if not indices:
             return WaitStats(0, 0.0, 0.0)
-        k = len(steps)
-        return WaitStats(k, sum(waits) / k, sum(steps) / k, sum(cpus) / k, sum(queued) / k)
+        k = len(indices)
+        mean = lambda xs: sum(xs[i] for i in indices) / k  # noqa: E731
+        return WaitStats(k, mean(self.waits), mean(self.steps), mean(self.wait_cpus), mean(self.wait_queued))

@@ -144,11 +144,12 @@ def test_candidates_that_wait_longer_are_dropped_and_the_start_comes_back(record
 def test_training_that_ends_mid_search_reports_and_caches_the_best_so_far(sleepy, recorder, make_trainer, tmp_path):
     path = tmp_path / "tuned.json"
     tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, cache_path=str(path))
+    tuner.early = False  # the first candidate prepared after the measurement: the search surely outlasts 16 steps
     model = recorder(step_s=0.002)
-    make_trainer([tuner], max_steps=12).fit(model, DataLoader(sleepy(64, latency_s=0.03), batch_size=1))
+    make_trainer([tuner], max_steps=16).fit(model, DataLoader(sleepy(64, latency_s=0.03), batch_size=1))
     assert "training ended before the search did" in tuner.reason
     assert tuner.chosen is not None and tuner.chosen.num_workers == 2  # 2 workers measured, the rest not
-    assert tuner.finished_step == 12 and len(model.indices) == 12 == len(set(model.indices))
+    assert tuner.finished_step == 16 and len(model.indices) == 16 == len(set(model.indices))
     assert cache_load(path, tuner._cache_key) == tuner.chosen  # the next run starts from there
 
 
@@ -174,8 +175,58 @@ def test_a_candidate_its_first_samples_cannot_decide_is_measured_longer_and_wins
     # 50, a draw inside the noise. Judged on that, the start served on (before the rule); measured longer,
     # workers win. (Which count depends on how the 100 ms items fall; either beats the start's 50 ms.)
     tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2)
+    tuner.early = False  # the start measured undisturbed by forking: the draw is the candidate's alone
     model = recorder(step_s=0.005)
     make_trainer([tuner]).fit(model, DataLoader(HiccupInWorkers(), batch_size=1))
     assert tuner.remeasured >= 1, tuner.report()
     assert tuner.chosen is not None and tuner.chosen.num_workers >= 1, tuner.report()
     assert sorted(model.indices) == list(range(60))
+
+
+def test_the_first_candidate_starts_while_the_start_is_measured(sleepy, recorder, make_trainer, monkeypatch):
+    # Its workers start (forking, first items) during the steps that measure the start, not after
+    # them: the hand-over comes right after the measurement and, with a lead that covers the
+    # start-up, costs no wait.
+    from lightning_accel.prefetch.tunable_loader import TunableLoader
+
+    prepared = []
+    original = TunableLoader.prepare
+
+    def spy(self, settings, lead=1):
+        prepared.append((len(tuner.meter), settings, lead))
+        return original(self, settings, lead)
+
+    monkeypatch.setattr(TunableLoader, "prepare", spy)
+    tuner = PrefetchTuner(max_workers=4, warmup_steps=1, trial_steps=3)
+    model = recorder(step_s=0.01)
+    make_trainer([tuner]).fit(model, DataLoader(sleepy(48, latency_s=0.05), batch_size=1))
+    first_step, settings, lead = prepared[0]
+    assert first_step == 1 and settings.num_workers >= 2  # right after the warm-up step, guessed from it
+    assert lead >= 3  # the steps that measure the start are served by it
+    assert 2 <= tuner.measured.steps <= 3 and tuner.search.trials[0].settings == LoaderSettings(0)
+    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2, tuner.report()  # 4 on a quiet machine
+    assert sorted(model.indices) == list(range(48))
+
+
+class SlowFirstItem(Dataset):
+    """Item 0 takes 300 ms (a cold cache), every other 1 ms: compute-bound after the first step (50 ms)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int):
+        time.sleep(0.3 if i == 0 else 0.001)
+        return torch.tensor(i), torch.full((4,), float(i))
+
+
+def test_an_early_candidate_is_dropped_when_the_run_turns_out_compute_bound(recorder, make_trainer):
+    # Steps its start-up disturbed (forking holds the interpreter's lock) do not count as measurements;
+    # a wide data-bound threshold keeps a loaded machine's jitter (1 ms items took 10-30 ms) out of the verdict.
+    tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=3, data_bound_fraction=0.5)
+    model = recorder(step_s=0.05)
+    make_trainer([tuner]).fit(model, DataLoader(SlowFirstItem(), batch_size=1))
+    assert tuner._early is not None and tuner._early.num_workers > 0  # step 0 waited 300 ms for a 50 ms step
+    assert "compute-bound" in tuner.reason and tuner.chosen is None
+    # Dropped before its hand-over, or (on a machine so loaded that forking outlasts the measuring steps) back.
+    assert tuner.loader.settings == LoaderSettings(0) and tuner.loader.switches in (0, 2)
+    assert sorted(model.indices) == list(range(24))

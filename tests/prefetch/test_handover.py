@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from lightning_accel.prefetch.handover import handover_lead
 
 
@@ -27,3 +29,27 @@ def test_from_workers_the_lead_counts_in_the_current_pace():
 
 def test_unmeasured_current_loader_uses_the_step_as_its_item_time():
     assert handover_lead(0, None, 2, 0.1, cores=2) == 1
+
+
+def test_the_new_workers_start_up_lengthens_the_lead():
+    # Seed 004 again, but 8 workers take 80 ms each to start (a loaded 2-core machine): their first
+    # batch comes 0.64 + 0.54 s after the prepare, so floor(1.1 * 1.18 / 0.64) = 2 batches, not 1.
+    assert handover_lead(0, 0.54, 8, 0.1, cores=2, cpu_share=0.05, start_s=8 * 0.08) == 2
+    assert handover_lead(0, 0.54, 8, 0.1, cores=2, cpu_share=0.05, start_s=0.0) == 1
+
+
+def test_worker_start_time_is_measured_at_each_start():
+    from torch.utils.data import DataLoader
+
+    from lightning_accel.prefetch.inner_loader import _Inner, worker_start_s
+    from lightning_accel.prefetch.settings import LoaderSettings
+
+    inner = _Inner(DataLoader(list(range(4)), batch_size=2), LoaderSettings(2, 2), None)
+    before = worker_start_s()
+    inner.start()
+    try:
+        measured = worker_start_s()
+        assert measured != before and 0 < measured < 5.0  # forking one worker: milliseconds, not seconds
+        assert 2 * measured == pytest.approx(inner.started_at - inner.began)
+    finally:
+        inner.close()

@@ -208,3 +208,13 @@ def test_a_draw_inside_a_wide_noise_is_undecided_and_more_samples_decide_it():
     tiny.record(LoaderSettings(), 0.05, 0.001)
     assert not tiny.undecided(tiny.record(LoaderSettings(2, 2, persistent_workers=True), 0.051, 0.001))
     assert not PrefetchSearch(LoaderSettings(), 0.1, MB, Budget(4, MB)).undecided(Trial(LoaderSettings(), 0.1, 0.1))
+
+
+def test_a_candidate_slower_on_average_than_the_start_is_never_best_by_its_noise():
+    # Measured under a load average of 11: 4 workers clearly beat the start; 2 workers, tried next,
+    # scattered so widely that nothing was "better" than them beyond the noise.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.019, batch_bytes=MB, budget=Budget(4, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.057, 0.0015, fastest_s=0.055)
+    four = search.record(LoaderSettings(4, 2, persistent_workers=True), 0.030, 0.013, fastest_s=0.020)
+    search.record(LoaderSettings(2, 2, persistent_workers=True), 0.365, 0.203, fastest_s=0.2)
+    assert search.best is four and search.beats(four, start)
