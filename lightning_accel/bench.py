@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from lightning_accel.config.errors import UserError, close_matches
+from lightning_accel.table import format_table as format_table  # re-exported for the benchmarks
 
 # name -> (one-line purpose, entry point taking the remaining argv, returning an exit code)
 BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
@@ -66,10 +67,3 @@ def machine_line() -> str:
     )
 
 
-def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain-text table with right-aligned numbers."""
-    cells = [[str(h) for h in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -58,7 +58,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.bench import format_table
+from lightning_accel.table import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache

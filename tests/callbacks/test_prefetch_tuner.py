@@ -230,3 +230,16 @@ def test_an_early_candidate_is_dropped_when_the_run_turns_out_compute_bound(reco
     # Dropped before its hand-over, or (on a machine so loaded that forking outlasts the measuring steps) back.
     assert tuner.loader.settings == LoaderSettings(0) and tuner.loader.switches in (0, 2)
     assert sorted(model.indices) == list(range(24))
+
+
+def test_the_callback_reports_without_importing_the_bench_harness():
+    import subprocess
+    import sys
+
+    code = "import sys, lightning_accel.callbacks.prefetch_tuner; print('lightning_accel.bench' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    from lightning_accel.bench import format_table as bench_table
+    from lightning_accel.table import format_table
+
+    assert bench_table is format_table  # one formatter, re-exported where the benchmarks import it
