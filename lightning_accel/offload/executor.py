@@ -56,6 +56,7 @@ from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
+from lightning_accel.patching import Patch, patch
 
 RESIDENT = -1  # the resident unit's index in the streamer
 
@@ -99,6 +100,7 @@ class L2LExecutor:
         # the block whose forward turns into the backward at once (see the module docstring)
         self._turn = len(plan.blocks) - 1 if checkpoint_blocks and not offload_activations else None
         self._originals: dict[int, Callable[..., Any]] = {}
+        self._patches: list[Patch] = []  # the blocks' wrapped forwards, removed by detach()
         self._hooks: list[Any] = []
         self._unit_of: dict[nn.Parameter, int] = {}
         self._pending_grads: dict[int, int] = {}
@@ -129,7 +131,8 @@ class L2LExecutor:
         for index, unit in enumerate(self.plan.blocks):
             assert unit.module is not None
             self._originals[index] = unit.module.forward
-            unit.module.forward = functools.partial(self._block_forward, index)  # type: ignore[method-assign]
+            # an instance attribute: a forward the user's instance already had comes back at detach()
+            self._patches.append(patch(unit.module, "forward", functools.partial(self._block_forward, index)))
             for _, param in unit.params:
                 self._unit_of[param] = index
         hooked = [p for u in self.plan.blocks for _, p in u.params]
@@ -143,9 +146,9 @@ class L2LExecutor:
 
     def detach(self) -> None:
         """Undo :meth:`attach`: the model computes normally again (weights stay on the host)."""
-        for index, unit in enumerate(self.plan.blocks):
-            if index in self._originals and unit.module is not None:
-                del unit.module.forward  # the instance attribute shadowed the class's forward
+        for installed in reversed(self._patches):
+            installed.remove()
+        self._patches.clear()
         self._originals.clear()
         for hook in self._hooks:
             hook.remove()

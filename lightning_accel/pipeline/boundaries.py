@@ -40,6 +40,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_accel.models.side_effects import cache_argument, describe_cache_refusal
+from lightning_accel.patching import patch
 from lightning_accel.pipeline.microbatch import map_tensors, tensors_in
 
 __all__ = ["StageBoundaries"]
@@ -87,12 +88,13 @@ class StageBoundaries:
         self.starts = [sum(self.balance[:s]) for s in range(len(self.balance))]
         self._active: _Active | None = None
         self._bare_shape: dict[int, torch.Size] = {}  # block -> the shape it last returned as one bare tensor (on meta)
-        for k, block in enumerate(self.blocks):
-            block.forward = self._boundary(k, block.forward)  # type: ignore[method-assign]  # instance attribute
+        # instance attributes: a forward the user's instance already had comes back at restore()
+        self._patches = [patch(block, "forward", self._boundary(k, block.forward)) for k, block in enumerate(self.blocks)]
 
     def restore(self) -> None:
-        for block in self.blocks:
-            block.__dict__.pop("forward", None)
+        for installed in reversed(self._patches):
+            installed.remove()
+        self._patches = []
 
     @property
     def active_stage(self) -> int | None:

@@ -86,6 +86,17 @@ def test_weights_live_on_the_host_between_steps_and_detach_restores_forward() ->
     assert "forward" not in vars(model.blocks[0])
 
 
+def test_detach_puts_back_a_forward_the_users_instance_already_had() -> None:
+    model = GPT("tiny", n_layer=2, block_size=16)
+    own = model.blocks[1].forward
+    model.blocks[1].forward = own  # type: ignore[method-assign]  # as accelerate's hooks do
+    executor = L2LExecutor(model, make_plan(model, ["GPTBlock"]), torch.device("cpu"), alias=False)
+    executor.attach()
+    assert vars(model.blocks[1])["forward"] is not own
+    executor.detach()
+    assert vars(model.blocks[1])["forward"] is own and "forward" not in vars(model.blocks[0])
+
+
 def test_bf16_copies_halve_the_bytes() -> None:
     model = Net(depth=3)
     plan = make_plan(model)

@@ -177,6 +177,18 @@ def test_stage_boundaries_run_the_models_own_forward_stage_by_stage():
     assert stage_indices(1, 2, "1f1b") == [1] and stage_indices(1, 2, "interleaved_1f1b") == [1, 3]
 
 
+def test_stage_boundaries_restore_puts_back_a_forward_the_users_instance_already_had():
+    from lightning_accel.pipeline.boundaries import StageBoundaries
+
+    net = MLP(6, 3, hidden=8, depth=2)
+    own = net.blocks[1].forward
+    net.blocks[1].forward = own  # type: ignore[method-assign]
+    boundaries = StageBoundaries(list(net.blocks), [1, 1])
+    assert vars(net.blocks[1])["forward"] is not own
+    boundaries.restore()
+    assert vars(net.blocks[1])["forward"] is own and "forward" not in vars(net.blocks[0])
+
+
 def test_a_block_returning_two_tensors_is_refused():
     from lightning_accel.pipeline.boundaries import StageBoundaries
 
