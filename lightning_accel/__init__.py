@@ -2,7 +2,7 @@
 too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry and
-the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
+the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
 """
 
 from lightning_accel._registry import register_all as _register_all
@@ -13,6 +13,7 @@ from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "DevicePrefetcher",
     "DistributedGPipeStrategy",
     "GPipeStrategy",
+    "L2LOffloadDDPStrategy",
     "L2LOffloadStrategy",
     "OffloadMonitor",
     "OffloadPrecision",
