@@ -308,13 +308,14 @@ class PrefetchTuner(Callback):
         self._new_search(self.meter.stats(last=1), [n - 1])
         assert self.search is not None
         candidate = self.search.propose()  # the first after the start (recorded above)
-        # The start serves at least the steps that measure it (the loop fetches one batch ahead or none:
-        # the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way).
+        # The start serves at least the steps that measure it when they are clearly data-bound (two; a
+        # longer measurement stops where the candidate took over). The loop fetches one batch ahead or
+        # none: the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way.
         lead = 0
         if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
             room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
             lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
-        lead = max(lead, self._skip + self.trial_steps - n)
+        lead = max(lead, self._skip + min(2, self.trial_steps) - n)
         self.search, self.measured, self.cpu_note = None, None, ""
         if candidate is None:
             return

@@ -202,7 +202,7 @@ def test_the_first_candidate_starts_while_the_start_is_measured(sleepy, recorder
     make_trainer([tuner]).fit(model, DataLoader(sleepy(48, latency_s=0.05), batch_size=1))
     first_step, settings, lead = prepared[0]
     assert first_step == 1 and settings.num_workers >= 2  # right after the warm-up step, guessed from it
-    assert lead >= 3  # the steps that measure the start are served by it
+    assert lead >= 2  # the two clearly data-bound steps that measure the start are served by it
     assert 2 <= tuner.measured.steps <= 3 and tuner.search.trials[0].settings == LoaderSettings(0)
     assert tuner.chosen is not None and tuner.chosen.num_workers >= 2, tuner.report()  # 4 on a quiet machine
     assert sorted(model.indices) == list(range(48))
