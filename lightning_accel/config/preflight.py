@@ -218,15 +218,17 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
     return module
 
 
-# Lightning's flags and the offload-* option that keeps their compute precision.
+# Lightning's flags the L2L strategies pair with an offload plugin, and that plugin's option.
 _OFFLOAD_TWIN = {"bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "16-mixed": "16-mixed", "16": "16-mixed"}
 _FP32 = ("32-true", "32")
 
 
 def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) -> None:
-    """L2L offload computes on device copies of fp32 host masters, in the precision of its own
-    plugin (``precision=offload-*``); a Lightning flag other than fp32 would be refused by the
-    strategy only once training starts, and an offload plugin without the strategy means nothing."""
+    """L2L offload computes on device copies of fp32 host masters. ``trainer.precision=bf16-mixed``
+    or ``16-mixed`` is paired by the strategy itself with the offload plugin of that flag (as
+    ``precision=offload-*`` would set it); a flag that changes the masters' dtype (``bf16-true``,
+    ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
+    the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
     from lightning_accel.plugins.precision import OffloadPrecision
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
 
@@ -238,14 +240,14 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
                 f"trainer.precision={flag} and precision=offload-{offload.precision} are both set; "
                 f"keep one: precision=offload-{_OFFLOAD_TWIN.get(flag, offload.precision)} (it sets trainer.precision=null)"
             )
-        if offload is None and flag is not None and flag not in _FP32:
-            twin = _OFFLOAD_TWIN.get(flag)
-            fix = (f"precision=offload-{twin} (device copies in {twin} over fp32 host masters)" if twin
-                   else "precision=offload-bf16-mixed, offload-16-mixed or offload-32-true")
-            raise UserError(f"trainer.precision={flag}: strategy=l2l_offload takes its precision from its own plugin; use {fix}")
+        if offload is None and flag is not None and flag not in _FP32 and flag not in _OFFLOAD_TWIN:
+            raise UserError(
+                f"trainer.precision={flag}: strategy={strategy.strategy_name} keeps fp32 masters on the host and makes "
+                f"only the device copies low precision; use precision=bf16-mixed, 16-mixed or 32-true"
+            )
     elif offload is not None:
         raise UserError(
-            f"precision=offload-{offload.precision} is for strategy=l2l_offload, but the strategy is "
+            f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "
             f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
         )
 

@@ -75,7 +75,7 @@ from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.patching import swapped
-from lightning_accel.plugins.precision.offload import OffloadPrecision
+from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 
 
 class L2LOffloadHooks(Strategy):
@@ -134,18 +134,34 @@ class L2LOffloadHooks(Strategy):
             return self._last_stats
         return self._executor.stats
 
+    # Lightning hands the strategy its precision plugin through this setter when the Trainer is
+    # built (the accelerator connector's _lazy_init_strategy): Trainer(precision="bf16-mixed")
+    # arrives as MixedPrecision and runs as OffloadPrecision("bf16-mixed"); what offload cannot
+    # honour is refused here, before anything starts.
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        plugin = getattr(self, "_precision_plugin", None)
+        return plugin if plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        paired = for_offload(plugin, self.strategy_name)
+        if isinstance(paired, OffloadPrecision) and paired is not plugin and getattr(self, "_precision_said", None) != paired.precision:
+            self._precision_said = paired.precision  # say the pairing once
+            dtype = str(paired.compute_dtype).removeprefix("torch.")
+            rank_zero_info(
+                f"strategy={self.strategy_name!r}: precision={paired.precision!r} runs as OffloadPrecision({paired.precision!r}) "
+                f"(fp32 masters on the host, device copies in {dtype})"
+            )
+        self._precision_plugin = paired
+
     def _compute_dtype(self) -> torch.dtype:
-        plugin = self.precision_plugin
+        plugin = self.precision_plugin  # the setter let only these two through
         if isinstance(plugin, OffloadPrecision):
             plugin.set_device(self.root_device.type)
             return plugin.compute_dtype
-        if type(plugin) is Precision:
-            return torch.float32
-        raise ValueError(
-            f"L2LOffloadStrategy does not support the precision plugin {type(plugin).__name__}"
-            f"{'(' + repr(getattr(plugin, 'precision', '')) + ')'}; HINT: pass plugins=[OffloadPrecision('bf16-mixed')] "
-            "(or '16-mixed', '32-true') and leave Trainer(precision=...) unset"
-        )
+        return torch.float32
 
     @override
     def setup_environment(self) -> None:

@@ -90,20 +90,23 @@ def test_the_by_name_fix_builds_what_lightning_would() -> None:
 
 # --- L2L offload and its precision ---------------------------------------------------------------
 
-@pytest.mark.parametrize(("flag", "fix"), [
-    ("bf16-mixed", r"use precision=offload-bf16-mixed \(device copies in bf16-mixed over fp32 host masters\)$"),
-    ("16-mixed", r"use precision=offload-16-mixed"),
-    ("bf16-true", r"use precision=offload-bf16-mixed, offload-16-mixed or offload-32-true$"),
-    ("64-true", r"use precision=offload-bf16-mixed, offload-16-mixed or offload-32-true$"),
-])
-def test_l2l_offload_with_a_lightning_precision_says_which_offload_option(flag: str, fix: str) -> None:
-    with pytest.raises(UserError, match=rf"^trainer.precision={flag}: strategy=l2l_offload takes its precision from its own plugin; {fix}"):
-        preflight("gpt-tiny_cpu", ["strategy=l2l_offload", f"precision={flag}"], launch=False)
+@pytest.mark.parametrize("strategy", ["l2l_offload", "l2l_offload_ddp"])
+@pytest.mark.parametrize("flag", ["bf16-true", "64-true"])
+def test_l2l_offload_refuses_a_precision_that_changes_the_masters(strategy: str, flag: str) -> None:
+    # the strategy's own refusal (when the Trainer is built), said before launch
+    with pytest.raises(UserError, match=rf"^trainer.precision={flag}: strategy={strategy} keeps fp32 masters on the host and "
+                                        r"makes only the device copies low precision; use precision=bf16-mixed, 16-mixed or 32-true$"):
+        preflight("gpt-tiny_cpu", [f"strategy={strategy}", f"precision={flag}"], launch=False)
 
 
-def test_the_offload_option_it_names_passes() -> None:
+@pytest.mark.parametrize("flag", ["bf16-mixed", "16-mixed", "32-true"])
+def test_l2l_offload_takes_a_lightning_mixed_flag(flag: str) -> None:
+    # the strategy pairs bf16-mixed/16-mixed with its offload plugin itself (tests/strategies/test_l2l_offload.py)
+    preflight("gpt-tiny_cpu", ["strategy=l2l_offload", f"precision={flag}"], launch=False)
+
+
+def test_the_offload_option_passes() -> None:
     preflight("gpt-tiny_cpu", ["strategy=l2l_offload", "precision=offload-bf16-mixed"], launch=False)
-    preflight("gpt-tiny_cpu", ["strategy=l2l_offload", "precision=32-true"], launch=False)  # fp32 as is: no plugin needed
 
 
 def test_offload_precision_and_a_lightning_flag_both_set() -> None:
@@ -112,7 +115,7 @@ def test_offload_precision_and_a_lightning_flag_both_set() -> None:
 
 
 def test_offload_precision_without_the_offload_strategy() -> None:
-    with pytest.raises(UserError, match=r"precision=offload-32-true is for strategy=l2l_offload, but the strategy is auto; use precision=32-true"):
+    with pytest.raises(UserError, match=r"precision=offload-32-true is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is auto; use precision=32-true"):
         preflight("gpt-tiny_l2l_cpu", ["strategy=auto"], launch=False)
 
 
@@ -121,9 +124,10 @@ def test_check_offload_precision_on_objects() -> None:
     strategy = L2LOffloadStrategy()
     check_offload_precision(strategy, [OffloadPrecision("bf16-mixed")], None)
     check_offload_precision(strategy, [], "32-true")
+    check_offload_precision(strategy, [], 16)  # Lightning's 16 is 16-mixed: the strategy pairs it
     check_offload_precision(None, [], "bf16-mixed")  # no offload anywhere: nothing to pair
-    with pytest.raises(UserError, match=r"use precision=offload-16-mixed"):
-        check_offload_precision(strategy, [], 16)
+    with pytest.raises(UserError, match=r"^trainer.precision=bf16-true: strategy=l2l_offload keeps fp32 masters"):
+        check_offload_precision(strategy, [], "bf16-true")
 
 
 # --- one hint style ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -194,9 +195,54 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale() -> None:
     assert not torch.equal(model.state_dict()["stack.0.a.weight"], before["stack.0.a.weight"])
 
 
-def test_unsupported_precision_is_refused_before_training() -> None:
-    with pytest.raises(ValueError, match=r"does not support the precision plugin MixedPrecision.*HINT: pass plugins=\[OffloadPrecision"):
-        _fit(Regressor(), _regression_data(), L2LOffloadStrategy(), precision="bf16-mixed")
+@pytest.mark.parametrize("lightning", [{"precision": "bf16-mixed"}, {"plugins": [MixedPrecision("bf16-mixed", "cpu")]}],
+                         ids=["flag", "plugin"])
+def test_lightning_mixed_precision_trains_as_the_offload_plugin(lightning: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    ours, theirs = Regressor(), Regressor()
+    theirs.load_state_dict(ours.state_dict())
+    _fit(ours, _regression_data(), L2LOffloadStrategy(), plugins=[OffloadPrecision("bf16-mixed")], max_steps=3)
+    with caplog.at_level("INFO"):
+        trainer = _fit(theirs, _regression_data(), L2LOffloadStrategy(), max_steps=3, **lightning)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, OffloadPrecision) and plugin.precision == "bf16-mixed"
+    _assert_same_weights(ours, theirs, atol=0)
+    said = [r.getMessage() for r in caplog.records if "runs as OffloadPrecision" in r.getMessage()]
+    assert said == ["strategy='l2l_offload': precision='bf16-mixed' runs as OffloadPrecision('bf16-mixed') "
+                    "(fp32 masters on the host, device copies in bfloat16)"]
+
+
+def test_lightning_fp16_keeps_its_initial_scale() -> None:
+    # Lightning's MixedPrecision('16-mixed') with its GradScaler: the offload plugin starts from the same scale,
+    # here one so high that the first step overflows, is skipped and halves it, as OffloadPrecision's does
+    torch.manual_seed(0)
+    model = Regressor()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**60)
+    trainer = _fit(model, _regression_data(), L2LOffloadStrategy(), plugins=[MixedPrecision("16-mixed", "cpu", scaler)], max_steps=1)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, OffloadPrecision) and plugin.precision == "16-mixed"
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == 2.0**59
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} moved although the step overflowed"
+
+
+@pytest.mark.parametrize("strategy", ["l2l_offload", "l2l_offload_ddp"])
+@pytest.mark.parametrize(("precision", "kind"), [("bf16-true", "HalfPrecision"), ("16-true", "HalfPrecision"),
+                                                 ("64-true", "DoublePrecision")])
+def test_precision_offload_cannot_honour_is_refused_when_the_trainer_is_built(strategy: str, precision: str, kind: str) -> None:
+    with pytest.raises(ValueError, match=rf"^precision='{precision}' \({kind}\): strategy='{strategy}' keeps fp32 masters on the "
+                                         r"host .*; use precision='bf16-mixed', '16-mixed' or '32-true'"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=precision, logger=False)
+
+
+def test_a_loss_scaler_other_than_torchs_is_refused() -> None:
+    class OwnScaler:  # a scaler offload's host step would not know how to drive
+        pass
+
+    with pytest.raises(ValueError, match=r"^precision='16-mixed' with a OwnScaler loss scaler: strategy='l2l_offload' scales with "
+                                         r"torch.amp.GradScaler only; pass plugins=\[OffloadPrecision\('16-mixed', init_scale=...\)\]"):
+        pl.Trainer(accelerator="cpu", strategy=L2LOffloadStrategy(), plugins=[MixedPrecision("16-mixed", "cpu", OwnScaler())])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"OffloadPrecision does not support precision='64-true'"):
         OffloadPrecision("64-true")  # type: ignore[arg-type]
 

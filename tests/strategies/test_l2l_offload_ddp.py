@@ -56,6 +56,17 @@ def test_the_data_parallel_name_takes_every_device() -> None:
     assert trainer.strategy.host_step == "partitioned"
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_the_data_parallel_strategy_runs_lightnings_mixed_flag_as_the_offload_plugin(precision: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Lightning hands its MixedPrecision over when the Trainer is built (16-mixed on the CPU: Lightning makes it bf16-mixed)
+    with caplog.at_level("INFO"):
+        plugin = _trainer(L2LOffloadDDPStrategy(), devices=2, precision=precision).strategy.precision_plugin
+    assert isinstance(plugin, OffloadPrecision) and plugin.precision == "bf16-mixed"
+    assert [r.getMessage() for r in caplog.records if "runs as OffloadPrecision" in r.getMessage()] == [
+        "strategy='l2l_offload_ddp': precision='bf16-mixed' runs as OffloadPrecision('bf16-mixed') "
+        "(fp32 masters on the host, device copies in bfloat16)"]
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"host_step": "sharded"}, r"host_step='sharded' is not one of 'partitioned', 'replicated'"),
     ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*HINT: leave overlap_step unset"),

@@ -6,6 +6,9 @@ the bytes of fp32) while the host keeps fp32 masters and the optimizer steps tho
 Forward runs under autocast like Lightning's ``MixedPrecision``; ``"16-mixed"`` scales
 the loss and skips the step when a gradient overflows (``torch.amp.GradScaler``, which
 handles the host gradients and the device ones alike).
+
+:func:`for_offload` is how the L2L strategies take ``Trainer(precision="bf16-mixed")``: Lightning
+hands them its ``MixedPrecision``, and they run the ``OffloadPrecision`` of the same flag instead.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from typing_extensions import override
 
 OffloadPrecisionFlag = Literal["bf16-mixed", "16-mixed", "32-true"]
@@ -63,3 +66,34 @@ class OffloadPrecision(MixedPrecision):
     @override
     def __repr__(self) -> str:  # pragma: no cover - cosmetic
         return f"OffloadPrecision({self.precision!r})"
+
+
+def for_offload(plugin: Precision | None, strategy_name: str) -> Precision | None:
+    """The precision plugin an L2L strategy runs under, given the one Lightning hands it.
+
+    ``OffloadPrecision`` and fp32 (``Precision``, Lightning's ``"32-true"``) run as given;
+    Lightning's own ``MixedPrecision("bf16-mixed" | "16-mixed")`` becomes the ``OffloadPrecision``
+    of the same flag (same autocast device; for fp16 a ``torch.amp.GradScaler`` from the same
+    initial scale), since the host keeps fp32 masters and only the device copies can be low
+    precision. Anything else (``"bf16-true"``, ``"64-true"``, a quantizing plugin) would change
+    the masters' dtype, which offload cannot honour: a ``ValueError`` naming it and the fix.
+    """
+    if plugin is None or isinstance(plugin, OffloadPrecision) or type(plugin) is Precision:
+        return plugin
+    flag = getattr(plugin, "precision", None)
+    scaler = getattr(plugin, "scaler", None)
+    if type(plugin) is MixedPrecision and flag in ("bf16-mixed", "16-mixed"):
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError(
+                f"precision={flag!r} with a {type(scaler).__name__} loss scaler: strategy={strategy_name!r} scales "
+                f"with torch.amp.GradScaler only; pass plugins=[OffloadPrecision({flag!r}, init_scale=...)]"
+            )
+        # a GradScaler keeps the scale it was built with in _init_scale until its first step
+        init_scale = float(getattr(scaler, "_init_scale", 2.0**16)) if scaler is not None else 2.0**16
+        return OffloadPrecision(flag, device=plugin.device, init_scale=init_scale)
+    named = f"precision={flag!r}" if isinstance(flag, str) else "the precision plugin"
+    raise ValueError(
+        f"{named} ({type(plugin).__name__}): strategy={strategy_name!r} keeps fp32 masters on the host and makes only "
+        f"the device copies low precision; use precision='bf16-mixed', '16-mixed' or '32-true' "
+        f"(or plugins=[OffloadPrecision('bf16-mixed')])"
+    )
