@@ -148,7 +148,7 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
                 if seen[0] != s:
                     raise ValueError(
                         f"{seen[1]} is shared between pipeline stages {seen[0]} and {s}; the multi-process pipeline "
-                        "cannot keep one block tensor on two ranks. HINT: untie it, or choose blocks (blocks=...) that "
+                        "cannot keep one block tensor on two ranks; untie it, or choose blocks (blocks=...) that "
                         "do not share weights"
                     )
         start += count
@@ -162,7 +162,7 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
             if id(p) in stage_of:
                 raise ValueError(
                     f"{name}.{n} is also {stage_of[id(p)][1]}, a block's parameter; the pipeline keeps what is outside "
-                    "the blocks on every rank and a block on one. HINT: untie it"
+                    "the blocks on every rank and a block on one; untie it"
                 )
             if id(p) not in kept:
                 kept.add(id(p))
@@ -358,7 +358,7 @@ class RankPipeline:
             elif shapes != self._shapes:
                 raise ValueError(
                     f"batch shapes (inputs, target) {shapes} differ from the first step's {self._shapes}; the stages "
-                    "fixed their activation shapes at the first step and every rank must send the same. HINT: "
+                    "fixed their activation shapes at the first step and every rank must send the same; "
                     "drop_last=True on the DataLoader, and pad or crop inputs to one shape"
                 )
         xs = scatter(map_tensors(inputs, lambda t: t.to(self.device)), self.chunks)
@@ -372,8 +372,8 @@ class RankPipeline:
         neighbours = [self._global(r) for r in near]
         return RuntimeError(
             f"pipeline {what} failed on rank {self._global(self.rank)} (stages {self.indices}) while exchanging with "
-            f"rank(s) {neighbours}: {type(err).__name__}: {err}. HINT: a neighbouring rank probably died or timed "
-            "out; its own log has the first error"
+            f"rank(s) {neighbours}: {type(err).__name__}: {err}; look in the neighbouring ranks' logs for the first error "
+            "(one probably died or timed out)"
         )
 
     def evaluate(self, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:

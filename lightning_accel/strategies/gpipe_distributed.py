@@ -276,13 +276,13 @@ class DistributedGPipeStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 "DistributedGPipeStrategy needs automatic optimization: the pipeline schedule runs forward and "
-                "backward itself. HINT: remove `self.automatic_optimization = False`"
+                "backward itself; remove `self.automatic_optimization = False`"
             )
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"DistributedGPipeStrategy needs torch's GradScaler to agree on overflows across ranks, got "
-                f"{type(scaler).__name__}. HINT: MixedPrecision('16-mixed', device, scaler=torch.amp.GradScaler(device))"
+                f"{type(scaler).__name__}; use MixedPrecision('16-mixed', device, scaler=torch.amp.GradScaler(device))"
             )
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -373,7 +373,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             if self.world_size > 1:  # Lightning refuses a skipped step there; the loaders we wrap never get here
                 raise ValueError(
                     f"DistributedGPipeStrategy got a batch of {size}, not a multiple of chunks={self.chunks}, from a "
-                    "training loader it did not wrap (reloaded?). HINT: drop_last=True and a batch_size that is a "
+                    "training loader it did not wrap (reloaded?); use drop_last=True and a batch_size that is a "
                     f"multiple of {self.chunks}"
                 )
             return None
@@ -397,7 +397,7 @@ class DistributedGPipeStrategy(DDPStrategy):
             rank_zero_warn(
                 f"DistributedGPipeStrategy skips batches whose size is not a multiple of chunks={self.chunks} "
                 f"(got {size}; micro-batches must be equal for the loss to match plain training), as drop_last=True "
-                "would. HINT: a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
+                "would; use a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
             )
             self._warned_ragged = True
 
