@@ -86,8 +86,8 @@ class DeferredBatchNorm:
                 continue
             if sums.count < 2:
                 raise ValueError(
-                    f"BatchNorm {type(bn).__name__} saw 1 value per channel in this batch; its variance is undefined. "
-                    "HINT: use a larger batch"
+                    f"BatchNorm {type(bn).__name__} saw 1 value per channel in this batch; its variance is undefined; "
+                    "use a larger batch"
                 )
             mean = sums.sum / sums.count
             var = (sums.sumsq / sums.count - mean * mean) * (sums.count / (sums.count - 1))  # unbiased, as BatchNorm

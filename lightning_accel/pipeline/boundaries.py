@@ -68,8 +68,8 @@ def _hidden(output: Any, name: str) -> Tensor:
     found = tensors_in(output)
     if len(found) != 1:
         raise ValueError(
-            f"block {name!r} returned {len(found)} tensors; a pipeline stage sends one activation to the next. "
-            "HINT: choose blocks (blocks=...) whose output is the hidden state alone"
+            f"block {name!r} returned {len(found)} tensors; a pipeline stage sends one activation to the next; "
+            "choose blocks (blocks=...) whose output is the hidden state alone"
         )
     return found[0]
 

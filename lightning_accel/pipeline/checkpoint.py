@@ -81,6 +81,6 @@ def load_own_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool 
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(
             f"the checkpoint does not match this rank's part of the model: missing {missing[:5]}, unexpected "
-            f"{result.unexpected_keys[:5]}. HINT: load_model_state_dict(..., strict=False) to ignore them"
+            f"{result.unexpected_keys[:5]}; load_model_state_dict(..., strict=False) to ignore them"
         )
     return True

@@ -157,7 +157,7 @@ def materialize(
             model = " nor the model's _init_weights(module)" if fn is not None else ""
             raise ValueError(
                 f"cannot initialize {n or type(module).__name__!r} ({type(m).__name__}) after building it on the meta "
-                f"device: it has {how}{model} for {unset}. HINT: give {type(m).__name__} a reset_parameters() that "
+                f"device: it has {how}{model} for {unset}; give {type(m).__name__} a reset_parameters() that "
                 "initializes its own tensors, or build the network in __init__ instead of configure_model"
             )
     for slots in own.values():  # a reset that built a new tensor (litgpt's rotary cache) keeps the built dtype

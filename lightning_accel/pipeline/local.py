@@ -165,7 +165,7 @@ class LocalPipeline:
                     raise ValueError(
                         f"a tensor is shared by {seen[0] or 'the model'} (stage {seen[1]}, {self.devices[seen[1]]}) "
                         f"and {name} (stage {stage}, {self.devices[stage]}); a pipeline cannot hold one tensor on two "
-                        "devices. HINT: untie the weights (e.g. GPT(tie_weights=False)) or put both stages on one device"
+                        "devices; untie the weights (e.g. GPT(tie_weights=False)) or put both stages on one device"
                     )
         for name, stage in assignment.items():
             module, device = modules[name], self.devices[stage]
@@ -254,7 +254,7 @@ class LocalPipeline:
                 raise RuntimeError(
                     f"{self.owner}: block {block.name!r} ({type(block.module).__name__}) writes buffer "
                     f"{block.name}.{written[0]} in its forward, which runs once per micro-batch, not once per batch as "
-                    "in plain training; HINT: chunks=1, or keep that state out of the block's forward"
+                    "in plain training; set chunks=1, or keep that state out of the block's forward"
                 )
             self._restore.observe(block.module, before, exempt=(_BatchNorm,))
             return output

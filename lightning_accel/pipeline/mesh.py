@@ -38,7 +38,7 @@ def mesh_coordinates(rank: int, world_size: int, pp: int) -> tuple[int, int]:
     """``(pp_rank, dp_rank)`` of global rank ``rank`` on the ``("pp", "dp")`` mesh of ``world_size`` ranks, ``pp`` per pipeline."""
     if pp < 1 or world_size % pp:
         raise ValueError(
-            f"world size {world_size} is not a multiple of {pp} pipeline ranks; HINT: run a multiple of {pp} processes"
+            f"world size {world_size} is not a multiple of {pp} pipeline ranks; run a multiple of {pp} processes"
         )
     dp = world_size // pp
     return rank // dp, rank % dp
@@ -51,7 +51,7 @@ def check_ranks_per_pipeline(pp: int | None, balance: Sequence[int] | str, stage
     if pp is not None and not isinstance(balance, str) and len(balance) != stages_per_rank * pp:
         raise ValueError(
             f"balance {list(balance)} has {len(balance)} stages but pipeline_parallel_size={pp} "
-            f"ranks run {stages_per_rank * pp} with schedule {schedule!r}; HINT: drop one of the two"
+            f"ranks run {stages_per_rank * pp} with schedule {schedule!r}; drop one of the two"
         )
 
 
@@ -69,7 +69,7 @@ def check_world_size(world_size: int, pp: int, given: str, who: str) -> None:
     if world_size % pp:
         raise ValueError(
             f"{who}: world size {world_size} is not a multiple of pipeline_parallel_size={pp} "
-            f"(ranks per pipeline, {given}); HINT: run a multiple of {pp} processes (devices x num_nodes), or set "
+            f"(ranks per pipeline, {given}); run a multiple of {pp} processes (devices x num_nodes), or set "
             f"pipeline_parallel_size (and balance) to a divisor of {world_size}"
         )
 

@@ -76,6 +76,6 @@ class PipelineOptions:
         if batch_size % self.chunks:
             raise ValueError(
                 f"{owner}(chunks={self.chunks}): the training DataLoader's batch_size={batch_size} is not a multiple of "
-                f"chunks, so every batch would be skipped. HINT: a batch_size that is a multiple of {self.chunks} "
+                f"chunks, so every batch would be skipped; use a batch_size that is a multiple of {self.chunks} "
                 f"(e.g. {self.chunks * (batch_size // self.chunks + 1)}), or chunks that divides {batch_size}"
             )

@@ -131,7 +131,7 @@ def _block_inputs(blocks: Sequence[nn.Module], forward: Callable[[], object]) ->
     if missing:
         raise ValueError(
             f"balance='by_time' ran the model on a sample but block(s) {missing} of {len(blocks)} were never called; "
-            "every block must run on every batch to be timed. HINT: pass an explicit balance (blocks per stage) "
+            "every block must run on every batch to be timed; pass an explicit balance (blocks per stage) "
             "or balance='by_size'"
         )
     return [inputs[k] for k in range(len(blocks))]

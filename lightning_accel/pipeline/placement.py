@@ -132,7 +132,7 @@ def check_split(
     if previous is not None and previous != (ranks, interleaved, tuple(balance)):
         raise ValueError(
             f"this module was split for {previous[0]} ranks with balance {list(previous[2])} by an earlier run; it "
-            f"cannot be split again for {ranks} ranks and schedule {schedule!r}. HINT: build a fresh model "
+            f"cannot be split again for {ranks} ranks and schedule {schedule!r}; build a fresh model "
             "and load the checkpoint into it"
         )
     if not isinstance(requested, str) and previous is not None and list(requested) != balance:

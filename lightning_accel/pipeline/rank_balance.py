@@ -44,7 +44,7 @@ def example_block_times(
         if getattr(module, "example_input_array", None) is None:
             raise ValueError(
                 f"balance='by_time' times each block before the first batch, on {type(module).__name__}."
-                "example_input_array, which is None. HINT: set self.example_input_array to one batch's input to "
+                "example_input_array, which is None; set self.example_input_array to one batch's input to "
                 "forward in __init__, or pass balance as a list (blocks per stage) or 'by_size'"
             )
 
@@ -98,7 +98,7 @@ def choose_balance(
     if policy == "by_time" and stages > 1 and on_meta:
         raise ValueError(
             f"balance='by_time' times every block of {model_name} on rank 0, but a network built in "
-            "configure_model is only materialized in part on each rank. HINT: balance='by_size' or a list (blocks "
+            "configure_model is only materialized in part on each rank; use balance='by_size' or a list (blocks "
             "per stage), or DistributedGPipeStrategy(deferred_init=False) to build it whole on every rank"
         )
     if policy == "by_size" or stages == 1:  # by_time with one stage: nothing to measure

@@ -77,7 +77,7 @@ class EvalLogs:
             if id(value) not in self._paths:
                 raise ValueError(
                     f"{self.hook} logged {name!r}, a Metric that is not a submodule of the LightningModule; the "
-                    "pipeline's other ranks cannot log the same one. HINT: assign it as an attribute in __init__"
+                    "pipeline's other ranks cannot log the same one; assign it as an attribute in __init__"
                 )
             self.records.append((name, ("metric", self._paths[id(value)], metric_state(value)), a, kw))
         else:

@@ -148,5 +148,5 @@ def test_a_strategy_hint_reaches_the_user_in_the_config_shape() -> None:
         preflight("gpt-tiny_gpipe-2proc_cpu", ["data.batch_size=6"], launch=False)
     assert str(refused.value) == (
         "data.batch_size=6: DistributedGPipeStrategy(chunks=4): the training DataLoader's batch_size=6 is not a multiple "
-        "of chunks, so every batch would be skipped; a batch_size that is a multiple of 4 (e.g. 8), or chunks that divides 6"
+        "of chunks, so every batch would be skipped; use a batch_size that is a multiple of 4 (e.g. 8), or chunks that divides 6"
     )

@@ -37,5 +37,5 @@ def test_bad_options_are_refused_alike_by_both_strategies(kwargs, match):
 def test_a_batch_size_that_is_not_a_multiple_of_chunks_is_refused_with_the_fix():
     PipelineOptions(chunks=4).check_batch_size(8)
     with pytest.raises(ValueError, match=r"^DistributedGPipeStrategy\(chunks=4\): the training DataLoader's batch_size=6 is "
-                                         r"not a multiple of chunks.*HINT: a batch_size that is a multiple of 4 \(e.g. 8\)"):
+                                         r"not a multiple of chunks.*; use a batch_size that is a multiple of 4 \(e.g. 8\)"):
         PipelineOptions(chunks=4).check_batch_size(6)

@@ -142,5 +142,5 @@ def test_profile_block_times_on_a_gpu_leaves_a_cpu_model_on_the_cpu():
 
 def test_profile_block_times_names_blocks_the_sample_never_reached():
     net = Sampled()
-    with pytest.raises(ValueError, match=r"block\(s\) \[2, 3\] of 4 were never called.*HINT: pass an explicit balance"):
+    with pytest.raises(ValueError, match=r"block\(s\) \[2, 3\] of 4 were never called.*; pass an explicit balance"):
         profile_block_times(net, list(net.blocks), lambda: net.blocks[1](net.blocks[0](torch.randn(2, 32))))

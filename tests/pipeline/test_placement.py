@@ -34,7 +34,7 @@ def test_a_second_split_must_keep_the_first_layout():
     choose = lambda: [2, 2]  # noqa: E731
     assert check_split(None, 2, False, "gpipe", "by_size", 2, 4, choose) == [2, 2]
     assert check_split((2, False, (3, 1)), 2, False, "gpipe", "by_size", 2, 4, choose) == [3, 1]
-    with pytest.raises(ValueError, match=r"split for 2 ranks with balance \[3, 1\] by an earlier run.*HINT: build a fresh"):
+    with pytest.raises(ValueError, match=r"split for 2 ranks with balance \[3, 1\] by an earlier run.*; build a fresh"):
         check_split((2, False, (3, 1)), 1, True, "interleaved_1f1b", "by_size", 2, 4, choose)
     with pytest.raises(ValueError, match=r"balance \[2, 2\] differs from \[3, 1\], the split of this module"):
         check_split((2, False, (3, 1)), 2, False, "gpipe", [2, 2], 2, 4, choose)
@@ -47,7 +47,7 @@ def test_ranks_per_pipeline_and_world_size():
     assert ranks_per_pipeline(None, "by_size", 1, 8) == 8 and ranks_per_pipeline(4, "by_size", 1, 8) == 4
     check_world_size(8, 4, "given", "S")
     with pytest.raises(ValueError, match=r"S: world size 6 is not a multiple of pipeline_parallel_size=4 \(ranks per "
-                       r"pipeline, given\); HINT: run a multiple of 4 processes"):
+                       r"pipeline, given\); run a multiple of 4 processes"):
         check_world_size(6, 4, "given", "S")
     with pytest.raises(ValueError, match=r"pipeline_parallel_size must be a positive int \(ranks per pipeline\), got True"):
         check_ranks_per_pipeline(True, "by_size", 1, "gpipe")  # type: ignore[arg-type]

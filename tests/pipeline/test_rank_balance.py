@@ -16,5 +16,5 @@ def test_balance_choice_and_its_refusals():
     assert choose_balance("by_time", blocks, 2, 2, "Net", lambda: [1.0, 1.0, 2.0]) == ([2, 1], [1.0, 1.0, 2.0])
     with pytest.raises(ValueError, match=r"2 ranks per pipeline run 4 stages but Net has 3 blocks"):
         choose_balance("by_size", blocks, 4, 2, "Net", never)
-    with pytest.raises(ValueError, match=r"balance='by_time' times every block of Net on rank 0.*HINT: balance='by_size'"):
+    with pytest.raises(ValueError, match=r"balance='by_time' times every block of Net on rank 0.*; use balance='by_size'"):
         choose_balance("by_time", blocks, 2, 2, "Net", never, on_meta=True)
