@@ -36,8 +36,8 @@ def register(registry: Any, name: str, strategy_cls: type, description: str, **i
             return
         raise ValueError(
             f"strategy name {name!r} is already registered to {existing.__module__}.{existing.__qualname__}; "
-            f"lightning_accel wants it for {strategy_cls.__module__}.{strategy_cls.__qualname__}. "
-            "HINT: remove the other registration or import lightning_accel first."
+            f"lightning_accel wants it for {strategy_cls.__module__}.{strategy_cls.__qualname__}; "
+            "remove the other registration or import lightning_accel first"
         )
     registry.register(name, strategy_cls, description=description, **init_params)
 

@@ -31,5 +31,5 @@ def test_register_is_idempotent_and_refuses_a_clash() -> None:
     _registry.register(registry, "mine", Mine, "test")
     _registry.register(registry, "mine", Mine, "test")  # second import: no error
     assert registry["mine"]["strategy"] is Mine
-    with pytest.raises(ValueError, match=r"strategy name 'mine' is already registered to .*Mine.*HINT"):
+    with pytest.raises(ValueError, match=r"strategy name 'mine' is already registered to .*Mine.*; remove the other registration"):
         _registry.register(registry, "mine", Other, "test")

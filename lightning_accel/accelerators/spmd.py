@@ -48,14 +48,14 @@ def plan_placement(indices: list[int], available: int, hint: str = "") -> Placem
     of the host (an SPMD mesh spans all devices the runtime has).
     """
     if not indices:
-        raise ValueError("devices=[] names no device; HINT: devices=1, devices=[i], or devices=-1 for all of them")
+        raise ValueError("devices=[] names no device; use devices=1, devices=[i], or devices=-1 for all of them")
     if len(indices) == 1:
         return Placement(index=indices[0])
     if sorted(indices) != list(range(available)):
         more = f"; or {hint}" if hint else ""
         raise ValueError(
             f"devices={indices} asks for {len(indices)} of the {available} PJRT devices, but data parallelism "
-            f"on XLA (SPMD) spans all the devices of the host; HINT: set devices={available} or devices=-1{more}"
+            f"on XLA (SPMD) spans all the devices of the host; set devices={available} or devices=-1{more}"
         )
     return Placement(count=available)
 
@@ -75,12 +75,12 @@ def enable(count: int) -> Any:
         raise ValueError(
             f"data parallel over {count} devices needs SPMD, which must start before the process uses an XLA device, "
             "but this one already has (torch_xla.device(), an XLA tensor, or a single-device fit); "
-            "HINT: run the multi-device fit in a fresh process"
+            "run the multi-device fit in a fresh process"
         )
     if xr.process_count() > 1:
         raise ValueError(
             f"SPMD over {xr.process_count()} hosts is not supported by strategy 'xla_pjrt' (one host only); "
-            "HINT: train on the devices of one host"
+            "train on the devices of one host"
         )
     if not xr.is_spmd():  # a second fit or trainer.validate in the same process: already SPMD
         xr.use_spmd()

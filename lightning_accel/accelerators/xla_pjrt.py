@@ -39,7 +39,7 @@ class XLAPJRTAccelerator(Accelerator):
         if device.type != "xla":
             raise ValueError(
                 f"accelerator 'xla_pjrt' was given a {device.type} device by strategy; "
-                "HINT: pass strategy='xla_pjrt' together with accelerator='xla_pjrt'"
+                "pass strategy='xla_pjrt' together with accelerator='xla_pjrt'"
             )
 
     @override

@@ -127,7 +127,7 @@ def describe_cache_refusal(owner: str, name: str, module: nn.Module, argument: s
     """One line: which block got a cache, why that cannot work here, and the fix."""
     return (
         f"{owner}: block {name!r} ({type(module).__name__}) was called with a {type(value).__name__} "
-        f"({argument}); {why} would write its keys and values into the cache again. HINT: do not pass "
+        f"({argument}); {why} would write its keys and values into the cache again; do not pass "
         "use_cache=True or past_key_values= when training (config.use_cache is already off)"
     )
 

@@ -77,7 +77,7 @@ def _devices(devices: DeviceSpec) -> list[torch.device]:
         raise ValueError(
             f"GPipeStrategy does not run on XLA devices (devices={[str(d) for d in out]}): its re-materialization uses "
             "torch.utils.checkpoint, which torch_xla replaces with its own, and it has no per-step graph boundary yet; "
-            "HINT: on a TPU use strategy='xla_pjrt', or pipeline on CUDA or CPU devices"
+            "on a TPU use strategy='xla_pjrt', or pipeline on CUDA or CPU devices"
         )
     count = torch.cuda.device_count()
     missing = [str(d) for d in out if d.type == "cuda" and (d.index or 0) >= count]
@@ -186,7 +186,7 @@ class GPipeStrategy(SingleDeviceStrategy):
             warnings.warn(
                 f"GPipeStrategy(chunks={self.chunks}): {len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalize "
                 f"each micro-batch (1/{self.chunks} of the batch) on its own, so batch statistics, running mean/var "
-                "and gradients differ from plain training. HINT: deferred_batch_norm=True keeps the running "
+                "and gradients differ from plain training; set deferred_batch_norm=True to keep the running "
                 "statistics over the whole batch (each micro-batch is still normalized by its own statistics)",
                 UserWarning,
                 stacklevel=2,

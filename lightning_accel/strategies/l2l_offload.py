@@ -133,7 +133,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         if asked:
             raise ValueError(
                 f"strategy='l2l_offload' trains on one device in one process, but {' and '.join(asked)} asks for more; "
-                "HINT: use strategy='l2l_offload_ddp' (data parallel, the host optimizer partitioned across ranks), "
+                "use strategy='l2l_offload_ddp' (data parallel, the host optimizer partitioned across ranks), "
                 "or devices=1"
             )
         super()._configure_launcher()

@@ -119,13 +119,13 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         if overlap_step:
             raise ValueError(
                 "L2LOffloadDDPStrategy(overlap_step=True): a block's host step needs its gradients averaged over the "
-                "ranks first, so it runs after the backward (the averaging is what overlaps); HINT: leave overlap_step unset"
+                "ranks first, so it runs after the backward (the averaging is what overlaps); leave overlap_step unset"
             )
         unused = [k for k in _DDP_ONLY if kwargs.get(k) is not None] + [k for k in kwargs if k not in _DDP_KEYS]
         if unused:
             raise ValueError(
                 f"L2LOffloadDDPStrategy does not wrap the model in DistributedDataParallel, so {unused[0]}=... would be "
-                "ignored; HINT: remove it (gradients are averaged block by block by the strategy itself)"
+                "ignored; remove it (gradients are averaged block by block by the strategy itself)"
             )
         if timeout is not None and not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
@@ -178,15 +178,15 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"L2LOffloadDDPStrategy needs automatic optimization ({type(module).__name__} sets "
-                "automatic_optimization=False): it averages gradients once per optimizer step; HINT: use automatic optimization"
+                "automatic_optimization=False): it averages gradients once per optimizer step; use automatic optimization"
             )
         if fitting and self._layer_sync is not None:
-            raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); HINT: remove sync_batchnorm")
+            raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); remove sync_batchnorm")
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"L2LOffloadDDPStrategy agrees on fp16 overflows across ranks through torch's GradScaler, not "
-                f"{type(scaler).__name__}; HINT: OffloadPrecision('16-mixed')"
+                f"{type(scaler).__name__}; use OffloadPrecision('16-mixed')"
             )
 
     def _broadcast_initial_weights(self) -> None:

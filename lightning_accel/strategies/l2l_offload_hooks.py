@@ -102,16 +102,16 @@ class L2LOffloadHooks(Strategy):
         if delayed_update_warmup is not None and not delayed_update:
             raise ValueError(
                 f"delayed_update_warmup={delayed_update_warmup} has no effect with delayed_update=False; "
-                "HINT: set delayed_update=True, or drop delayed_update_warmup"
+                "set delayed_update=True, or drop delayed_update_warmup"
             )
         if delayed_update_warmup is not None and delayed_update_warmup < 0:
             raise ValueError(
-                f"delayed_update_warmup must be >= 0, got {delayed_update_warmup}; HINT: 0 delays from the first step"
+                f"delayed_update_warmup must be >= 0, got {delayed_update_warmup}; use 0 to delay from the first step"
             )
         if offload_activations and not checkpoint_blocks:
             raise ValueError(
                 "offload_activations=True needs checkpoint_blocks=True (without checkpointing every activation inside "
-                "every block is saved and would cross the bus); HINT: set checkpoint_blocks=True or offload_activations=False"
+                "every block is saved and would cross the bus); set checkpoint_blocks=True or offload_activations=False"
             )
         self.blocks = blocks
         self.prefetch_blocks = prefetch_blocks
@@ -173,8 +173,8 @@ class L2LOffloadHooks(Strategy):
         if isinstance(self.accelerator, (XLAAccelerator, XLAPJRTAccelerator)) or self.root_device.type == "xla":
             raise ValueError(
                 "L2LOffloadStrategy does not run on XLA devices: it streams one block at a time between host and device "
-                "inside the step, and on XLA each such copy ends the traced graph (a recompile or host round trip per block). "
-                "HINT: on a TPU use strategy='xla_pjrt' with precision='bf16-true', or run L2L on CUDA or the CPU"
+                "inside the step, and on XLA each such copy ends the traced graph (a recompile or host round trip per block); "
+                "on a TPU use strategy='xla_pjrt' with precision='bf16-true', or run L2L on CUDA or the CPU"
             )
         super().setup_environment()
 
@@ -200,20 +200,20 @@ class L2LOffloadHooks(Strategy):
             raise ValueError(
                 "L2LOffloadStrategy(delayed_update=True) cannot run with fp16 loss scaling (OffloadPrecision('16-mixed')): "
                 "an overflow found at step t+1 cannot cancel update t, already applied; "
-                "HINT: use OffloadPrecision('bf16-mixed') or delayed_update=False"
+                "use OffloadPrecision('bf16-mixed') or delayed_update=False"
             )
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise ValueError(
                 f"L2LOffloadStrategy(delayed_update=True) needs automatic optimization, but {type(module).__name__} "
-                "sets automatic_optimization=False; HINT: use delayed_update=False with manual optimization"
+                "sets automatic_optimization=False; use delayed_update=False with manual optimization"
             )
         for optimizer in self.optimizers:
             # the exact class: a subclass may override step() with a rule across parameters
             if type(optimizer) not in _PER_PARAMETER:
                 raise ValueError(
                     f"L2LOffloadStrategy(delayed_update=True) updates the host parameters apart from the device ones, "
-                    f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; HINT: use one of "
+                    f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; use one of "
                     f"{', '.join(c.__name__ for c in _PER_PARAMETER)}, or delayed_update=False"
                 )
 
@@ -467,14 +467,14 @@ def _check_host_optimizer(optimizer: Optimizer) -> None:
     if isinstance(optimizer, LBFGS):
         raise ValueError(
             "L2LOffloadStrategy cannot run LBFGS on the host: it re-evaluates the whole model inside step(); "
-            "HINT: use a per-parameter optimizer such as AdamW or SGD"
+            "use a per-parameter optimizer such as AdamW or SGD"
         )
     # fused=True is fine: SGD, Adam, AdamW and Adagrad have fused CPU kernels (torch >= 2.4)
     for group in optimizer.param_groups:
         if group.get("capturable"):
             raise ValueError(
                 f"L2LOffloadStrategy steps block parameters on the host, but {name}(capturable=True) is for CUDA-graph "
-                "capture on an accelerator, which host parameters cannot take part in; HINT: set capturable=False "
+                "capture on an accelerator, which host parameters cannot take part in; set capturable=False "
                 "in configure_optimizers (fused=True stays fast on the host)"
             )
 

@@ -81,7 +81,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
             return
         raise TypeError(
             f"strategy 'xla_pjrt' cannot use the precision plugin {type(plugin).__name__}; "
-            "HINT: set Trainer(precision='bf16-mixed' | 'bf16-true' | '32-true') instead of a plugin"
+            "set Trainer(precision='bf16-mixed' | 'bf16-true' | '32-true') instead of a plugin"
         )
 
     @override
@@ -92,7 +92,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
             name = type(self.accelerator).__name__ if self.accelerator is not None else "none"
             raise ValueError(
                 f"strategy 'xla_pjrt' needs accelerator 'xla_pjrt', got {name}; "
-                "HINT: Trainer(accelerator='xla_pjrt', strategy='xla_pjrt')"
+                "use Trainer(accelerator='xla_pjrt', strategy='xla_pjrt')"
             )
         import torch_xla
         import torch_xla.runtime as xr
@@ -103,7 +103,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
         if xr.is_spmd() and not self.placement.spmd and available > 1:
             raise ValueError(
                 f"devices={indices} asks for one device, but an earlier multi-device fit switched this process to SPMD "
-                "over all devices, which torch_xla cannot undo; HINT: run the single-device fit in a new process"
+                "over all devices, which torch_xla cannot undo; run the single-device fit in a new process"
             )
         if self.placement.spmd:
             self.mesh = spmd.enable(self.placement.count)

@@ -26,13 +26,13 @@ class _Tiny(pl.LightningModule):
 
 def test_strategy_without_its_accelerator_says_which_to_pass() -> None:
     trainer = pl.Trainer(accelerator="cpu", strategy=XLAPJRTStrategy(), max_steps=1, logger=False, enable_progress_bar=False)
-    with pytest.raises(ValueError, match="needs accelerator 'xla_pjrt', got CPUAccelerator; HINT: Trainer\\(accelerator='xla_pjrt', strategy='xla_pjrt'\\)"):
+    with pytest.raises(ValueError, match="needs accelerator 'xla_pjrt', got CPUAccelerator; use Trainer\\(accelerator='xla_pjrt', strategy='xla_pjrt'\\)"):
         trainer.fit(_Tiny(), DataLoader(TensorDataset(torch.ones(4, 2)), batch_size=2))
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true"])
 def test_precision_without_bf16_is_refused_with_the_fix(precision: str) -> None:
-    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported on XLA devices.*HINT: use precision='bf16-mixed'"):
+    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported on XLA devices.*; use precision='bf16-mixed'"):
         XLAPJRTPrecision(precision)
 
 

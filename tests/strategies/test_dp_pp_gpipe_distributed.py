@@ -165,7 +165,7 @@ def test_resuming_the_replicas_from_their_checkpoint_is_exact(four_ranks):
     ("devices", "kwargs", "match"),
     [
         (3, {"balance": [2, 2]}, r"world size 3 is not a multiple of pipeline_parallel_size=2 \(ranks per pipeline, "
-                                 r"from len\(balance\)=2\); HINT: run a multiple of 2 processes"),
+                                 r"from len\(balance\)=2\); run a multiple of 2 processes"),
         (6, {"pipeline_parallel_size": 4}, r"world size 6 is not a multiple of pipeline_parallel_size=4 \(ranks per "
                                            r"pipeline, given\).*divisor of 6"),
     ],

@@ -348,7 +348,7 @@ def test_deferred_batch_norm_keeps_whole_batch_running_statistics():
 
 
 def test_batch_norm_with_micro_batches_warns_what_differs():
-    with pytest.warns(UserWarning, match=r"chunks=4\): 4 BatchNorm layer\(s\) \(e.g. 'layers.0.1'\) normalize each micro-batch.*HINT: deferred_batch_norm=True"):
+    with pytest.warns(UserWarning, match=r"chunks=4\): 4 BatchNorm layer\(s\) \(e.g. 'layers.0.1'\) normalize each micro-batch.*; set deferred_batch_norm=True to keep"):
         _fit(NormedRegressor(), DataLoader(DictData(), batch_size=8), GPipeStrategy(chunks=4, devices=2), steps=1)
 
 
@@ -374,5 +374,5 @@ def test_zoo_resnet_with_deferred_batch_norm_on_three_stages():
 def test_xla_devices_are_refused_with_the_reason() -> None:
     from lightning_accel.strategies.gpipe import _devices
 
-    with pytest.raises(ValueError, match=r"GPipeStrategy does not run on XLA devices.*HINT: on a TPU use strategy='xla_pjrt'"):
+    with pytest.raises(ValueError, match=r"GPipeStrategy does not run on XLA devices.*; on a TPU use strategy='xla_pjrt'"):
         _devices(["xla:0", "xla:1"])

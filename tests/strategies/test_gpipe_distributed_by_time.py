@@ -99,7 +99,7 @@ def _fit_one_rank(model: pl.LightningModule, **strategy_kwargs) -> pl.Trainer:
 def test_by_time_without_example_input_array_says_how_to_fix_it(one_rank):
     """Two stages on one rank (interleaved_1f1b): the split needs the times, and there is no sample."""
     with pytest.raises(ValueError, match=r"balance='by_time' times each block before the first batch, on NoExample\."
-                                         r"example_input_array, which is None\. HINT: set self\.example_input_array"):
+                                         r"example_input_array, which is None; set self\.example_input_array"):
         _fit_one_rank(NoExample(), schedule="interleaved_1f1b", balance="by_time", blocks=lambda net: list(net.blocks))
 
 

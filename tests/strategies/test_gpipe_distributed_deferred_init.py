@@ -130,7 +130,7 @@ def _data() -> DataLoader:
 
 def test_a_module_that_cannot_be_initialized_again_is_refused_in_one_line(one_rank):
     with pytest.raises(ValueError, match=r"cannot initialize 'net.1' \(Unresettable\) after building it on the meta device: "
-                       r"it has no reset_parameters\(\) for \['scale'\]\. HINT: give Unresettable a reset_parameters\(\)"
+                       r"it has no reset_parameters\(\) for \['scale'\]; give Unresettable a reset_parameters\(\)"
                        r".*or build the network in __init__") as err:
         _trainer().fit(Late(), _data())
     assert "\n" not in str(err.value)
@@ -150,7 +150,7 @@ def test_balance_by_time_is_refused_for_a_network_built_on_meta(one_rank):
             if self.net is None:
                 self.net = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2)))
 
-    with pytest.raises(ValueError, match=r"balance='by_time' times every block of Sequential on rank 0.*HINT: balance='by_size'"):
+    with pytest.raises(ValueError, match=r"balance='by_time' times every block of Sequential on rank 0.*; use balance='by_size'"):
         _trainer(schedule="interleaved_1f1b", balance="by_time").fit(TwoStages(), _data())
 
 

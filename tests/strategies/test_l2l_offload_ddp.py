@@ -35,7 +35,7 @@ def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
 def test_l2l_offload_refuses_more_than_one_device_when_the_trainer_is_built(kwargs: dict[str, Any], named: str) -> None:
     for strategy in ("l2l_offload", L2LOffloadStrategy()):
         with pytest.raises(ValueError, match=rf"strategy='l2l_offload' trains on one device in one process, but {named} asks "
-                                             r"for more; HINT: use strategy='l2l_offload_ddp'"):
+                                             r"for more; use strategy='l2l_offload_ddp'"):
             _trainer(strategy, **kwargs)
 
 
@@ -69,7 +69,7 @@ def test_the_data_parallel_strategy_runs_lightnings_mixed_flag_as_the_offload_pl
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"host_step": "sharded"}, r"host_step='sharded' is not one of 'partitioned', 'replicated'"),
-    ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*HINT: leave overlap_step unset"),
+    ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*; leave overlap_step unset"),
     ({"find_unused_parameters": True}, r"does not wrap the model in DistributedDataParallel, so find_unused_parameters=\.\.\. would be ignored"),
     ({"ddp_comm_hook": print}, r"so ddp_comm_hook=\.\.\. would be ignored"),
 ])

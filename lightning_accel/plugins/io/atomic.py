@@ -27,7 +27,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(
                 f"AtomicCheckpointIO does not take storage_options (got {storage_options!r}); "
-                "HINT: use a CheckpointIO plugin that supports them."
+                "use a CheckpointIO plugin that supports them"
             )
         if "://" in str(path):  # remote filesystems: no atomic rename to rely on
             return super().save_checkpoint(checkpoint, path, storage_options)

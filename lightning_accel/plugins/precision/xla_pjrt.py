@@ -35,7 +35,7 @@ class XLAPJRTPrecision(Precision):
         if precision not in SUPPORTED:
             raise ValueError(
                 f"precision={precision!r} is not supported on XLA devices (supported: 32-true, bf16-true, bf16-mixed); "
-                "fp16 needs a loss scaler, which XLA does not have. HINT: use precision='bf16-mixed'"
+                "fp16 needs a loss scaler, which XLA does not have; use precision='bf16-mixed'"
             )
         self.precision = "32-true" if precision == "32" else precision  # type: ignore[assignment]
 
