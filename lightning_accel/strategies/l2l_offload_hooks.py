@@ -147,7 +147,8 @@ class L2LOffloadHooks(Strategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         paired = for_offload(plugin, self.strategy_name)
-        if isinstance(paired, OffloadPrecision) and paired is not plugin and getattr(self, "_precision_said", None) != paired.precision:
+        said = getattr(self, "_precision_said", None)
+        if isinstance(paired, OffloadPrecision) and paired is not plugin and said != paired.precision:
             self._precision_said = paired.precision  # say the pairing once
             dtype = str(paired.compute_dtype).removeprefix("torch.")
             rank_zero_info(
