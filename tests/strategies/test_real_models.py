@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_accel.strategies.l2l_offload as l2l_module
+import lightning_accel.strategies.l2l_offload_hooks as l2l_module  # where the strategies build their executor
 from lightning_accel.offload import L2LExecutor
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
