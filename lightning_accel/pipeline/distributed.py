@@ -10,9 +10,11 @@ PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``;
 :data:`lightning_accel.pipeline.schedule.SCHEDULE_TABLE`) sends activations forward and
 gradients back between ranks. The blocks of other ranks' stages are on the ``meta``
 device; what is outside the blocks (embeddings, final norm, head, tied weights) is on
-every rank and its gradients are summed over the pipeline after each step (each rank
-has the part its stages used), as Megatron all-reduces the embedding shared by its
-first and last stage. Gradients are scaled by ``1 / chunks`` so a mean loss matches
+every rank, but only the ranks whose part of the forward uses a parameter get its
+gradient and step it: an untied embedding on the first stage's rank, the final norm and
+head on the last's. Only a parameter two ranks use (a tied embedding and head) has its
+gradients summed, between those ranks, as Megatron all-reduces the embedding shared by
+its first and last stage (:meth:`RankPipeline._sum_resident`). Gradients are scaled by ``1 / chunks`` so a mean loss matches
 plain training.
 
 Why this design and not the ``torch.distributed.pipelining`` tracer (``pipeline()``
@@ -66,7 +68,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.boundaries import StageBoundaries
-from lightning_accel.pipeline.gradients import average_gradients, sum_gradients
+from lightning_accel.pipeline.gradients import average_gradients, gradient_presence, sum_over_users
 from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
@@ -83,7 +85,7 @@ __all__ = [
     "mesh_coordinates",
     "pipeline_mesh",
     "stage_indices",
-    "sum_gradients",
+    "sum_over_users",
 ]
 
 class StageModule(nn.Module):
@@ -183,9 +185,11 @@ class RankPipeline:
     rank runs the model's own forward, its stages' blocks computing and the others'
     becoming receive and send points (:mod:`lightning_accel.pipeline.boundaries`). The
     blocks of other ranks' stages go to the ``meta`` device; everything outside the blocks
-    (embeddings, norms, heads, their tied weights) stays on every rank, and after each
-    step its gradients are summed over the pipeline's ranks (each rank has the part its
-    stages' forward used), so every rank holds the whole gradient and steps it alike.
+    (embeddings, norms, heads, their tied weights) stays on every rank; after each step
+    a parameter there has a gradient only on the ranks whose stages' forward used it,
+    summed between them where there are two or more (a tied embedding and head), so the
+    ranks that use it step it alike and the others leave it (:meth:`_sum_resident`;
+    :meth:`resident_rank` says whose value counts).
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
     ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
@@ -230,6 +234,11 @@ class RankPipeline:
         self.blocks = [b.module for b in found]
         self.block_names = [b.name for b in found]
         self.resident = _check_stage_tensors(net, found, self.balance)
+        # per resident parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
+        # first step that gives it one; () until then (see _sum_resident)
+        self.users: list[tuple[int, ...]] = [() for _ in self.resident]
+        self.resident_owner: dict[int, int] = {}  # id -> the rank whose value counts (its first user), once known
+        self.summed_bytes = 0  # gradient bytes this rank put into sums at the last step
         for k, block in enumerate(self.blocks):  # other ranks' blocks: names, shapes and dtypes stay, storage goes
             if not any(k in self._stage_range(s) for s in self.indices):
                 block.to("meta")
@@ -336,9 +345,46 @@ class RankPipeline:
             raise self._exchange_error("step", err) from err
         finally:
             self._forward = lambda i: None
-        sum_gradients(self.resident, self.group)
+        self._sum_resident()
         losses = self._losses[-self.chunks :]
         return torch.stack(losses).mean() if self.holds_last and losses else None
+
+    def _sum_resident(self) -> None:
+        """Sum the gradients of what is outside the blocks between the ranks that used it, and only those.
+
+        Who uses a parameter is observed, not guessed: after the step's backward a rank holds a gradient of exactly
+        the parameters its stages' part of the forward used (a later rank recomputes the embedding, but the boundary
+        replaces its output, so no gradient reaches it; the first rank stops before the head). Where the forward
+        stops is known statically, but not which code before or after the blocks reads which parameter (a tied head,
+        a residual from the embedding, a model's own helper): the gradient says. Each parameter's users are fixed at
+        the first step that gives it a gradient (every rank sees the same, one small all-gather per step); a rank
+        outside them never gets a gradient of it, so its optimizer leaves it (and makes no state for it), and its
+        value that counts (checkpoints, :attr:`resident_owner`) is its first user's. A later step in which another
+        rank uses it is refused: that rank's copy and optimizer state would be stale."""
+        if not self.resident:
+            return
+        present = gradient_presence(self.resident, self.group)
+        now: list[tuple[int, ...]] = []
+        for i, p in enumerate(self.resident):
+            used = tuple(r for r in range(len(present)) if present[r][i])
+            if used and not self.users[i]:
+                self.users[i] = used
+                self.resident_owner[id(p)] = used[0]
+            elif not set(used) <= set(self.users[i]):
+                name = next((n for n, q in self.net.named_parameters(remove_duplicate=False) if q is p), "a parameter")
+                raise RuntimeError(
+                    f"{name} got a gradient on pipeline rank(s) {sorted(set(used) - set(self.users[i]))}, which did not "
+                    f"use it at its first step (used by {list(self.users[i])}); the pipeline steps a parameter outside the "
+                    "blocks only on the ranks that used it first; use it in the same stages at every step, or "
+                    "freeze it (requires_grad=False)"
+                )
+            now.append(self.users[i] if used else ())  # nobody used it this step: it keeps no gradient
+        self.summed_bytes = sum_over_users(self.resident, now, self.rank, self.group)
+
+    def resident_rank(self, p: Tensor) -> int:
+        """The pipeline rank whose value of ``p`` (outside the blocks) counts: its first user, or before any step the
+        last stage's rank (every rank then holds the same value)."""
+        return self.resident_owner.get(id(p), (len(self.balance) - 1) % self.world_size)
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

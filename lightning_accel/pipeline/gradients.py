@@ -1,4 +1,4 @@
-"""Gradients across ranks: the replicas' mean, the pipeline's sum, clipping by the whole model's norm, one overflow verdict.
+"""Gradients across ranks: the replicas' mean, the sum between a shared weight's users, clipping by the whole model's norm, one overflow verdict.
 
 The pipeline's ranks each hold part of a model; what plain training computes on one
 model's gradients (DDP's mean over replicas, ``clip_grad_norm_``, a ``GradScaler``'s
@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["add_gradients", "agree_found_inf", "average_gradients", "clip_grad_norm_over", "set_aside", "sum_gradients"]
+__all__ = [
+    "add_gradients",
+    "agree_found_inf",
+    "average_gradients",
+    "clip_grad_norm_over",
+    "gradient_presence",
+    "set_aside",
+    "sum_over_users",
+]
 
 
 @torch.no_grad()
@@ -51,26 +59,75 @@ def average_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None,
 
 
 @torch.no_grad()
-def sum_gradients(params: Sequence[Tensor], group: dist.ProcessGroup | None) -> None:
-    """Each gradient becomes its sum over ``group``; a parameter with no gradient on any rank keeps none (as in plain
-    training, where an optimizer then skips it). Every rank passes the same parameters, in the same order."""
+def gradient_presence(params: Sequence[Tensor], group: dist.ProcessGroup | None) -> list[list[bool]]:
+    """Per rank of ``group`` (group ranks, in order), per parameter: whether that rank holds a gradient of it. Every rank
+    passes the same parameters, in the same order (one small all-gather)."""
+    mine = [p.grad is not None for p in params]
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    present = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
-    dist.all_reduce(present, group=group)
-    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, g in enumerate(grads):
-        by_kind.setdefault((g.dtype, g.device), []).append(i)
-    for indices in by_kind.values():  # one all-reduce per dtype and device
-        flat = torch.cat([grads[i].reshape(-1) for i in indices])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for i in indices:
-            grads[i].copy_(flat[offset : offset + grads[i].numel()].view_as(grads[i]))
-            offset += grads[i].numel()
-    for p, g, anywhere in zip(params, grads, present.tolist()):
-        p.grad = g if anywhere else None
+        return [mine]
+    present = torch.tensor(mine, dtype=torch.float32, device=params[0].device)
+    every = [torch.empty_like(present) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, present, group=group)
+    return [[bool(v) for v in t.tolist()] for t in every]
+
+
+@torch.no_grad()
+def sum_over_users(
+    params: Sequence[Tensor], users: Sequence[tuple[int, ...]], rank: int, group: dist.ProcessGroup | None
+) -> int:
+    """Each gradient of a parameter with more than one user becomes its sum over exactly those ranks of ``group``
+    (``users``: per parameter, the group ranks whose forward used it, ascending; a user without a gradient this step
+    adds zeros). A parameter with one user (or none) is left alone: nothing to add. Returns the bytes this rank put
+    into sums.
+
+    Why not an all-reduce of every parameter outside the blocks over the whole pipeline: an untied embedding is used by the first stage only, the
+    head by the last, so summing them moves vocab x hidden gradients that are zero on every other rank (Megatron sums
+    only the word embedding its first and last stage share). Parameters with the same users go in one flat buffer
+    per dtype and device: an all-reduce when every rank of ``group`` uses them, else a reduction on the first user,
+    in user order, sent back to the others (the same values on every user)."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    by_users: dict[tuple[int, ...], dict[tuple[torch.dtype, torch.device], list[int]]] = {}
+    for i, (p, who) in enumerate(zip(params, users)):
+        if len(who) > 1 and rank in who:
+            by_users.setdefault(tuple(who), {}).setdefault((p.dtype, p.device), []).append(i)
+    summed = 0
+    for who in sorted(by_users):  # every rank walks the same sets in the same order
+        for indices in by_users[who].values():
+            for i in indices:
+                if params[i].grad is None:
+                    params[i].grad = torch.zeros_like(params[i])
+            grads = [params[i].grad for i in indices]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            if len(who) == size:
+                dist.all_reduce(flat, group=group)
+            else:
+                _sum_between(flat, who, rank, group)
+            offset = 0
+            for g in grads:
+                assert g is not None
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            summed += flat.nbytes
+    return summed
+
+
+def _sum_between(flat: Tensor, users: tuple[int, ...], rank: int, group: dist.ProcessGroup | None) -> None:
+    """``flat`` becomes its sum over ``users`` (group ranks): added up on the first, in order, and sent back."""
+
+    def glob(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    root = users[0]
+    if rank == root:
+        incoming = torch.empty_like(flat)
+        for r in users[1:]:
+            dist.recv(incoming, src=glob(r), group=group)
+            flat.add_(incoming)
+        for r in users[1:]:
+            dist.send(flat, dst=glob(r), group=group)
+    else:
+        dist.send(flat, dst=glob(root), group=group)
+        dist.recv(flat, src=glob(root), group=group)
 
 
 @torch.no_grad()

@@ -44,6 +44,15 @@ class RankSplit:
     shared: list[bool]
     resident: set[int]
     optimizer_index: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
+    # parameter id -> the pipeline rank that uses it (RankPipeline.resident_owner, filled at the first step): a rank
+    # that does not use a parameter outside the blocks never steps it, so its value and optimizer state come from here
+    resident_owner: dict[int, int] = field(default_factory=dict)
+    kept_ids: list[list[int]] = field(default_factory=list)  # per optimizer: its parameters' ids, in state_dict order
+
+    def counted_here(self, t: Tensor, layout: RankLayout) -> bool:
+        """Whether this rank counts ``t`` once for the whole model (a norm, a checkpoint's optimizer state): its own
+        block tensors, and what is outside the blocks on a rank that uses it (before the first step: the last rank)."""
+        return self._steps_here(id(t), layout)
 
     def keep_own_parameters(self, module: nn.Module, optimizers: Sequence[Optimizer], layout: RankLayout) -> None:
         """Leave in each optimizer only this rank's parameters (see :func:`lightning_accel.pipeline.placement.keep_own_parameters`);
@@ -51,17 +60,26 @@ class RankSplit:
         owner = {id(t): (o, sh) for t, o, sh in zip(tensors_of(module), self.owners, self.shared)}
         default = (layout.pp_size - 1, True)
         self.optimizer_index = [keep_own_parameters(o, owner, layout.pp_rank, default) for o in optimizers]
+        self.kept_ids = [[id(p) for group in o.param_groups for p in group["params"]] for o in optimizers]
 
     def sync_shared(self, module: nn.Module, layout: RankLayout) -> None:
         """Every rank gets the current values of what lives outside the stages (every rank of the pipeline calls it)."""
-        broadcast_shared(tensors_of(module), self.owners, self.shared, layout)
+        tensors = tensors_of(module)
+        owners = [self.resident_owner.get(id(t), o) for t, o in zip(tensors, self.owners)]  # the users' values
+        broadcast_shared(tensors, owners, self.shared, layout)
 
     def optimizer_state(self, index: int, state: dict[str, Any], layout: RankLayout) -> dict[str, Any]:
         """Optimizer ``index``'s state for the whole model (each rank's part under plain training's indices)."""
         if index >= len(self.optimizer_index):
             return state
         full, kept = self.optimizer_index[index]
+        if index < len(self.kept_ids):  # what is outside the blocks: the state of a rank that steps it
+            ids = self.kept_ids[index]
+            state = {**state, "state": {i: s for i, s in state["state"].items() if self._steps_here(ids[i], layout)}}
         return gather_optimizer_state(state, full, kept, layout)
+
+    def _steps_here(self, pid: int, layout: RankLayout) -> bool:
+        return pid not in self.resident or self.resident_owner.get(pid, layout.pp_size - 1) == layout.pp_rank
 
     def local_optimizer_state(self, index: int, whole: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's part of optimizer ``index``'s whole-model state."""
@@ -88,4 +106,4 @@ def split_module(
         module, balance, device=layout.device, group=layout.pp_group, blocks=[Block(b.name, b.module) for b in blocks],
         **pipeline,
     )
-    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident})
+    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident}, resident_owner=pipe.resident_owner)

@@ -454,13 +454,14 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks, what
-        every rank holds alike (outside the blocks) counted on the last one (the replicas hold the same averaged
-        gradients, so summing over them too would count each stage ``dp`` times)."""
+        is outside the blocks counted once, on a rank that uses it (a tied weight's gradient, summed between its users,
+        on the first of them; the replicas hold the same averaged gradients, so summing over them too would count each
+        stage ``dp`` times)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        last = self._coords[0] == self.pipeline_parallel_size - 1
-        assert self._split_state is not None
-        counted = [last or id(p) not in self._split_state.resident for p in params]
-        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), self._layout.pp_group, self.root_device)
+        split, layout = self._split_state, self._layout
+        assert split is not None
+        counted = [split.counted_here(p, layout) for p in params]  # a tied weight's summed gradient: on one user
+        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), layout.pp_group, self.root_device)
 
     # -- evaluation ---------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lightning_accel.models import MLP
 from lightning_accel.pipeline.distributed import RankPipeline, average_gradients
+from lightning_accel.pipeline.gradients import _sum_between, sum_over_users
 
 EVAL_SIZES = (8, 7, 3, 1)  # with chunks=4: divides, does not divide, fewer samples than chunks, one sample
 
@@ -63,7 +64,8 @@ def main() -> None:
             print(f"rank {rank} error: {err}", flush=True)
             os._exit(4)  # do not wait in destroy_process_group for a dead peer
         grads = {n: p.grad for n, p in net.named_parameters() if not p.is_meta}
-        torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()]}, os.path.join(out, f"{schedule}-rank{rank}.pt"))
+        torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()], "summed_bytes": pipe.summed_bytes},
+                   os.path.join(out, f"{schedule}-rank{rank}.pt"))
     if mode == "train":  # rank r's gradients are r + 1 (and one parameter without a gradient)
         params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
                   [(3, torch.float32), (20, torch.float64), (5, torch.float32), (2, torch.bfloat16), (4, torch.float64)]]
@@ -71,6 +73,17 @@ def main() -> None:
             p.grad = torch.full_like(p, rank + 1.0) * (i + 1)
         average_gradients(params, None, bucket_bytes=64)
         torch.save([p.grad for p in params], os.path.join(out, f"averaged-rank{rank}.pt"))
+        # sum_over_users: users (0, 1), the whole group (an all-reduce); one user and none: left alone. _sum_between:
+        # the sends and receives a strict subset of a larger group takes, here on both ranks. Rank r's gradients: r + 1
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+                  [(3, torch.float32), (4, torch.float64), (5, torch.float32), (2, torch.float64)]]
+        for p in params[:3]:
+            p.grad = torch.full_like(p, rank + 1.0)
+        users = [(0, 1), (0, 1), (rank,), ()]
+        summed = sum_over_users(params, users, rank, None)
+        flat = torch.full((6,), rank + 1.0, dtype=torch.float64)
+        _sum_between(flat, (0, 1), rank, None)  # what a strict subset of a larger group runs
+        torch.save({"grads": [p.grad for p in params], "summed": summed, "between": flat}, os.path.join(out, f"users-rank{rank}.pt"))
     dist.destroy_process_group()
 
 

@@ -68,13 +68,15 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
     ref_grads, ref_loss = _reference()
     for schedule in schedules:
         ranks = [torch.load(tmp_path / f"{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
-        grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
+        held = [{n for n, g in r["grads"].items() if g is not None} for r in ranks]
+        grads = {n: r["grads"][n] for r, names in zip(ranks, held) for n in names}
         assert grads.keys() == ref_grads.keys(), schedule  # under the user's names
-        # each block on one rank; pre and post (outside the blocks) on both, their gradients summed over the ranks
-        shared = set(ranks[0]["grads"]) & set(ranks[1]["grads"])
-        assert shared == {n for n in ref_grads if not n.startswith("blocks.")}, schedule
-        for name in shared:
-            torch.testing.assert_close(ranks[0]["grads"][name], ranks[1]["grads"][name], rtol=0, atol=0)
+        # each block on one rank; outside the blocks, pre (the first stage's) on rank 0 and post (the last stage's) on
+        # rank 1 only: a parameter gets a gradient only on the rank whose part of the forward uses it, and none is summed
+        assert not held[0] & held[1], schedule
+        assert {n for n in held[0] if not n.startswith("blocks.")} == {n for n in ref_grads if n.startswith("pre.")}
+        assert {n for n in held[1] if not n.startswith("blocks.")} == {n for n in ref_grads if n.startswith("post.")}
+        assert [r["summed_bytes"] for r in ranks] == [0, 0], schedule
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
         assert ranks[0]["loss"] is None  # the loss lives on the last stage: rank 1 (stage 1, or 3 when interleaved)
@@ -101,6 +103,50 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
         assert averaged[-1] is None
         for i, (g, dtype) in enumerate(zip(averaged[:-1], [torch.float32, torch.float64, torch.float32, torch.bfloat16])):
             assert g.dtype == dtype and torch.equal(g, torch.full_like(g, 1.5 * (i + 1))), (r, i)
+    # sum_over_users: parameters used by both ranks become 1 + 2 on both (one float32, one float64 buffer: 3*4 + 4*8
+    # bytes); one used by this rank only keeps r + 1; one used by none keeps no gradient; the send/receive path too
+    for r in range(2):
+        result = torch.load(tmp_path / f"users-rank{r}.pt", weights_only=False)
+        grads = result["grads"]
+        assert torch.equal(grads[0], torch.full((3,), 3.0)) and torch.equal(grads[1], torch.full((4,), 3.0, dtype=torch.float64))
+        assert torch.equal(grads[2], torch.full((5,), r + 1.0)) and grads[3] is None
+        assert result["summed"] == 3 * 4 + 4 * 8
+        assert torch.equal(result["between"], torch.full((6,), 3.0, dtype=torch.float64))
+
+
+@pytest.mark.slow
+def test_only_weights_two_stages_use_are_summed_and_gradients_equal_plain_training(tmp_path):
+    """Outside the blocks, a parameter gets its gradient on the ranks that use it and is summed only where two do:
+    transformers Llama (untied embedding and head) sums nothing, the embedding on rank 0 and norm and head on rank 1;
+    GPT-2 (wte tied to lm_head) sums exactly wte, on both ranks, every step. Each gradient equals the whole model's."""
+    pytest.importorskip("transformers")
+    from resident_worker import batch, build, lm_loss
+
+    models = ["llama", "gpt2-no-dropout"]
+    resident_worker = WORKER.with_name("resident_worker.py")
+    results = _launch(tmp_path, ",".join(models), "train", timeout=120, worker=resident_worker)
+    assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    for name in models:
+        ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
+        reference = build(name)
+        x, y = batch()
+        lm_loss(reference(x), y).backward()
+        ref = {n: p.grad for n, p in reference.named_parameters()}
+        for rank in ranks:
+            for n, g in rank["grads"].items():
+                torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=f"{name}: {n}")
+        assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(ref), name
+        assert ranks[0]["users"] == ranks[1]["users"]
+        users = ranks[0]["users"]
+        if name == "llama":
+            assert users == {"model.embed_tokens.weight": (0,), "model.norm.weight": (1,), "lm_head.weight": (1,)}
+            assert [r["summed"] for r in ranks] == [[0, 0], [0, 0]]  # was embedding + norm + head, every step
+        else:  # transformer.wte.weight is lm_head.weight
+            wte = reference.transformer.wte.weight
+            assert users["transformer.wte.weight"] == (0, 1) and users["transformer.wpe.weight"] == (0,)
+            assert all(u == (1,) for n, u in users.items() if n.startswith("transformer.ln_f."))
+            assert [r["summed"] for r in ranks] == [[wte.nbytes] * 2] * 2
+            assert "transformer.wpe.weight" not in ranks[1]["grads"] and "transformer.ln_f.weight" not in ranks[0]["grads"]
 
 
 def test_evaluation_streams_micro_batches_and_equals_the_whole_model(tmp_path):

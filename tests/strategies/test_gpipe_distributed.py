@@ -106,7 +106,8 @@ def test_two_processes_train_like_plain_lightning(two_ranks, reference, schedule
 def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_ranks, reference, schedule):
     """Rank r keeps exactly the parameters of its stages' blocks and everything outside the blocks (pre, post), with the
     trained values; the other blocks are on the meta device. Each optimizer holds only its rank's parameters, with
-    AdamW's two moments the size of each."""
+    AdamW's two moments the size of each where the rank steps it: outside the blocks only the rank that uses it (pre:
+    the first stage's, rank 0; post: the last stage's, rank 1) gets a gradient, steps it and keeps state for it."""
     _, balance, n = CASES[schedule]
     ref_weights = reference[0][n][1]
     ranks = _ranks(two_ranks, schedule)
@@ -121,8 +122,11 @@ def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_rank
         resident_bytes = sum(t.numel() * t.element_size() for t in rank["resident"].values())
         assert resident_bytes == nbytes(expected[r]) < nbytes(ref_weights)
         assert set(rank["optimizer"]) == expected[r], f"rank {r}'s optimizer"
+        used = {n for n in outside if n.startswith(("net.pre.", "net.post.")[r])}
+        assert used and {n for n, sizes in rank["optimizer"].items() if sizes} == (expected[r] - outside) | used
         for name, sizes in rank["optimizer"].items():
-            assert sizes["exp_avg"] == sizes["exp_avg_sq"] == ref_weights[name].numel(), name
+            if sizes:
+                assert sizes["exp_avg"] == sizes["exp_avg_sq"] == ref_weights[name].numel(), name
     assert sum(sum(t.numel() for n, t in rank["resident"].items() if n not in outside) for rank in ranks) == sum(
         t.numel() for n, t in ref_weights.items() if n not in outside
     )
