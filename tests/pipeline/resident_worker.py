@@ -4,6 +4,7 @@ Run by ``tests/pipeline/test_distributed.py`` as ``python resident_worker.py OUT
 model of ``tests/strategies/real_models.py`` in MODELS (comma-separated), float64, 2 stages of a 3-layer model, 2
 micro-batches, 2 steps of one batch with the gradients zeroed between them. Saves ``{model}-rank{r}.pt``: the
 second step's gradients this rank holds, its users per parameter outside the blocks, and the bytes it summed per step.
+First, ``late-rank{r}.txt``: the refusal when a stage starts using a parameter only another stage used before.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
 from real_models import BUILDERS, VOCAB, lm_loader  # noqa: E402
 
+from lightning_accel.models import MLP  # noqa: E402
 from lightning_accel.pipeline.distributed import RankPipeline  # noqa: E402
 
 
@@ -39,11 +41,37 @@ def build(name: str) -> torch.nn.Module:
     return net
 
 
+class LateUser(MLP):
+    """The zoo MLP whose output also reads ``pre.bias`` (a first-stage weight) once ``late`` is set: from then on the
+    last stage uses a parameter that only the first one used at its first step."""
+
+    late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.pre.bias.sum() * 0 if self.late else out
+
+
+def late_user(out: Path, rank: int) -> None:
+    """Two steps of :class:`LateUser`, ``late`` at the second: ``late-rank{r}.txt`` holds the error every rank raised."""
+    torch.manual_seed(0)
+    net = LateUser(6, 3, hidden=16, depth=2).double()
+    pipe = RankPipeline(net, [1, 1], chunks=2, loss_fn=F.mse_loss)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    pipe.step(x, y)
+    net.late = True
+    try:
+        pipe.step(x, y)
+    except RuntimeError as err:
+        (out / f"late-rank{rank}.txt").write_text(str(err))
+
+
 def main() -> None:
     out, models = Path(sys.argv[1]), sys.argv[2].split(",")
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
+    late_user(out, rank)
     for name in models:
         net = build(name)
         pipe = RankPipeline(net, [2, 1], chunks=2, loss_fn=lm_loss)

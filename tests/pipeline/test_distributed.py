@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -147,6 +148,12 @@ def test_only_weights_two_stages_use_are_summed_and_gradients_equal_plain_traini
             assert all(u == (1,) for n, u in users.items() if n.startswith("transformer.ln_f."))
             assert [r["summed"] for r in ranks] == [[wte.nbytes] * 2] * 2
             assert "transformer.wpe.weight" not in ranks[1]["grads"] and "transformer.ln_f.weight" not in ranks[0]["grads"]
+    # a later step in which the last stage also uses pre.bias (only the first used it before) is refused on every rank:
+    # rank 1's copy was never stepped, so summing from now on would train a stale value
+    for r in range(2):
+        message = (tmp_path / f"late-rank{r}.txt").read_text()
+        assert re.fullmatch(r"pre\.bias got a gradient on pipeline rank\(s\) \[1\], which did not use it at its first step "
+                            r"\(used by \[0\]\); .*requires_grad=False\)", message), message
 
 
 def test_evaluation_streams_micro_batches_and_equals_the_whole_model(tmp_path):
