@@ -2,7 +2,7 @@
 
 Run by ``tests/pipeline/test_distributed.py`` as ``python resident_worker.py OUT_DIR MODELS MODE``: for each
 model of ``tests/strategies/real_models.py`` in MODELS (comma-separated), float64, 2 stages of a 3-layer model, 2
-micro-batches, 2 steps of one batch with the gradients zeroed between them. Saves ``{model}-rank{r}.pt``: the
+micro-batches (one block per stage on more than 2 ranks), 2 steps of one batch with the gradients zeroed between them. Saves ``{model}-rank{r}.pt``: the
 second step's gradients this rank holds, its users per parameter outside the blocks, and the bytes it summed per step.
 First, ``late-rank{r}.txt``: the refusal when a stage starts using a parameter only another stage used before.
 """
@@ -71,10 +71,12 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
-    late_user(out, rank)
+    world = dist.get_world_size()
+    if world == 2:
+        late_user(out, rank)
     for name in models:
         net = build(name)
-        pipe = RankPipeline(net, [2, 1], chunks=2, loss_fn=lm_loss)
+        pipe = RankPipeline(net, [2, 1] if world == 2 else [1] * world, chunks=2, loss_fn=lm_loss)
         x, y = batch()
         summed = []
         for _ in range(2):

@@ -27,15 +27,17 @@ from dist_worker import EVAL_SIZES, eval_batch  # noqa: E402
 from remat_worker import chunk_counts  # noqa: E402
 
 
-def _launch(out: Path, schedule: str, mode: str, timeout: float = 60.0, worker: Path = WORKER) -> list[subprocess.CompletedProcess]:
-    """Start 2 ranks of ``worker`` with Lightning-style env vars; kill both if they outlive ``timeout`` (so CI never hangs)."""
+def _launch(
+    out: Path, schedule: str, mode: str, timeout: float = 60.0, worker: Path = WORKER, ranks: int = 2
+) -> list[subprocess.CompletedProcess]:
+    """Start ``ranks`` ranks of ``worker`` with Lightning-style env vars; kill all if they outlive ``timeout`` (so CI never hangs)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(2):
+    for rank in range(ranks):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
+                   WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
         procs.append(subprocess.Popen([sys.executable, str(worker), str(out), schedule, mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -154,6 +156,32 @@ def test_only_weights_two_stages_use_are_summed_and_gradients_equal_plain_traini
         message = (tmp_path / f"late-rank{r}.txt").read_text()
         assert re.fullmatch(r"pre\.bias got a gradient on pipeline rank\(s\) \[1\], which did not use it at its first step "
                             r"\(used by \[0\]\); .*requires_grad=False\)", message), message
+
+
+@pytest.mark.slow
+def test_a_tied_weight_is_summed_between_its_two_users_only_on_three_ranks(tmp_path):
+    """GPT-2 in 3 stages: wte (tied to lm_head) is used by ranks 0 and 2, which sum it between them (sends, not an
+    all-reduce over the pipeline); rank 1 uses nothing outside the blocks, sums nothing and holds no such gradient.
+    Every gradient equals the whole model's."""
+    pytest.importorskip("transformers")
+    from resident_worker import batch, build, lm_loss
+
+    name = "gpt2-no-dropout"
+    results = _launch(tmp_path, name, "train", timeout=120, worker=WORKER.with_name("resident_worker.py"), ranks=3)
+    assert [r.returncode for r in results] == [0, 0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(3)]
+    reference = build(name)
+    x, y = batch()
+    lm_loss(reference(x), y).backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    for rank in ranks:
+        for n, g in rank["grads"].items():
+            torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=n)
+    assert set().union(*(r["grads"] for r in ranks)) == set(ref)
+    assert ranks[0]["users"]["transformer.wte.weight"] == (0, 2)
+    assert not [n for n in ranks[1]["grads"] if not n.startswith("transformer.h.")]
+    nbytes = reference.transformer.wte.weight.nbytes
+    assert [r["summed"] for r in ranks] == [[nbytes] * 2, [0, 0], [nbytes] * 2]
 
 
 def test_evaluation_streams_micro_batches_and_equals_the_whole_model(tmp_path):
