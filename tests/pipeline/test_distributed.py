@@ -117,28 +117,35 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
         assert torch.equal(result["between"], torch.full((6,), 3.0, dtype=torch.float64))
 
 
+def _grads_equal_the_whole_models(out, name: str, world: int) -> tuple[list[dict], nn.Module]:
+    """Load each rank's result of resident_worker; every gradient a rank holds equals the whole model's on the same
+    batch, and together the ranks hold all of them. Returns the ranks' results and the reference model."""
+    from resident_worker import batch, build, lm_loss
+
+    ranks = [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
+    reference = build(name)
+    x, y = batch()
+    lm_loss(reference(x), y).backward()
+    ref = {n: p.grad for n, p in reference.named_parameters()}
+    for rank in ranks:
+        for n, g in rank["grads"].items():
+            torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=f"{name}: {n}")
+    assert set().union(*(r["grads"] for r in ranks)) == set(ref), name
+    return ranks, reference
+
+
 @pytest.mark.slow
 def test_only_weights_two_stages_use_are_summed_and_gradients_equal_plain_training(tmp_path):
     """Outside the blocks, a parameter gets its gradient on the ranks that use it and is summed only where two do:
     transformers Llama (untied embedding and head) sums nothing, the embedding on rank 0 and norm and head on rank 1;
     GPT-2 (wte tied to lm_head) sums exactly wte, on both ranks, every step. Each gradient equals the whole model's."""
     pytest.importorskip("transformers")
-    from resident_worker import batch, build, lm_loss
-
     models = ["llama", "gpt2-no-dropout"]
     resident_worker = WORKER.with_name("resident_worker.py")
     results = _launch(tmp_path, ",".join(models), "train", timeout=120, worker=resident_worker)
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     for name in models:
-        ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
-        reference = build(name)
-        x, y = batch()
-        lm_loss(reference(x), y).backward()
-        ref = {n: p.grad for n, p in reference.named_parameters()}
-        for rank in ranks:
-            for n, g in rank["grads"].items():
-                torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=f"{name}: {n}")
-        assert set(ranks[0]["grads"]) | set(ranks[1]["grads"]) == set(ref), name
+        ranks, reference = _grads_equal_the_whole_models(tmp_path, name, 2)
         assert ranks[0]["users"] == ranks[1]["users"]
         users = ranks[0]["users"]
         if name == "llama":
@@ -164,20 +171,10 @@ def test_a_tied_weight_is_summed_between_its_two_users_only_on_three_ranks(tmp_p
     all-reduce over the pipeline); rank 1 uses nothing outside the blocks, sums nothing and holds no such gradient.
     Every gradient equals the whole model's."""
     pytest.importorskip("transformers")
-    from resident_worker import batch, build, lm_loss
-
     name = "gpt2-no-dropout"
     results = _launch(tmp_path, name, "train", timeout=120, worker=WORKER.with_name("resident_worker.py"), ranks=3)
     assert [r.returncode for r in results] == [0, 0, 0], "\n".join(r.stdout[-3000:] for r in results)
-    ranks = [torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in range(3)]
-    reference = build(name)
-    x, y = batch()
-    lm_loss(reference(x), y).backward()
-    ref = {n: p.grad for n, p in reference.named_parameters()}
-    for rank in ranks:
-        for n, g in rank["grads"].items():
-            torch.testing.assert_close(g, ref[n], rtol=1e-9, atol=1e-11, msg=n)
-    assert set().union(*(r["grads"] for r in ranks)) == set(ref)
+    ranks, reference = _grads_equal_the_whole_models(tmp_path, name, 3)
     assert ranks[0]["users"]["transformer.wte.weight"] == (0, 2)
     assert not [n for n in ranks[1]["grads"] if not n.startswith("transformer.h.")]
     nbytes = reference.transformer.wte.weight.nbytes
