@@ -257,6 +257,14 @@ class RankPipeline:
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.schedule: Any = self._build_schedule()
 
+    def restore(self) -> None:
+        """Take the stage boundaries off the blocks: their forwards are the model's own again.
+
+        A strategy that drops this pipeline calls it, or the next pipeline built on the same
+        model wraps the old boundaries once more (nested pass-throughs, one per fit).
+        """
+        self.boundaries.restore()
+
     def _stage_range(self, stage: int) -> range:
         start = sum(self.balance[:stage])
         return range(start, start + self.balance[stage])

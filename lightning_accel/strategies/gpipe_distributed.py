@@ -559,6 +559,8 @@ class DistributedGPipeStrategy(DDPStrategy):
     def teardown(self) -> None:
         # _split_state stays: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
         # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)
+        if self.pipeline is not None:
+            self.pipeline.restore()  # the blocks get their own forwards back (a later fit or validate splits afresh)
         self.pipeline, self._pending = None, []
         if self._cache_settings is not None:
             self._cache_settings.restore()
