@@ -1,52 +1,13 @@
 """PrefetchTuner: finding the train loader's worker settings by measurement, during fit, without pausing it.
 
-How it works, and why this way. At ``on_train_start`` the train ``DataLoader`` is
-wrapped in a :class:`~lightning_accel.prefetch.TunableLoader` (Lightning has already
-called ``iter()`` on it, so the wrapper is swapped into ``fit_loop._combined_loader``
-and the epoch iterator re-created before any batch is consumed). The first
-``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
-From a start without workers, a first step that waited longer than it computed already
-starts the likely first candidate's workers in the background, so that their start-up
-(forking each, about 80 ms under load) and first items overlap the measuring steps; the
-steps the forking disturbed are left out of the measurement, and the candidate is
-dropped if the measurement says compute-bound or proposes another.
-Only if waiting takes more than ``data_bound_fraction`` of the time does it search, and
-it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's loader is
-built and its workers started in the background while training goes on consuming the
-current one; at a batch boundary ``lead`` steps later (about one batch's latency, so
-the new workers have batches ready) the candidate takes over, and training runs on it.
-Its pace is measured from the times its workers finished its first ``2 w`` batches (``w + 3``
-for one or two workers, so that there are three samples for the spread):
-each worker's first and second batch (both queued from the start) span one item as the
-``w`` workers make them together, so the pace is not blurred by the batches buffered
-before the hand-over (which would make too few workers look sufficient).
-:class:`~lightning_accel.prefetch.PrefetchSearch` then proposes the next candidate
-(doubling ``num_workers``, then hill-climbing, within the per-rank CPU and memory
-budgets) until the predicted wait is negligible, the gains flatten or
-``max_search_steps`` would be passed. The best setting measured stays (or is
-prepared in the background once more); the start stays when nothing waited less, so
-the run is slower than its start by at most the extra waiting of the steps trained on
-worse candidates, which the report states as the measurement cost. Every switch is at a
-batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
-
-Noise and cores. Each measurement carries its spread, taken on the spot (the standard
-error over the steps, or over the workers' item times): a candidate replaces the start
-only when it waits less by more than twice their combined spread, and among
-candidates within that margin the fewest workers win. A candidate whose first samples
-cannot tell it from the best where it would matter is measured longer while it serves
-(up to ``remeasure`` times its usual batches) rather than judged on the draw. Items that keep the workers on
-the CPU (the share of CPU time while loading, measured in this process without workers
-and from ``/proc`` with them, as time on a CPU over the time not spent queued for one,
-so a shared machine makes them look neither idle nor busy) hold the worker count to the rank's CPU budget
-(:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
-
-Streams. An iterable dataset that reports its position (the protocol of
-:mod:`~lightning_accel.prefetch.stream`) is tuned online like a map-style epoch: each
-hand-over starts the new loader at the exact position, so one endless epoch gets the
-chosen settings within it. Any other stream is probed back to back in one pause (the
-loader alone, a few batches each), and ``stream_switch`` says when the winner serves:
-``"next_epoch"`` (default; nothing lost or repeated) or ``"restart"`` (now, with the
-stream started again from its beginning). The report says which, in one line.
+At ``on_train_start`` the train ``DataLoader`` is wrapped in a
+:class:`~lightning_accel.prefetch.TunableLoader` (Lightning has already called ``iter()``
+on it, so the wrapper is swapped into ``fit_loop._combined_loader`` and the epoch iterator
+re-created before any batch is consumed, :mod:`~lightning_accel.callbacks._train_loader`).
+Each step's timings then feed :class:`~lightning_accel.prefetch.online.OnlineSearch`, which
+decides whether the run is data-bound and, if so, which settings serve, switching the loader
+at batch boundaries; its module docstring says how and why. This callback only wires it
+in: the budgets, the cache, the swap, rank-zero messages and the logged metrics.
 """
 
 from __future__ import annotations
@@ -58,18 +19,15 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.table import format_table
 from lightning_accel.callbacks._train_loader import swap_train_loader
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache
-from lightning_accel.prefetch.handover import handover_lead
-from lightning_accel.prefetch.inner_loader import worker_start_s
 from lightning_accel.prefetch.loader_rebuild import RebuildError
+from lightning_accel.prefetch.online import OnlineSearch
 from lightning_accel.prefetch.plot import trials_svg
-from lightning_accel.prefetch.probe import batch_nbytes, measure_loader
-from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget, spread
+from lightning_accel.prefetch.report import search_report, trials_csv
+from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
-from lightning_accel.prefetch.stream import why_not_resumable
 from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader, tunable_loader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 
@@ -77,12 +35,6 @@ from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 def _positive_int(name: str, value: Any, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer; pass {hint}")
-
-
-def _verdict_batches(workers: int) -> int:
-    """Batches a candidate with ``workers`` serves before its verdict: two rounds, and at least three
-    item times for their spread (two gave +-46 ms)."""
-    return 2 * workers if workers > 2 else workers + 3
 
 
 class PrefetchTuner(Callback):
@@ -105,6 +57,9 @@ class PrefetchTuner(Callback):
         stream_switch: for an iterable dataset that cannot report its position:
             ``"next_epoch"`` (default, loses no data) or ``"restart"`` (the tuned settings
             serve now and the stream starts again from its beginning).
+
+    The attributes ``early``, ``guess``, ``max_lead``, ``remeasure`` and ``cpu_busy_threshold``
+    (see :class:`~lightning_accel.prefetch.online.OnlineSearch`) may be set before fit.
     """
 
     def __init__(
@@ -138,9 +93,6 @@ class PrefetchTuner(Callback):
                 "or 'restart' (switch now, the stream starts again)"
             )
         self.stream_switch = stream_switch
-        self.cpu: CpuBudget | None = None
-        self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
-        self.cpu_busy_threshold = 0.5  # workers' CPU share above which items count as CPU-bound
         self.max_workers = max_workers
         self.memory_budget_bytes = memory_budget_bytes
         self.warmup_steps = warmup_steps
@@ -148,68 +100,63 @@ class PrefetchTuner(Callback):
         self.max_search_steps = max_search_steps
         self.cache_path = cache_path
         self.data_bound_fraction = data_bound_fraction
-        self.meter = WaitMeter()
-        self.loader: TunableLoader | None = None
-        self.search: PrefetchSearch | None = None
-        self.chosen: LoaderSettings | None = None
-        self.measured: WaitStats | None = None
-        self.reason = "not run"
-        self.measurement_cost_s = 0.0
-        self.finished_step: int | None = None  # the step at which the search decided
+        self.early = True  # start the likely first candidate's workers while the start is measured
+        self.guess = True  # let the start's measurement pick where the doubling starts
         self.max_lead = 16  # steps a candidate's workers may fill up before taking over
         self.remeasure = 4  # an undecided candidate is measured on up to this many times its usual batches
-        self.remeasured = 0  # candidates measured longer because their first samples could not decide
-        self.guess = True  # let the start's measurement pick where the doubling starts
-        self._done = False
+        self.cpu_busy_threshold = 0.5  # workers' CPU share above which items count as CPU-bound
+        self.cpu: CpuBudget | None = None
+        self.meter = WaitMeter()
+        self.loader: TunableLoader | None = None
+        self.online: OnlineSearch | None = None  # built at on_train_start when the loader is tuned here
+        self._chosen: LoaderSettings | None = None  # when no search runs: the cache's settings
+        self._reason = "not run"
         self._cache_key = ""
-        self._trying: LoaderSettings | None = None
-        self._search_from = 0
-        self.early = True  # start the likely first candidate's workers while the start is measured
-        self._early: LoaderSettings | None = None  # what was started early (the start: nothing was)
-        self._disturbed: set[int] = set()  # steps a background start of workers disturbed
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._done = True
+        self.online = None  # a later fit decides afresh
         self.cpu = cpu_budget(trainer.num_devices)
-        self._budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
-        self._cuda = pl_module.device.type == "cuda"
-        cached = self._cached(trainer)
+        budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
+        cached = self._cached(trainer, budget)
         try:
             # A cache hit serves with the tuned settings from the very first batch.
             why_not = swap_train_loader(trainer, lambda loader: tunable_loader(loader, cached, self.stream_switch))
         except RebuildError as err:
             why_not = str(err)
         if why_not is not None:
-            self.reason = f"kept your loader: {why_not}"
+            self._reason = f"kept your loader: {why_not}"
             rank_zero_warn(f"PrefetchTuner: {why_not}; training continues with your loader's settings")
             return
         self.loader = trainer.fit_loop._combined_loader.flattened[0]  # type: ignore[union-attr]
         if cached is not None:
-            self.chosen = cached
-            self.reason = f"from cache {self.cache_path}"
-            rank_zero_info(f"PrefetchTuner: {self.reason}: {cached.label()}")
+            self._chosen, self._reason = cached, f"from cache {self.cache_path}"
+            rank_zero_info(f"PrefetchTuner: {self._reason}: {cached.label()}")
             return
-        self._done = False
-        self._start_settings = self.loader.settings
-        self.meter.start()
+        self.online = OnlineSearch(
+            self.loader, budget, self.cpu, self.meter, cuda=pl_module.device.type == "cuda",
+            warmup_steps=self.warmup_steps, trial_steps=self.trial_steps, max_search_steps=self.max_search_steps,
+            data_bound_fraction=self.data_bound_fraction, cache_path=self.cache_path, cache_key=self._cache_key,
+            early=self.early, guess=self.guess, max_lead=self.max_lead, remeasure=self.remeasure,
+            cpu_busy_threshold=self.cpu_busy_threshold, say=rank_zero_info, warn=rank_zero_warn,
+        )  # fmt: skip
+        self.online.start()
 
-    def _cached(self, trainer: pl.Trainer) -> LoaderSettings | None:
+    def _cached(self, trainer: pl.Trainer, budget: Budget) -> LoaderSettings | None:
         combined = trainer.fit_loop._combined_loader
         if not self.cache_path or combined is None or len(combined.flattened) != 1:
             return None
         loader = combined.flattened[0]
         if not hasattr(loader, "dataset"):
-            return None  # not a DataLoader: the swap below says why it is kept
+            return None  # not a DataLoader: the swap says why it is kept
         self._cache_key = cache.cache_key(loader.dataset, getattr(loader, "batch_size", None), trainer.num_devices)
         cached = cache.load(self.cache_path, self._cache_key)
-        return cached if cached is not None and cached.num_workers <= self._budget.max_workers else None
+        return cached if cached is not None and cached.num_workers <= budget.max_workers else None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self._done:
-            self.meter.batch_arrived()
-            self._note_disturbance()
+        if self.online is not None:
+            self.online.batch_arrived()
         if self.loader is not None:
             self.loader.step_started()  # batches already used are freed while this step computes
 
@@ -217,359 +164,70 @@ class PrefetchTuner(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._done:
+        if self.online is None or self.online.done:
             return
-        self.meter.step_ended()
-        if self.search is None:
-            self._batch_bytes = batch_nbytes(batch)
-            if self.loader.settings != self._start_settings:  # the early candidate took over: measured until now
-                self._start_search(stop=len(self.meter) - 1)
-            elif len(self._clean_steps(strict=True)) >= self.trial_steps or self._clearly_data_bound():
-                self._start_search()
-            elif self._early is None and self.early:
-                self._start_early()
-            self._note_disturbance()
-        else:
-            self._advance()
-        if self._done:
-            self.finished_step = len(self.meter)
-            rank_zero_info(self.report())
-            if self.chosen is not None:
-                for logger in trainer.loggers:
-                    logger.log_metrics(
-                        {
-                            "prefetch/num_workers": float(self.chosen.num_workers),
-                            "prefetch/prefetch_factor": float(self.chosen.prefetch_factor or 0),
-                            "prefetch/pin_memory": float(self.chosen.pin_memory),
-                        },
-                        step=trainer.global_step,
-                    )
-
-    @property
-    def _skip(self) -> int:
-        """Steps not measured: worker start-up, or without workers the epoch's set-up (drawing its order,
-        first file opens), which the first wait carries; measured under load, it made a 2-sample start's
-        spread so wide (62 vs 312 ms) that a 2x faster candidate looked like noise."""
-        return self.warmup_steps
-
-    def _clearly_data_bound(self) -> bool:
-        """No need to measure more: two steps that each waited longer than they computed."""
-        clean = self._clean_steps(strict=True)
-        return len(clean) >= 2 and all(self.meter.waits[i] > self.meter.steps[i] for i in clean)
-
-    def _note_disturbance(self) -> None:
-        """While a candidate's workers are being started in the background, the steps measuring the
-        start are disturbed: each fork holds the interpreter's lock (measured: a 30 ms step with 1 ms
-        items waited ~100 ms while 8 workers started, and looked data-bound)."""
-        if self.loader is not None and self.loader.starting:
-            self._disturbed.update((len(self.meter) - 1, len(self.meter)))  # this step, and the next one's wait
-
-    def _clean_steps(self, stop: int | None = None, strict: bool = False) -> list[int]:
-        """The start's measured steps (after the warm-up, before ``stop``) no background start disturbed;
-        unless ``strict``, all of them when fewer than two are left (the candidate took over first)."""
-        steps = range(self._skip, len(self.meter) if stop is None else stop)
-        clean = [i for i in steps if i not in self._disturbed]
-        return clean if strict or len(clean) >= min(2, self.trial_steps) else list(steps)
+        self.online.step_ended(batch)
+        if not self.online.done:
+            return
+        rank_zero_info(self.report())
+        if self.chosen is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {
+                        "prefetch/num_workers": float(self.chosen.num_workers),
+                        "prefetch/prefetch_factor": float(self.chosen.prefetch_factor or 0),
+                        "prefetch/pin_memory": float(self.chosen.pin_memory),
+                    },
+                    step=trainer.global_step,
+                )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._done and self.search is not None:  # training ended mid-search: keep what was learnt
-            self._advance(ending=True)
-            self._finish(cut_short=True)
-            self.finished_step = len(self.meter)
+        if self.online is not None and self.online.end():  # training ended mid-search: keep what was learnt
             rank_zero_info(self.report())
         if self.loader is not None:
             self.loader.close()
 
-    def _keep(self, why: str) -> None:
-        self.reason = f"kept your loader: {why}"
-        rank_zero_warn(f"PrefetchTuner: {why}; training continues with your loader's settings")
-        self._done = True
+    # What the search found (before it runs, or when none runs: the cache's answer or why not).
+    @property
+    def chosen(self) -> LoaderSettings | None:
+        return self.online.chosen if self.online is not None else self._chosen
 
-    def _start_early(self) -> None:
-        """After a step that waited longer than it computed: start the likely first candidate's workers now.
+    @property
+    def reason(self) -> str:
+        return self.online.reason if self.online is not None else self._reason
 
-        They start (forking, their first items) while the start serves the steps that measure
-        it, instead of after them: the hand-over comes right after the measurement and costs
-        no wait (the bench stream's hand-over to 8 workers blocked 0.95 s before). The guess is
-        the search's own first proposal from this one step; if the full measurement proposes
-        otherwise (or calls the run compute-bound), it is dropped. Steps the forking disturbed
-        are left out of the measurement (:meth:`_note_disturbance`).
-        """
-        assert self.loader is not None
-        n = len(self.meter)
-        # Only from a start without workers: its steps wait on the loading itself, while a start with
-        # workers first serves from buffers they filled, which a longer measurement has to get past.
-        if self.loader.settings.num_workers or not self.loader.resumable or n < 1:
-            return
-        if self.meter.waits[n - 1] <= self.meter.steps[n - 1]:
-            return
-        self._early = self.loader.settings  # tried once, whatever comes of it
-        self._new_search(self.meter.stats(last=1), [n - 1])
-        assert self.search is not None
-        candidate = self.search.propose()  # the first after the start (recorded above)
-        # The start serves at least the steps that measure it when they are clearly data-bound (two; a
-        # longer measurement stops where the candidate took over). The loop fetches one batch ahead or
-        # none: the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way.
-        lead = 0
-        if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
-            room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
-            lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
-        lead = max(lead, self._skip + min(2, self.trial_steps) - n)
-        self.search, self.measured, self.cpu_note = None, None, ""
-        if candidate is None:
-            return
-        try:
-            self.loader.prepare(candidate, lead)
-        except RebuildError:
-            return  # said once the search itself meets it
-        self._early = candidate
+    @property
+    def search(self) -> PrefetchSearch | None:
+        return self.online.search if self.online is not None else None
 
-    def _new_search(self, measured: WaitStats, indices: list[int]) -> None:
-        """The search, with the start measured over the steps ``indices``, held to the budgets."""
-        assert self.loader is not None
-        self.measured = measured
-        start = self._start = self._start_settings
-        self.search = PrefetchSearch(
-            start, measured.step_s, self._batch_bytes, budget=self._budget, cuda=self._cuda, guess=self.guess
-        )
-        # The first steps already measured the start: without workers the loader works only while
-        # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
-        # arrives every wait + step. Their spread over the steps is the noise of that measurement.
-        waits, steps = [self.meter.waits[i] for i in indices], [self.meter.steps[i] for i in indices]
-        samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
-        self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
-        if start.num_workers == 0:
-            self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
-            if measured.wait_cpu_share < self.cpu_busy_threshold:
-                self.search.headroom = 1.5  # I/O-bound: spare workers are cheap, a count that just keeps up is not
-        else:
-            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
+    @property
+    def measured(self) -> WaitStats | None:
+        return self.online.measured if self.online is not None else None
 
-    def _start_search(self, stop: int | None = None) -> None:
-        """Decide whether to search, from the start's steps after the warm-up (up to ``stop``), and begin."""
-        assert self.loader is not None
-        clean = self._clean_steps(stop)
-        measured = self.measured = self.meter.stats_of(clean)
-        if measured.wait_fraction <= self.data_bound_fraction:
-            self.reason = (
-                f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
-                f"<= {100 * self.data_bound_fraction:.0f}%)"
-            )
-            self._done = True
-            if self.loader.settings != self._start_settings or self.loader.preparing is not None:
-                self.loader.prepare(self._start_settings, lead=0)  # an early candidate is not needed
-            return
-        self._new_search(measured, clean)
-        self._search_from = len(self.meter)
-        if not self.loader.resumable:
-            self._probe_search()
-            return
-        self._next_candidate()
+    @property
+    def cpu_note(self) -> str:
+        return self.online.cpu_note if self.online is not None else ""
 
-    def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
-        """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
-        assert self.search is not None and self.cpu is not None
-        if busy is None or busy < self.cpu_busy_threshold or self.search.budget.max_workers <= self.cpu.cores:
-            return
-        self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
-        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% on a CPU when not queued, {where}): workers held to the CPU budget, {self.cpu}"
+    @property
+    def finished_step(self) -> int | None:
+        return self.online.finished_step if self.online is not None else None
 
-    def _lead(self, candidate: LoaderSettings, starting: bool = True) -> int:
-        """Batches the current loader still serves while the candidate's workers start (unless not
-        ``starting``) and fill up (:func:`~lightning_accel.prefetch.handover.handover_lead`); 0, a
-        cold switch, when both loaders' buffers would not fit the memory budget at once."""
-        assert self.loader is not None and self.search is not None
-        current = self.loader.settings
-        both = (current.buffered_batches + candidate.buffered_batches) * self.search.batch_bytes
-        if both > self._budget.memory_bytes:
-            return 0
-        trial = next((t for t in reversed(self.search.trials) if t.settings == current), None)
-        # This process did the loading only without workers: only then is its CPU share the item's.
-        measured = self.measured
-        share = measured.wait_cpu_share if measured is not None and self._start.num_workers == 0 and current == self._start else 1.0
-        return handover_lead(
-            current.num_workers,
-            trial.interval_s if trial is not None else None,
-            candidate.num_workers,
-            self.search.step_s,
-            self.cpu.cores if self.cpu is not None else 1,
-            cpu_share=share,
-            max_lead=self.max_lead,
-            start_s=candidate.num_workers * worker_start_s() if starting else 0.0,
-        )
+    @property
+    def measurement_cost_s(self) -> float:
+        return self.online.measurement_cost_s if self.online is not None else 0.0
 
-    def _next_candidate(self) -> None:
-        assert self.loader is not None and self.search is not None
-        candidate = self.search.propose()
-        if candidate is not None and candidate == self._early and self._early in (self.loader.settings, self.loader.preparing):
-            self._trying = candidate  # started early, while the start was measured
-            return
-        # Serving with more workers than a budget that shrank (CPU-bound items): the next
-        # candidate, within it, is tried however late; it is the way back into the budget.
-        over = not self.search.budget.allows(self.loader.settings, self.search.batch_bytes)
-        lead = 0
-        if candidate is not None:
-            # The verdict on a candidate needs 2 w of its batches after the hand-over. Steps served while the
-            # workers start fit in what is left of the search's steps; past that, the hand-over waits for them.
-            verdict = len(self.meter) + _verdict_batches(max(1, candidate.num_workers))
-            lead = max(min(self._lead(candidate), self.max_search_steps - verdict), self._lead(candidate, starting=False))
-            if not over and verdict + lead > self.max_search_steps:
-                candidate = None
-        if candidate is None:
-            self._finish()
-            return
-        try:
-            self.loader.prepare(candidate, lead)
-        except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
-            self._keep(str(err))
-            return
-        self._trying = candidate
-
-    def _advance(self, ending: bool = False) -> None:
-        """After a step of the search: judge the candidate once it has served enough batches
-        (when training ends, on the two rounds it served if it has)."""
-        assert self.loader is not None and self.search is not None
-        candidate = self._trying
-        if candidate is None:
-            return
-        if self.loader.settings != candidate:
-            return  # still being prepared
-        w = max(1, candidate.num_workers)
-        stamps = self.loader.stamps
-        needed = _verdict_batches(w) if not ending else w + 1
-        if len(stamps) < needed:
-            return
-        if ending:
-            self._trying = None
-            items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
-            self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
-            return
-        # Worker j made batches j and j + w back to back (both were queued when it started), so
-        # their finish times span one item as the w workers make them together: the second
-        # round, past the burst of forking and starting all at once; later rounds add samples.
-        items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
-        trial = self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
-        # Too close to call where it would matter: the candidate serves anyway, so measure it longer (bounded).
-        if self.search.undecided(trial) and len(stamps) < self.remeasure * needed and len(self.meter) < self.max_search_steps:
-            self.search.trials.pop()
-            return
-        self.remeasured += len(stamps) > needed
-        if candidate.num_workers:
-            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
-        self._trying = None
-        self._next_candidate()
-
-    def _finish(self, cut_short: bool = False) -> None:
-        assert self.loader is not None and self.search is not None
-        self._done = True
-        best, baseline = self.search.best, self.search.trials[0]
-        assert best is not None
-        # The start stays unless beaten beyond the noise, or unless it is over the (CPU) budget.
-        start_fits = self.search.budget.allows(self._start, self.search.batch_bytes)
-        target = best.settings if not start_fits or self.search.beats(best, baseline) else self._start
-        # At the end of training nothing is left to serve: only the report and the cache see the result.
-        if not cut_short and self.loader.settings != target:
-            try:
-                self.loader.prepare(target, self._lead(target))
-            except RebuildError as err:
-                self._keep(str(err))
-                return
-        self.measurement_cost_s = self._search_cost(baseline.wait_s)
-        steps = len(self.meter) - self._search_from
-        if target == self._start:
-            self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
-            if self.remeasured:
-                self.reason += f" ({self.remeasured} measured longer, up to {self.remeasure}x, as their first samples could not decide)"
-            if cut_short:
-                self.reason += "; training ended before the search did"
-        else:
-            self.chosen = target
-            self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (
-                "; training ended before the search did (cached for the next run)" if cut_short else ", serving from the next batches"
-            )
-        if self.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
-            cache.store(self.cache_path, self._cache_key, target)
-
-    def _search_cost(self, start_wait_s: float) -> float:
-        """Extra waiting, against the start's, of the steps trained while candidates were tried."""
-        return sum(max(0.0, w - start_wait_s) for w in self.meter.waits[self._search_from : len(self.meter)])
-
-    def _probe_search(self) -> None:
-        """Streams without a position: probe each candidate back to back in one pause; ``stream_switch`` says when."""
-        assert self.loader is not None and self.search is not None
-        self._done = True
-        while (candidate := self.search.propose()) is not None:
-            try:
-                # Two whole rounds of workers at least: the spread of one round is unknown.
-                probe = measure_loader(self.loader.loader, candidate, min_batches=2 * max(2, candidate.num_workers) + 1)
-            except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
-                self._keep(str(err))
-                return
-            self.measurement_cost_s += probe.elapsed_s
-            self.search.batch_bytes = max(self.search.batch_bytes, probe.batch_bytes)
-            self.search.record(candidate, probe.interval_s, probe.spread_s)
-        best, baseline = self.search.best, self.search.trials[0]
-        assert best is not None
-        start_fits = self.search.budget.allows(self._start, self.search.batch_bytes)
-        if best.settings == self._start or (start_fits and not self.search.beats(best, baseline)):
-            self.reason = "kept your loader: no candidate would wait less by more than the noise"
-            return
-        try:
-            self.loader.switch(best.settings)
-        except RebuildError as err:
-            self._keep(str(err))
-            return
-        self.chosen = best.settings
-        why = why_not_resumable(self.loader.dataset)
-        if self.stream_switch == "restart":
-            when = f"serving now, the stream restarted from its beginning ({why}; stream_switch='restart')"
-        else:
-            when = f"used from the next epoch ({why}); pass stream_switch='restart' to switch now, restarting the stream"
-        self.reason = f"fastest of {len(self.search.trials)} probed within the budget, {when}"
-        rank_zero_info(f"PrefetchTuner: {self.chosen.label()} {when}")
-        if self.cache_path:
-            cache.store(self.cache_path, self._cache_key, self.chosen)
+    @property
+    def remeasured(self) -> int:
+        return self.online.remeasured if self.online is not None else 0
 
     def report(self) -> str:
         """What was measured, tried and chosen, as one table."""
-        lines = [f"PrefetchTuner: {self.reason}"]
-        measured = self.measured
-        if measured is not None:
-            lines.append(
-                f"  measured over {measured.steps} steps: wait {1000 * measured.wait_s:.1f} ms, "
-                f"step {1000 * measured.step_s:.1f} ms ({100 * measured.wait_fraction:.0f}% waiting)"
-            )
-        if self.search is not None and self.search.trials:
-            budget = self.search.budget
-            rows = [
-                [
-                    t.settings.label(),
-                    f"{1000 * t.interval_s:.1f} +- {1000 * t.spread_s:.1f}",
-                    1000 * t.wait_s,
-                    f"{t.settings.buffered_batches * self.search.batch_bytes / 2**20:.0f}",
-                    "<- chosen" if self.chosen == t.settings else ("start" if i == 0 else ""),
-                ]
-                for i, t in enumerate(self.search.trials)
-            ]
-            table = format_table(["settings", "ms/batch +- s.e.", "pred. wait ms", "buffer MiB", ""], rows)
-            lines += ["  " + line for line in table.splitlines()]
-            lines.append(
-                f"  budget per rank: {budget.max_workers} workers, {budget.memory_bytes / 2**20:.0f} MiB; "
-                f"search over by step {self.finished_step}; measurement cost {self.measurement_cost_s:.1f} s"
-            )
-            if self.cpu_note:
-                lines.append(f"  {self.cpu_note}")
-        return "\n".join(lines)
+        return self.online.report() if self.online is not None else search_report(self.reason)
 
     def trials_csv(self) -> str:
         """``settings,ms_per_batch,batches_per_s`` per trial: throughput against the settings tried."""
-        rows = ["num_workers,prefetch_factor,pin_memory,ms_per_batch,batches_per_s"]
-        for t in self.search.trials if self.search else []:
-            s = t.settings
-            rate = 1.0 / t.interval_s if t.interval_s > 0 else float("inf")
-            rows.append(f"{s.num_workers},{s.prefetch_factor or 0},{int(s.pin_memory)},{1000 * t.interval_s:.3f},{rate:.3f}")
-        return "\n".join(rows) + "\n"
+        return trials_csv(self.search.trials if self.search else [])
 
     def trials_svg(self) -> str:
         """Throughput (batches/s) against the settings tried, in order, as an SVG document."""

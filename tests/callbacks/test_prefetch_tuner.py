@@ -225,7 +225,8 @@ def test_an_early_candidate_is_dropped_when_the_run_turns_out_compute_bound(reco
     tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=3, data_bound_fraction=0.5)
     model = recorder(step_s=0.05)
     make_trainer([tuner]).fit(model, DataLoader(SlowFirstItem(), batch_size=1))
-    assert tuner._early is not None and tuner._early.num_workers > 0  # step 0 waited 300 ms for a 50 ms step
+    early = tuner.online.started_early
+    assert early is not None and early.num_workers > 0  # step 0 waited 300 ms for a 50 ms step
     assert "compute-bound" in tuner.reason and tuner.chosen is None
     # Dropped before its hand-over, or (on a machine so loaded that forking outlasts the measuring steps) back.
     assert tuner.loader.settings == LoaderSettings(0) and tuner.loader.switches in (0, 2)

@@ -1,0 +1,452 @@
+"""The online search for a train loader's worker settings: fed step timings, it switches a TunableLoader.
+
+How it works, and why this way. The caller (:class:`~lightning_accel.callbacks.PrefetchTuner`
+at ``on_train_start``) wraps the train ``DataLoader`` in a
+:class:`~lightning_accel.prefetch.TunableLoader` before any batch is consumed and feeds
+:class:`OnlineSearch` each step: the batch arrived, the step ended (a
+:class:`~lightning_accel.prefetch.WaitMeter` times both). The first
+``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
+From a start without workers, a first step that waited longer than it computed already
+starts the likely first candidate's workers in the background, so that their start-up
+(forking each, about 80 ms under load) and first items overlap the measuring steps; the
+steps the forking disturbed are left out of the measurement, and the candidate is
+dropped if the measurement says compute-bound or proposes another.
+Only if waiting takes more than ``data_bound_fraction`` of the time does it search, and
+it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's loader is
+built and its workers started in the background while training goes on consuming the
+current one; at a batch boundary ``lead`` steps later (about one batch's latency, so
+the new workers have batches ready) the candidate takes over, and training runs on it.
+Its pace is measured from the times its workers finished its first ``2 w`` batches (``w + 3``
+for one or two workers, so that there are three samples for the spread):
+each worker's first and second batch (both queued from the start) span one item as the
+``w`` workers make them together, so the pace is not blurred by the batches buffered
+before the hand-over (which would make too few workers look sufficient).
+:class:`~lightning_accel.prefetch.PrefetchSearch` then proposes the next candidate
+(doubling ``num_workers``, then hill-climbing, within the per-rank CPU and memory
+budgets) until the predicted wait is negligible, the gains flatten or
+``max_search_steps`` would be passed. The best setting measured stays (or is
+prepared in the background once more); the start stays when nothing waited less, so
+the run is slower than its start by at most the extra waiting of the steps trained on
+worse candidates, which the report states as the measurement cost. Every switch is at a
+batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
+
+Noise and cores. Each measurement carries its spread, taken on the spot (the standard
+error over the steps, or over the workers' item times): a candidate replaces the start
+only when it waits less by more than twice their combined spread, and among
+candidates within that margin the fewest workers win. A candidate whose first samples
+cannot tell it from the best where it would matter is measured longer while it serves
+(up to ``remeasure`` times its usual batches) rather than judged on the draw. Items that keep the workers on
+the CPU (the share of CPU time while loading, measured in this process without workers
+and from ``/proc`` with them, as time on a CPU over the time not spent queued for one,
+so a shared machine makes them look neither idle nor busy) hold the worker count to the rank's CPU budget
+(:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
+
+Streams. An iterable dataset that reports its position (the protocol of
+:mod:`~lightning_accel.prefetch.stream`) is tuned online like a map-style epoch: each
+hand-over starts the new loader at the exact position, so one endless epoch gets the
+chosen settings within it. Any other stream is probed back to back in one pause
+(:mod:`~lightning_accel.prefetch.stream_probe`), and the loader's ``stream_switch`` says
+when the winner serves. The report says which, in one line.
+
+Nothing here knows about ranks or Lightning: messages go to the ``say`` and ``warn``
+functions the caller passes (the callback passes rank-zero ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from lightning_accel.cpu_budget import CpuBudget
+from lightning_accel.prefetch import cache
+from lightning_accel.prefetch.handover import handover_lead
+from lightning_accel.prefetch.inner_loader import worker_start_s
+from lightning_accel.prefetch.loader_rebuild import RebuildError
+from lightning_accel.prefetch.probe import batch_nbytes
+from lightning_accel.prefetch.report import search_report
+from lightning_accel.prefetch.search import Budget, PrefetchSearch, spread
+from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.stream_probe import probe_stream
+from lightning_accel.prefetch.tunable_loader import TunableLoader
+from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
+
+__all__ = ["OnlineSearch"]
+
+_log = logging.getLogger(__name__)
+
+
+def _verdict_batches(workers: int) -> int:
+    """Batches a candidate with ``workers`` serves before its verdict: two rounds, and at least three
+    item times for their spread (two gave +-46 ms)."""
+    return 2 * workers if workers > 2 else workers + 3
+
+
+class OnlineSearch:
+    """Decides from the steps it is fed whether, and with which settings, ``loader`` serves; switches it.
+
+    Call :meth:`start` when training is about to ask for its first batch, then for each step
+    :meth:`batch_arrived` and :meth:`step_ended` until ``done``; :meth:`end` when training
+    ends first. The outcome: ``chosen`` (``None``: the start stays), ``reason``, ``search``
+    (its trials), ``measured`` (the start's steps) and :meth:`report`.
+
+    Args:
+        loader: the wrapped train loader; its settings when built are the start.
+        budget: per-rank limits on workers and buffered bytes.
+        cpu: the rank's CPU budget (``None``: one core).
+        meter: times the steps (a simulated clock in tests); a fresh one by default.
+        cuda: batches go to a CUDA device (pinning helps).
+        cache_path, cache_key: where the outcome is stored for the next run (not stored without a path).
+        early: start the likely first candidate's workers while the start is measured.
+        guess: let the start's measurement pick where the doubling starts.
+        max_lead: steps a candidate's workers may fill up before taking over.
+        remeasure: an undecided candidate is measured on up to this many times its usual batches.
+        cpu_busy_threshold: workers' CPU share above which items count as CPU-bound.
+        say, warn: where the one-line notes and the warnings go.
+        The others are :class:`~lightning_accel.callbacks.PrefetchTuner`'s.
+    """
+
+    def __init__(
+        self,
+        loader: TunableLoader,
+        budget: Budget,
+        cpu: CpuBudget | None = None,
+        meter: WaitMeter | None = None,
+        *,
+        cuda: bool = False,
+        warmup_steps: int = 1,
+        trial_steps: int = 3,
+        max_search_steps: int = 30,
+        data_bound_fraction: float = 0.1,
+        cache_path: str | None = None,
+        cache_key: str = "",
+        early: bool = True,
+        guess: bool = True,
+        max_lead: int = 16,
+        remeasure: int = 4,
+        cpu_busy_threshold: float = 0.5,
+        say: Callable[[str], None] = _log.info,
+        warn: Callable[[str], None] = warnings.warn,
+    ) -> None:
+        self.loader, self.budget, self.cpu, self.cuda = loader, budget, cpu, cuda
+        self.meter = meter if meter is not None else WaitMeter()
+        self.warmup_steps, self.trial_steps, self.max_search_steps = warmup_steps, trial_steps, max_search_steps
+        self.data_bound_fraction = data_bound_fraction
+        self.cache_path, self.cache_key = cache_path, cache_key
+        self.early, self.guess, self.max_lead, self.remeasure = early, guess, max_lead, remeasure
+        self.cpu_busy_threshold = cpu_busy_threshold
+        self.say, self.warn = say, warn
+        self.done = False
+        self.search: PrefetchSearch | None = None
+        self.chosen: LoaderSettings | None = None
+        self.measured: WaitStats | None = None
+        self.reason = "not run"
+        self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
+        self.measurement_cost_s = 0.0
+        self.finished_step: int | None = None  # the step at which the search decided
+        self.remeasured = 0  # candidates measured longer because their first samples could not decide
+        self.started_early: LoaderSettings | None = None  # what was started early (the start: nothing was)
+        self._start = loader.settings
+        self._batch_bytes = 0
+        self._trying: LoaderSettings | None = None
+        self._search_from = 0
+        self._disturbed: set[int] = set()  # steps a background start of workers disturbed
+
+    def start(self) -> None:
+        """Training is about to ask for its first batch."""
+        self.meter.start()
+
+    def batch_arrived(self) -> None:
+        """The step's batch arrived (the loop waited for it until now)."""
+        if not self.done:
+            self.meter.batch_arrived()
+            self._note_disturbance()
+
+    def step_ended(self, batch: Any) -> None:
+        """The step on ``batch`` ended: measure it, and move the search on."""
+        if self.done:
+            return
+        self.meter.step_ended()
+        if self.search is None:
+            self._batch_bytes = batch_nbytes(batch)
+            if self.loader.settings != self._start:  # the early candidate took over: measured until now
+                self._start_search(stop=len(self.meter) - 1)
+            elif len(self._clean_steps(strict=True)) >= self.trial_steps or self._clearly_data_bound():
+                self._start_search()
+            elif self.started_early is None and self.early:
+                self._start_early()
+            self._note_disturbance()
+        else:
+            self._advance()
+        if self.done:
+            self.finished_step = len(self.meter)
+
+    def end(self) -> bool:
+        """Training ended: a search it cut short keeps what it learnt; returns whether there was one."""
+        if self.done or self.search is None:
+            return False
+        self._advance(ending=True)
+        self._finish(cut_short=True)
+        self.finished_step = len(self.meter)
+        return True
+
+    def report(self) -> str:
+        """What was measured, tried and chosen, as one table."""
+        return search_report(
+            self.reason, self.measured, self.search, self.chosen, self.finished_step, self.measurement_cost_s, self.cpu_note
+        )
+
+    @property
+    def _skip(self) -> int:
+        """Steps not measured: worker start-up, or without workers the epoch's set-up (drawing its order,
+        first file opens), which the first wait carries; measured under load, it made a 2-sample start's
+        spread so wide (62 vs 312 ms) that a 2x faster candidate looked like noise."""
+        return self.warmup_steps
+
+    def _clearly_data_bound(self) -> bool:
+        """No need to measure more: two steps that each waited longer than they computed."""
+        clean = self._clean_steps(strict=True)
+        return len(clean) >= 2 and all(self.meter.waits[i] > self.meter.steps[i] for i in clean)
+
+    def _note_disturbance(self) -> None:
+        """While a candidate's workers are being started in the background, the steps measuring the
+        start are disturbed: each fork holds the interpreter's lock (measured: a 30 ms step with 1 ms
+        items waited ~100 ms while 8 workers started, and looked data-bound)."""
+        if self.loader.starting:
+            self._disturbed.update((len(self.meter) - 1, len(self.meter)))  # this step, and the next one's wait
+
+    def _clean_steps(self, stop: int | None = None, strict: bool = False) -> list[int]:
+        """The start's measured steps (after the warm-up, before ``stop``) no background start disturbed;
+        unless ``strict``, all of them when fewer than two are left (the candidate took over first)."""
+        steps = range(self._skip, len(self.meter) if stop is None else stop)
+        clean = [i for i in steps if i not in self._disturbed]
+        return clean if strict or len(clean) >= min(2, self.trial_steps) else list(steps)
+
+    def _keep(self, why: str) -> None:
+        self.reason = f"kept your loader: {why}"
+        self.warn(f"PrefetchTuner: {why}; training continues with your loader's settings")
+        self.done = True
+
+    def _start_early(self) -> None:
+        """After a step that waited longer than it computed: start the likely first candidate's workers now.
+
+        They start (forking, their first items) while the start serves the steps that measure
+        it, instead of after them: the hand-over comes right after the measurement and costs
+        no wait (the bench stream's hand-over to 8 workers blocked 0.95 s before). The guess is
+        the search's own first proposal from this one step; if the full measurement proposes
+        otherwise (or calls the run compute-bound), it is dropped. Steps the forking disturbed
+        are left out of the measurement (:meth:`_note_disturbance`).
+        """
+        n = len(self.meter)
+        # Only from a start without workers: its steps wait on the loading itself, while a start with
+        # workers first serves from buffers they filled, which a longer measurement has to get past.
+        if self.loader.settings.num_workers or not self.loader.resumable or n < 1:
+            return
+        if self.meter.waits[n - 1] <= self.meter.steps[n - 1]:
+            return
+        self.started_early = self.loader.settings  # tried once, whatever comes of it
+        self._new_search(self.meter.stats(last=1), [n - 1])
+        assert self.search is not None
+        candidate = self.search.propose()  # the first after the start (recorded above)
+        # The start serves at least the steps that measure it when they are clearly data-bound (two; a
+        # longer measurement stops where the candidate took over). The loop fetches one batch ahead or
+        # none: the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way.
+        lead = 0
+        if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
+            room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
+            lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
+        lead = max(lead, self._skip + min(2, self.trial_steps) - n)
+        self.search, self.measured, self.cpu_note = None, None, ""
+        if candidate is None:
+            return
+        try:
+            self.loader.prepare(candidate, lead)
+        except RebuildError:
+            return  # said once the search itself meets it
+        self.started_early = candidate
+
+    def _new_search(self, measured: WaitStats, indices: list[int]) -> None:
+        """The search, with the start measured over the steps ``indices``, held to the budgets."""
+        self.measured = measured
+        start = self._start
+        self.search = PrefetchSearch(
+            start, measured.step_s, self._batch_bytes, budget=self.budget, cuda=self.cuda, guess=self.guess
+        )
+        # The first steps already measured the start: without workers the loader works only while
+        # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
+        # arrives every wait + step. Their spread over the steps is the noise of that measurement.
+        waits, steps = [self.meter.waits[i] for i in indices], [self.meter.steps[i] for i in indices]
+        samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
+        self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
+        if start.num_workers == 0:
+            self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
+            if measured.wait_cpu_share < self.cpu_busy_threshold:
+                self.search.headroom = 1.5  # I/O-bound: spare workers are cheap, a count that just keeps up is not
+        else:
+            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
+
+    def _start_search(self, stop: int | None = None) -> None:
+        """Decide whether to search, from the start's steps after the warm-up (up to ``stop``), and begin."""
+        clean = self._clean_steps(stop)
+        measured = self.measured = self.meter.stats_of(clean)
+        if measured.wait_fraction <= self.data_bound_fraction:
+            self.reason = (
+                f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
+                f"<= {100 * self.data_bound_fraction:.0f}%)"
+            )
+            self.done = True
+            if self.loader.settings != self._start or self.loader.preparing is not None:
+                self.loader.prepare(self._start, lead=0)  # an early candidate is not needed
+            return
+        self._new_search(measured, clean)
+        self._search_from = len(self.meter)
+        if not self.loader.resumable:
+            self._probe_search()
+            return
+        self._next_candidate()
+
+    def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
+        """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
+        assert self.search is not None
+        if busy is None or busy < self.cpu_busy_threshold or self.cpu is None or self.search.budget.max_workers <= self.cpu.cores:
+            return
+        self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
+        self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% on a CPU when not queued, {where}): workers held to the CPU budget, {self.cpu}"
+
+    def _lead(self, candidate: LoaderSettings, starting: bool = True) -> int:
+        """Batches the current loader still serves while the candidate's workers start (unless not
+        ``starting``) and fill up (:func:`~lightning_accel.prefetch.handover.handover_lead`); 0, a
+        cold switch, when both loaders' buffers would not fit the memory budget at once."""
+        assert self.search is not None
+        current = self.loader.settings
+        both = (current.buffered_batches + candidate.buffered_batches) * self.search.batch_bytes
+        if both > self.budget.memory_bytes:
+            return 0
+        trial = next((t for t in reversed(self.search.trials) if t.settings == current), None)
+        # This process did the loading only without workers: only then is its CPU share the item's.
+        measured = self.measured
+        share = measured.wait_cpu_share if measured is not None and self._start.num_workers == 0 and current == self._start else 1.0
+        return handover_lead(
+            current.num_workers,
+            trial.interval_s if trial is not None else None,
+            candidate.num_workers,
+            self.search.step_s,
+            self.cpu.cores if self.cpu is not None else 1,
+            cpu_share=share,
+            max_lead=self.max_lead,
+            start_s=candidate.num_workers * worker_start_s() if starting else 0.0,
+        )
+
+    def _next_candidate(self) -> None:
+        assert self.search is not None
+        candidate = self.search.propose()
+        early = self.started_early
+        if candidate is not None and candidate == early and early in (self.loader.settings, self.loader.preparing):
+            self._trying = candidate  # started early, while the start was measured
+            return
+        # Serving with more workers than a budget that shrank (CPU-bound items): the next
+        # candidate, within it, is tried however late; it is the way back into the budget.
+        over = not self.search.budget.allows(self.loader.settings, self.search.batch_bytes)
+        lead = 0
+        if candidate is not None:
+            # The verdict on a candidate needs 2 w of its batches after the hand-over. Steps served while the
+            # workers start fit in what is left of the search's steps; past that, the hand-over waits for them.
+            verdict = len(self.meter) + _verdict_batches(max(1, candidate.num_workers))
+            lead = max(min(self._lead(candidate), self.max_search_steps - verdict), self._lead(candidate, starting=False))
+            if not over and verdict + lead > self.max_search_steps:
+                candidate = None
+        if candidate is None:
+            self._finish()
+            return
+        try:
+            self.loader.prepare(candidate, lead)
+        except RebuildError as err:  # e.g. a dataset that cannot be pickled into workers
+            self._keep(str(err))
+            return
+        self._trying = candidate
+
+    def _advance(self, ending: bool = False) -> None:
+        """After a step of the search: judge the candidate once it has served enough batches
+        (when training ends, on the two rounds it served if it has)."""
+        assert self.search is not None
+        candidate = self._trying
+        if candidate is None:
+            return
+        if self.loader.settings != candidate:
+            return  # still being prepared
+        w = max(1, candidate.num_workers)
+        stamps = self.loader.stamps
+        needed = _verdict_batches(w) if not ending else w + 1
+        if len(stamps) < needed:
+            return
+        if ending:
+            self._trying = None
+            items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
+            self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
+            return
+        # Worker j made batches j and j + w back to back (both were queued when it started), so
+        # their finish times span one item as the w workers make them together: the second
+        # round, past the burst of forking and starting all at once; later rounds add samples.
+        items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
+        trial = self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
+        # Too close to call where it would matter: the candidate serves anyway, so measure it longer (bounded).
+        if self.search.undecided(trial) and len(stamps) < self.remeasure * needed and len(self.meter) < self.max_search_steps:
+            self.search.trials.pop()
+            return
+        self.remeasured += len(stamps) > needed
+        if candidate.num_workers:
+            self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
+        self._trying = None
+        self._next_candidate()
+
+    def _finish(self, cut_short: bool = False) -> None:
+        assert self.search is not None
+        self.done = True
+        best, baseline = self.search.best, self.search.trials[0]
+        assert best is not None
+        # The start stays unless beaten beyond the noise, or unless it is over the (CPU) budget.
+        start_fits = self.search.budget.allows(self._start, self.search.batch_bytes)
+        target = best.settings if not start_fits or self.search.beats(best, baseline) else self._start
+        # At the end of training nothing is left to serve: only the report and the cache see the result.
+        if not cut_short and self.loader.settings != target:
+            try:
+                self.loader.prepare(target, self._lead(target))
+            except RebuildError as err:
+                self._keep(str(err))
+                return
+        self.measurement_cost_s = self._search_cost(baseline.wait_s)
+        steps = len(self.meter) - self._search_from
+        if target == self._start:
+            self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
+            if self.remeasured:
+                self.reason += f" ({self.remeasured} measured longer, up to {self.remeasure}x, as their first samples could not decide)"
+            if cut_short:
+                self.reason += "; training ended before the search did"
+        else:
+            self.chosen = target
+            self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (
+                "; training ended before the search did (cached for the next run)" if cut_short else ", serving from the next batches"
+            )
+        if self.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
+            cache.store(self.cache_path, self.cache_key, target)
+
+    def _search_cost(self, start_wait_s: float) -> float:
+        """Extra waiting, against the start's, of the steps trained while candidates were tried."""
+        return sum(max(0.0, w - start_wait_s) for w in self.meter.waits[self._search_from : len(self.meter)])
+
+    def _probe_search(self) -> None:
+        """Streams without a position: probe each candidate back to back in one pause (:mod:`.stream_probe`)."""
+        assert self.search is not None
+        self.done = True
+        probe = probe_stream(self.search, self.loader, self._start)
+        self.measurement_cost_s += probe.cost_s
+        if probe.error is not None:
+            self._keep(probe.error)
+            return
+        self.chosen, self.reason = probe.chosen, probe.reason
+        if self.chosen is None:
+            return
+        self.say(f"PrefetchTuner: {self.chosen.label()} {probe.when}")
+        if self.cache_path:
+            cache.store(self.cache_path, self.cache_key, self.chosen)
