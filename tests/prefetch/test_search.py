@@ -218,3 +218,36 @@ def test_a_candidate_slower_on_average_than_the_start_is_never_best_by_its_noise
     four = search.record(LoaderSettings(4, 2, persistent_workers=True), 0.030, 0.013, fastest_s=0.020)
     search.record(LoaderSettings(2, 2, persistent_workers=True), 0.365, 0.203, fastest_s=0.2)
     assert search.best is four and search.beats(four, start)
+
+
+def test_among_candidates_that_beat_the_start_the_mean_wait_decides():
+    # bench prefetch, jpeg-tar, 2026-11-23 (load ~2.5): the start's two samples 29.9 and 149.5 ms (a fork
+    # stall), 2 workers 30.5 +- 6.2 ms, 1 worker 43.5 +- 16.4 ms per batch over a 13.8 ms step. Before,
+    # 1 worker was "best" (no trial beat it beyond the noise) and, not beating the start, the start stayed.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.0138, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.0897, 0.0598, fastest_s=0.0299)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.0305, 0.0062, fastest_s=0.024)
+    one = search.record(LoaderSettings(1, 2, persistent_workers=True), 0.0435, 0.0164, fastest_s=0.030)
+    assert search.beats(two, start) and not search.beats(one, start)
+    assert not search.beats(two, one)  # within the noise of each other: the old rule took the fewest
+    assert search.best is two
+    # Both beat the start (the quiet-machine JPEG case): 1 worker's mean wait is cut 2.5x by 2 workers.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.010, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    search.record(LoaderSettings(), 0.127, 0.002, fastest_s=0.124)
+    one = search.record(LoaderSettings(1, 2, persistent_workers=True), 0.0200, 0.006)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.0140, 0.004)
+    assert not search.beats(two, one) and search.best is two
+    # A cut smaller than min_gain of the wait (or than a negligible share of the step) buys no workers.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.010, batch_bytes=MB, budget=Budget(8, 10_000 * MB))
+    search.record(LoaderSettings(), 0.300, 0.002, fastest_s=0.295)
+    four = search.record(LoaderSettings(4, 2, persistent_workers=True), 0.0600, 0.001)
+    search.record(LoaderSettings(8, 2, persistent_workers=True), 0.0560, 0.001)  # 4 ms less of a 50 ms wait: 8%
+    assert search.best is four
+
+
+def test_a_start_over_a_shrunk_budget_gives_way_to_the_best_that_fits_without_beating_it():
+    search = PrefetchSearch(LoaderSettings(8, 2), step_s=0.010, batch_bytes=MB, budget=Budget(8, 10_000 * MB))
+    search.record(LoaderSettings(8, 2), 0.030, 0.010)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.032, 0.010)  # a draw with the start
+    search.budget = Budget(2, 10_000 * MB)  # CPU-bound items: 2 cores
+    assert not search.beats(two, search.trials[0]) and search.best is two
