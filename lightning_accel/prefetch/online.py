@@ -68,6 +68,7 @@ from lightning_accel.prefetch.probe import batch_nbytes
 from lightning_accel.prefetch.report import search_report
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, spread
 from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.start_steps import StartSteps
 from lightning_accel.prefetch.stream_probe import probe_stream
 from lightning_accel.prefetch.tunable_loader import TunableLoader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
@@ -151,7 +152,7 @@ class OnlineSearch:
         self._batch_bytes = 0
         self._trying: LoaderSettings | None = None
         self._search_from = 0
-        self._disturbed: set[int] = set()  # steps a background start of workers disturbed
+        self._steps = StartSteps(self.meter, warmup_steps, trial_steps)  # those that measure the start
 
     def start(self) -> None:
         """Training is about to ask for its first batch."""
@@ -161,7 +162,7 @@ class OnlineSearch:
         """The step's batch arrived (the loop waited for it until now)."""
         if not self.done:
             self.meter.batch_arrived()
-            self._note_disturbance()
+            self._steps.note(self.loader.starting)
 
     def step_ended(self, batch: Any) -> None:
         """The step on ``batch`` ended: measure it, and move the search on."""
@@ -172,11 +173,11 @@ class OnlineSearch:
             self._batch_bytes = batch_nbytes(batch)
             if self.loader.settings != self._start:  # the early candidate took over: measured until now
                 self._start_search(stop=len(self.meter) - 1)
-            elif len(self._clean_steps(strict=True)) >= self.trial_steps or self._clearly_data_bound():
+            elif self._steps.enough():
                 self._start_search()
             elif self.started_early is None and self.early:
                 self._start_early()
-            self._note_disturbance()
+            self._steps.note(self.loader.starting)
         else:
             self._advance()
         if self.done:
@@ -197,32 +198,6 @@ class OnlineSearch:
             self.reason, self.measured, self.search, self.chosen, self.finished_step, self.measurement_cost_s, self.cpu_note
         )
 
-    @property
-    def _skip(self) -> int:
-        """Steps not measured: worker start-up, or without workers the epoch's set-up (drawing its order,
-        first file opens), which the first wait carries; measured under load, it made a 2-sample start's
-        spread so wide (62 vs 312 ms) that a 2x faster candidate looked like noise."""
-        return self.warmup_steps
-
-    def _clearly_data_bound(self) -> bool:
-        """No need to measure more: two steps that each waited longer than they computed."""
-        clean = self._clean_steps(strict=True)
-        return len(clean) >= 2 and all(self.meter.waits[i] > self.meter.steps[i] for i in clean)
-
-    def _note_disturbance(self) -> None:
-        """While a candidate's workers are being started in the background, the steps measuring the
-        start are disturbed: each fork holds the interpreter's lock (measured: a 30 ms step with 1 ms
-        items waited ~100 ms while 8 workers started, and looked data-bound)."""
-        if self.loader.starting:
-            self._disturbed.update((len(self.meter) - 1, len(self.meter)))  # this step, and the next one's wait
-
-    def _clean_steps(self, stop: int | None = None, strict: bool = False) -> list[int]:
-        """The start's measured steps (after the warm-up, before ``stop``) no background start disturbed;
-        unless ``strict``, all of them when fewer than two are left (the candidate took over first)."""
-        steps = range(self._skip, len(self.meter) if stop is None else stop)
-        clean = [i for i in steps if i not in self._disturbed]
-        return clean if strict or len(clean) >= min(2, self.trial_steps) else list(steps)
-
     def _keep(self, why: str) -> None:
         self.reason = f"kept your loader: {why}"
         self.warn(f"PrefetchTuner: {why}; training continues with your loader's settings")
@@ -236,7 +211,7 @@ class OnlineSearch:
         no wait (the bench stream's hand-over to 8 workers blocked 0.95 s before). The guess is
         the search's own first proposal from this one step; if the full measurement proposes
         otherwise (or calls the run compute-bound), it is dropped. Steps the forking disturbed
-        are left out of the measurement (:meth:`_note_disturbance`).
+        are left out of the measurement (:class:`~lightning_accel.prefetch.start_steps.StartSteps`).
         """
         n = len(self.meter)
         # Only from a start without workers: its steps wait on the loading itself, while a start with
@@ -256,7 +231,7 @@ class OnlineSearch:
         if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
             room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
             lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
-        lead = max(lead, self._skip + min(2, self.trial_steps) - n)
+        lead = max(lead, self.warmup_steps + min(2, self.trial_steps) - n)
         self.search, self.measured, self.cpu_note = None, None, ""
         if candidate is None:
             return
@@ -288,7 +263,7 @@ class OnlineSearch:
 
     def _start_search(self, stop: int | None = None) -> None:
         """Decide whether to search, from the start's steps after the warm-up (up to ``stop``), and begin."""
-        clean = self._clean_steps(stop)
+        clean = self._steps.clean(stop)
         measured = self.measured = self.meter.stats_of(clean)
         if measured.wait_fraction <= self.data_bound_fraction:
             self.reason = (

@@ -1,0 +1,178 @@
+"""The online search without Lightning: a plain loop feeds it, a simulated clock times the steps.
+
+The meter's clock is simulated, so the start's measurement (and with it the data-bound
+verdict) is exact; candidates are judged on the real finish times of a real
+``TunableLoader``'s workers, over an in-memory dataset whose items sleep.
+"""
+
+from __future__ import annotations
+
+import ast
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_accel.prefetch as prefetch_package
+from lightning_accel.prefetch import Budget, LoaderSettings, OnlineSearch, TunableLoader, WaitMeter
+from lightning_accel.prefetch.cache import load as cache_load
+from lightning_accel.prefetch.report import search_report, trials_csv
+from lightning_accel.prefetch.search import Trial
+
+
+class Sleepy(Dataset):
+    """Item ``i`` is ``i``, made in ``latency_s``."""
+
+    def __init__(self, n: int, latency_s: float = 0.0) -> None:
+        self.n, self.latency_s = n, latency_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return torch.tensor(i)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def online_search(loader: TunableLoader, clock: Clock, **kwargs) -> tuple[OnlineSearch, list[str], list[str]]:
+    said: list[str] = []
+    warned: list[str] = []
+    meter = WaitMeter(clock=clock, cpu_clock=lambda: 0.0)  # the loading looks I/O-bound: no CPU time while waiting
+    kwargs = dict(warmup_steps=1, trial_steps=3, early=False, say=said.append, warn=warned.append) | kwargs
+    return OnlineSearch(loader, Budget(2, 1 << 30), None, meter, **kwargs), said, warned
+
+
+def train(online: OnlineSearch, clock: Clock, wait_s: float, step_s: float, steps: int | None = None) -> list[tuple[int, LoaderSettings]]:
+    """A training loop: each batch arrives after ``wait_s`` and its step takes ``step_s`` (simulated);
+    returns each batch's sample and the settings that served it."""
+    served = []
+    online.start()
+    for batch in online.loader:
+        served.append((int(batch), online.loader.settings))
+        clock.t += wait_s
+        online.batch_arrived()
+        clock.t += step_s
+        online.step_ended(batch)
+        if steps is not None and len(served) == steps:
+            break
+    return served
+
+
+def test_compute_bound_keeps_the_loader_and_says_why():
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Sleepy(12), batch_size=None))
+    online, said, warned = online_search(loader, clock)
+    try:
+        served = train(online, clock, wait_s=0.001, step_s=0.1)
+    finally:
+        loader.close()
+    # Steps 1-3 measured (step 0 is the warm-up): 1 ms waiting per 101 ms, 1% <= 10%.
+    assert online.done and online.finished_step == 4
+    assert online.reason == "kept your loader: compute-bound (1% of the time waiting <= 10%)"
+    assert online.chosen is None and online.search is None and loader.switches == 0
+    assert [s for _, s in served] == [LoaderSettings(0)] * 12 and [i for i, _ in served] == list(range(12))
+    assert online.report() == (
+        "PrefetchTuner: kept your loader: compute-bound (1% of the time waiting <= 10%)\n"
+        "  measured over 3 steps: wait 1.0 ms, step 100.0 ms (1% waiting)"
+    )
+    assert said == warned == []
+
+
+def test_data_bound_proposes_workers_that_take_over_at_the_prepared_batch(tmp_path):
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Sleepy(48, latency_s=0.02), batch_size=None, shuffle=True))
+    prepared: list[tuple[int, LoaderSettings, int]] = []
+    original = loader.prepare
+
+    def spy(settings: LoaderSettings, lead: int = 1) -> None:
+        prepared.append((loader.consumed, settings, lead))
+        original(settings, lead)
+
+    loader.prepare = spy  # type: ignore[method-assign]
+    cache_path = str(tmp_path / "tuned.json")
+    online, said, warned = online_search(loader, clock, cache_path=cache_path, cache_key="k")
+    try:
+        # 50 ms waiting per 5 ms step: steps 1 and 2 each waited longer than they computed (clearly data-bound).
+        served = train(online, clock, wait_s=0.05, step_s=0.005)
+        online.end()
+    finally:
+        loader.close()
+    assert sorted(i for i, _ in served) == list(range(48))  # every hand-over lost and repeated nothing
+    assert online.measured is not None and online.measured.steps == 2
+    at, first, lead = prepared[0]
+    assert at == 3 and first.num_workers >= 1 and lead >= 1  # proposed right after the measuring steps
+    # The start serves every batch before the hand-over, the candidate the one it was prepared for.
+    assert [s for _, s in served[: at + lead]] == [LoaderSettings(0)] * (at + lead)
+    assert served[at + lead][1] == first
+    # Start: 50 ms per batch (the simulated wait); two workers at 20 ms per item: ~10 ms, far beyond the noise.
+    trials = online.search.trials
+    assert trials[0].settings == LoaderSettings(0) and trials[0].interval_s == pytest.approx(0.05)
+    assert online.chosen is not None and online.chosen.num_workers >= 1, online.report()
+    assert online.search.best.interval_s < 0.5 * trials[0].interval_s
+    assert all(t.settings.num_workers <= 2 for t in trials)  # held to the budget
+    assert online.reason.startswith(f"best of {len(trials)} measured online")
+    assert cache_load(cache_path, "k") == online.chosen
+    assert "<- chosen" in online.report() and said == warned == []
+
+
+def test_training_that_ends_before_the_first_hand_over_keeps_the_start_and_caches_nothing(tmp_path):
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Sleepy(24, latency_s=0.01), batch_size=None))
+    cache_path = tmp_path / "tuned.json"
+    online, _, _ = online_search(loader, clock, cache_path=str(cache_path))
+    try:
+        train(online, clock, wait_s=0.05, step_s=0.005, steps=3)  # the search starts at step 3, then training ends
+        assert online.search is not None and not online.done
+        assert online.end() and not online.end()  # cut short once; then nothing is left to end
+    finally:
+        loader.close()
+    assert online.reason == "kept your loader: no candidate of 0 waited less by more than the noise; training ended before the search did"
+    assert online.chosen is None and online.finished_step == 3
+    assert not cache_path.exists()  # an unfinished "keep" is no answer for the next run
+
+
+def test_a_candidate_that_cannot_be_built_is_warned_about_once_and_the_start_serves_on(monkeypatch):
+    monkeypatch.setattr(multiprocessing, "get_start_method", lambda *a, **k: "spawn")
+    data = Sleepy(16)
+    data.hook = lambda x: x  # cannot be pickled into spawned workers
+    clock = Clock()
+    loader = TunableLoader(DataLoader(data, batch_size=None))
+    online, said, warned = online_search(loader, clock)
+    try:
+        served = train(online, clock, wait_s=0.05, step_s=0.005)
+    finally:
+        loader.close()
+    assert len(warned) == 1 and warned[0].startswith("PrefetchTuner: dataset Sleepy cannot be pickled for 'spawn' workers")
+    assert warned[0].endswith("; training continues with your loader's settings") and said == []
+    assert online.reason.startswith("kept your loader: dataset Sleepy cannot be pickled") and online.chosen is None
+    assert online.done and online.finished_step == 3
+    assert [s for _, s in served] == [LoaderSettings(0)] * 16 and loader.switches == 0
+
+
+def test_report_of_a_search_that_never_ran_is_its_reason_and_csv_has_a_row_per_trial():
+    assert search_report("from cache tuned.json") == "PrefetchTuner: from cache tuned.json"
+    trials = [Trial(LoaderSettings(0), 0.05, 0.05), Trial(LoaderSettings(2, 2), 0.01, 0.0)]
+    assert trials_csv(trials) == (
+        "num_workers,prefetch_factor,pin_memory,ms_per_batch,batches_per_s\n0,0,0,50.000,20.000\n2,2,0,10.000,100.000\n"
+    )
+
+
+def test_the_prefetch_package_never_imports_lightning():
+    # Mechanism packages stay Lightning-free; the callbacks are the only adapters.
+    for path in sorted(Path(prefetch_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names), path
