@@ -139,7 +139,7 @@ class PrefetchTuner(Callback):
             data_bound_fraction=self.data_bound_fraction, cache_path=self.cache_path, cache_key=self._cache_key,
             early=self.early, guess=self.guess, max_lead=self.max_lead, remeasure=self.remeasure,
             cpu_busy_threshold=self.cpu_busy_threshold, say=rank_zero_info, warn=rank_zero_warn,
-        )  # fmt: skip
+        )
         self.online.start()
 
     def _cached(self, trainer: pl.Trainer, budget: Budget) -> LoaderSettings | None:

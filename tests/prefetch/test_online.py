@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import lightning_accel.prefetch as prefetch_package
 from lightning_accel.prefetch import Budget, LoaderSettings, OnlineSearch, TunableLoader, WaitMeter
@@ -36,6 +36,18 @@ class Sleepy(Dataset):
         if self.latency_s:
             time.sleep(self.latency_s)
         return torch.tensor(i)
+
+
+class Ticks(IterableDataset):
+    """A stream of ``0, 1, ...``, each item made in ``latency_s``, that cannot report its position."""
+
+    def __init__(self, n: int, latency_s: float) -> None:
+        self.n, self.latency_s = n, latency_s
+
+    def __iter__(self):
+        for i in range(self.n):
+            time.sleep(self.latency_s)
+            yield torch.tensor(i)
 
 
 class Clock:
@@ -159,6 +171,30 @@ def test_a_candidate_that_cannot_be_built_is_warned_about_once_and_the_start_ser
     assert online.reason.startswith("kept your loader: dataset Sleepy cannot be pickled") and online.chosen is None
     assert online.done and online.finished_step == 3
     assert [s for _, s in served] == [LoaderSettings(0)] * 16 and loader.switches == 0
+
+
+def test_a_stream_without_a_position_is_probed_in_one_pause_and_serves_from_the_next_epoch():
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Ticks(24, latency_s=0.01), batch_size=None))
+    online, said, warned = online_search(loader, clock)
+    try:
+        served = train(online, clock, wait_s=0.05, step_s=0.005)
+        # Decided at step 3 by probing the candidates alone, 10 ms items against the start's 50 ms per batch.
+        assert online.done and online.finished_step == 3 and online.measurement_cost_s > 0
+        assert online.chosen is not None and online.chosen.num_workers >= 1, online.report()
+        when = (
+            "used from the next epoch (Ticks cannot report its position (no state_dict/load_state_dict)); "
+            "pass stream_switch='restart' to switch now, restarting the stream"
+        )
+        assert said == [f"PrefetchTuner: {online.chosen.label()} {when}"] and warned == []
+        assert online.reason == f"fastest of {len(online.search.trials)} probed within the budget, {when}"
+        # This epoch ran on the start to its end, unbroken; the next one starts on the chosen settings.
+        assert [i for i, _ in served] == list(range(24)) and {s for _, s in served} == {LoaderSettings(0)}
+        assert loader.preparing == online.chosen
+        next(iter(loader))
+        assert loader.settings == online.chosen
+    finally:
+        loader.close()
 
 
 def test_report_of_a_search_that_never_ran_is_its_reason_and_csv_has_a_row_per_trial():
