@@ -32,14 +32,18 @@ batch boundary of the epoch's fixed order, so no sample is repeated or skipped.
 
 Noise and cores. Each measurement carries its spread, taken on the spot (the standard
 error over the steps, or over the workers' item times): a candidate replaces the start
-only when it waits less by more than twice their combined spread, and among
-candidates within that margin the fewest workers win. A candidate whose first samples
+only when it waits less by more than twice their combined spread; among the candidates
+that do, the mean wait decides (more workers must cut it by more than a negligible share
+of the step: :attr:`PrefetchSearch.best`). A candidate whose first samples
 cannot tell it from the best where it would matter is measured longer while it serves
 (up to ``remeasure`` times its usual batches) rather than judged on the draw. Items that keep the workers on
 the CPU (the share of CPU time while loading, measured in this process without workers
 and from ``/proc`` with them, as time on a CPU over the time not spent queued for one,
 so a shared machine makes them look neither idle nor busy) hold the worker count to the rank's CPU budget
-(:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that.
+(:func:`~lightning_accel.cpu_budget.cpu_budget`); I/O-bound ones may use 4x that. With
+such items a candidate is judged on the batches its workers made after taking over: the
+ones made during the hand-over shared the cores with the loader being replaced (JPEG
+decoding: a batch every 79 ms then, ~20 ms settled), which made more workers look slower.
 
 Streams. An iterable dataset that reports its position (the protocol of
 :mod:`~lightning_accel.prefetch.stream`) is tuned online like a map-style epoch: each
@@ -82,6 +86,13 @@ def _verdict_batches(workers: int) -> int:
     """Batches a candidate with ``workers`` serves before its verdict: two rounds, and at least three
     item times for their spread (two gave +-46 ms)."""
     return 2 * workers if workers > 2 else workers + 3
+
+
+def _verdict_after(candidate: LoaderSettings, settled: bool) -> int:
+    """Steps from a candidate's hand-over to its verdict: :func:`_verdict_batches`, after the batches
+    its workers buffered before the hand-over when only settled batches count."""
+    workers = max(1, candidate.num_workers)
+    return _verdict_batches(workers) + (candidate.buffered_batches if settled else 0)
 
 
 class OnlineSearch:
@@ -144,6 +155,9 @@ class OnlineSearch:
         self.measured: WaitStats | None = None
         self.reason = "not run"
         self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
+        # Items keep the loader on a CPU: candidates are judged on the batches made after they took over
+        # (TunableLoader.settled_stamps), not on those made while the loader they replace still ran.
+        self.cpu_bound = False
         self.measurement_cost_s = 0.0
         self.finished_step: int | None = None  # the step at which the search decided
         self.remeasured = 0  # candidates measured longer because their first samples could not decide
@@ -229,7 +243,7 @@ class OnlineSearch:
         # none: the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way.
         lead = 0
         if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
-            room = self.max_search_steps - n - _verdict_batches(max(1, candidate.num_workers))
+            room = self.max_search_steps - n - _verdict_after(candidate, self.cpu_bound)
             lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
         lead = max(lead, self.warmup_steps + min(2, self.trial_steps) - n)
         self.search, self.measured, self.cpu_note = None, None, ""
@@ -251,6 +265,7 @@ class OnlineSearch:
         # The first steps already measured the start: without workers the loader works only while
         # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
         # arrives every wait + step. Their spread over the steps is the noise of that measurement.
+        self.cpu_bound = False  # until this measurement or a candidate's says otherwise
         waits, steps = [self.meter.waits[i] for i in indices], [self.meter.steps[i] for i in indices]
         samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
         self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
@@ -284,7 +299,11 @@ class OnlineSearch:
     def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
         """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
         assert self.search is not None
-        if busy is None or busy < self.cpu_busy_threshold or self.cpu is None or self.search.budget.max_workers <= self.cpu.cores:
+        if busy is None or busy < self.cpu_busy_threshold:
+            return
+        self.cpu_bound = True
+        self.search.cpu_cores = self.cpu.cores if self.cpu is not None else 1
+        if self.cpu is None or self.search.budget.max_workers <= self.cpu.cores:
             return
         self.search.budget = Budget(self.cpu.cores, self.search.budget.memory_bytes)
         self.cpu_note = f"CPU-bound items ({100 * busy:.0f}% on a CPU when not queued, {where}): workers held to the CPU budget, {self.cpu}"
@@ -327,7 +346,7 @@ class OnlineSearch:
         if candidate is not None:
             # The verdict on a candidate needs 2 w of its batches after the hand-over. Steps served while the
             # workers start fit in what is left of the search's steps; past that, the hand-over waits for them.
-            verdict = len(self.meter) + _verdict_batches(max(1, candidate.num_workers))
+            verdict = len(self.meter) + _verdict_after(candidate, self.cpu_bound)
             lead = max(min(self._lead(candidate), self.max_search_steps - verdict), self._lead(candidate, starting=False))
             if not over and verdict + lead > self.max_search_steps:
                 candidate = None
@@ -351,7 +370,9 @@ class OnlineSearch:
         if self.loader.settings != candidate:
             return  # still being prepared
         w = max(1, candidate.num_workers)
-        stamps = self.loader.stamps
+        # CPU-bound items: only the batches made after the hand-over, once the workers have the cores
+        # to themselves (made during it, JPEG batches came every 79 ms where settled workers took ~20).
+        stamps = self.loader.settled_stamps() if self.cpu_bound and not ending else self.loader.stamps
         needed = _verdict_batches(w) if not ending else w + 1
         if len(stamps) < needed:
             return

@@ -251,3 +251,32 @@ def test_a_start_over_a_shrunk_budget_gives_way_to_the_best_that_fits_without_be
     two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.032, 0.010)  # a draw with the start
     search.budget = Budget(2, 10_000 * MB)  # CPU-bound items: 2 cores
     assert not search.beats(two, search.trials[0]) and search.best is two
+
+
+def test_fewer_cpu_bound_workers_that_could_not_win_are_not_measured():
+    # bench prefetch, jpeg, quiet machine: the start 95.5 ms, 2 workers 16.1 ms a batch over a 15.1 ms step,
+    # 2 cores. One worker has a core of its own at best (2 workers and training shared 2 cores): 21.5 ms.
+    def searched(cpu_cores):
+        search = PrefetchSearch(LoaderSettings(), step_s=0.0151, batch_bytes=MB, budget=Budget(2, 10_000 * MB), cpu_cores=cpu_cores)
+        search.record(search.propose(), 0.0955, 0.002, fastest_s=0.09)
+        two = search.propose()
+        assert two.num_workers == 2
+        search.record(two, 0.0161, 0.0005)
+        return search.propose()
+
+    assert searched(None) == LoaderSettings(1, 2, persistent_workers=True)  # unknown cores: measured, as before
+    assert searched(2) is None  # at best 21.5 - 15.1 = 6.4 ms of wait against 1.0: it could not be chosen
+    # 4 workers on 2 cores shared 5 ways: one item at best 16.1 x 4 x 2/5 = 25.8 ms, so 2 workers might keep up.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.0151, batch_bytes=MB, budget=Budget(4, 10_000 * MB), cpu_cores=2)
+    search.record(search.propose(), 0.0955, 0.002, fastest_s=0.09)
+    four = search.propose()
+    assert four.num_workers == 4  # the model's jump: 95.5 / 15.1 = 6.3 workers, within the budget of 4
+    search.record(four, 0.0161, 0.0005)
+    assert search.propose() == LoaderSettings(2, 2, persistent_workers=True)
+
+
+def test_prefetch_factor_is_not_searched():
+    # Buffers cannot raise the rate the wait is predicted from: a deeper prefetch_factor could only win by noise.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.01, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    asked = run(search, lambda s: 0.1 if s.num_workers == 0 else 0.04 / s.num_workers)
+    assert all(s.prefetch_factor in (None, 2) for s in asked)
