@@ -11,9 +11,11 @@ order that loader would have, mid-epoch after a resume included; any other loade
 kept when fit resumed part-way through an epoch (its position is unknown).
 
 For a loader without a length (a stream), Lightning's fetcher has already read one batch
-ahead, and without workers that read moved the dataset's own position. It is thrown away
-with the old iterator, so a replacement that resumes from that position is told to
-``rewind`` by the batches read, or they would never be trained on.
+ahead, and without workers that read moved the dataset's own position. A replacement
+that resumes from that position is handed those batches to serve first
+(``serve_first``), when the fetcher's batches are the loader's own (a single loader
+passed as itself); otherwise it is told to ``rewind`` by the batches read and reads them
+again, or they would never be trained on.
 """
 
 from __future__ import annotations
@@ -44,11 +46,26 @@ def swap_train_loader(trainer: pl.Trainer, wrap: Callable[[Any], Any]) -> str | 
         # the replacement serves the same order from there.
         replacement.load_state_dict(loaders[0].state_dict())
     read_here = _batches_read_in_process(combined)
-    if read_here and hasattr(replacement, "rewind"):
-        replacement.rewind(read_here)
+    if read_here:
+        ahead = _read_ahead(fit_loop._data_fetcher, combined, read_here)
+        served = ahead is not None and hasattr(replacement, "serve_first") and replacement.serve_first(ahead)
+        if not served and hasattr(replacement, "rewind"):
+            replacement.rewind(read_here)
     combined.flattened = [replacement]
     iter(fit_loop._data_fetcher)  # re-create the epoch iterator over the replacement
     return None
+
+
+def _read_ahead(fetcher: Any, combined: Any, count: int) -> list | None:
+    """The ``count`` batches the fetcher read ahead, as the user's loader made them; ``None`` where the
+    combined loader wraps them in a structure of several loaders' batches (its spec is not a leaf)."""
+    fetched = getattr(fetcher, "batches", None)
+    is_leaf = getattr(getattr(combined, "_spec", None), "is_leaf", None)
+    if not isinstance(fetched, list) or len(fetched) != count or not callable(is_leaf) or not is_leaf():
+        return None
+    if not all(isinstance(item, tuple) and len(item) == 3 for item in fetched):  # (batch, batch_idx, dataloader_idx)
+        return None
+    return [item[0] for item in fetched]
 
 
 def _batches_read_in_process(combined: Any) -> int:

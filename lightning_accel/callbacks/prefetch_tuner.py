@@ -38,7 +38,11 @@ def _positive_int(name: str, value: Any, hint: str) -> None:
 
 
 class PrefetchTuner(Callback):
-    """Tunes ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``persistent_workers`` of the train loader.
+    """Tunes ``num_workers``, ``pin_memory`` and ``persistent_workers`` of the train loader.
+
+    ``prefetch_factor`` stays the loader's own (2 by default), bounded by the memory budget:
+    buffers absorb uneven items but cannot raise the rate the workers make batches at, which
+    is what the search measures (see :attr:`~lightning_accel.prefetch.PrefetchSearch.best`).
 
     Args:
         max_workers: worker processes per rank at most; ``None``: 4 x the rank's CPU budget
@@ -48,7 +52,8 @@ class PrefetchTuner(Callback):
         warmup_steps: steps ignored before measuring (worker start-up, the epoch's set-up).
         trial_steps: steps measured at most to decide whether training is data-bound; two are
             enough when each waited longer for its batch than it computed (clearly data-bound;
-            two also give the measurement its spread).
+            two also give the measurement its spread), one when the warm-up step waited over 3x
+            as long as it computed and the first candidate's workers started right after it.
         max_search_steps: the search must be decided by this step; it starts after step
             ``warmup_steps + trial_steps``, which must come before it, and tries no candidate
             it could not judge in time.

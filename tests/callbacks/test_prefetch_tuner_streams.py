@@ -156,3 +156,26 @@ def test_a_start_over_the_cpu_budget_is_brought_back_within_it(recorder, make_tr
     assert "CPU-bound items" in tuner.cpu_note and "4 workers" in tuner.cpu_note, tuner.report()
     assert tuner.loader.settings.num_workers <= 1 and tuner.loader.switches >= 1, tuner.report()
     assert sorted(model.indices) == list(range(40))
+
+
+READS: list[int] = []  # positions CountedPositions read in this process, by any copy of it
+
+
+class CountedPositions(PositionStream):
+    """An endless stream of instant items that records every position it (or a copy of it) reads."""
+
+    def read(self, position: int):
+        READS.append(position)
+        return torch.tensor(position), torch.full((4,), float(position))
+
+
+def test_the_batch_lightning_read_ahead_of_a_stream_is_served_not_read_again(recorder, make_trainer):
+    # Lightning's fetcher reads one batch of a loader without a length before on_train_start; the tuned
+    # loader serves that batch first instead of reading its items again (a whole item's latency each).
+    stream, _ = CountedPositions(), READS.clear()
+    tuner = PrefetchTuner()
+    model = recorder(step_s=0.01)  # instant items: compute-bound, no worker ever starts
+    make_trainer([tuner], max_steps=12).fit(model, DataLoader(stream, batch_size=2))
+    assert "compute-bound" in tuner.reason, tuner.report()
+    assert model.indices == list(range(24))  # every position once, in order
+    assert len(READS) == len(set(READS)) and READS[:24] == list(range(24)), READS[:8]
