@@ -59,6 +59,7 @@ functions the caller passes (the callback passes rank-zero ones).
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -193,6 +194,9 @@ class OnlineSearch:
                 self._start_early()
             self._steps.note(self.loader.starting)
         else:
+            # The step time so far, past the warm-up: the median, so steps a background start of workers
+            # disturbed do not move it (PrefetchSearch.restep says why it is re-measured).
+            self.search.restep(statistics.median(self.meter.steps[self.warmup_steps :] or self.meter.steps))
             self._advance()
         if self.done:
             self.finished_step = len(self.meter)

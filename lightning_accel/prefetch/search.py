@@ -118,6 +118,20 @@ class PrefetchSearch:
         # Without workers the loader only runs while the step waits for it: no overlap.
         return interval_s if settings.num_workers == 0 else max(0.0, interval_s - self.step_s)
 
+    def restep(self, step_s: float) -> None:
+        """The step time, measured again: every trial's predicted wait follows it.
+
+        The first steps carry warm-up (a ResNet on CPU: 424 ms at step 1, ~150 ms later; on a
+        GPU autotuning or compilation), and judged against them a count of workers that
+        leaves every later step waiting looks sufficient. All trials are judged against the
+        same, current step time.
+        """
+        if step_s <= 0:
+            return
+        self.step_s = step_s
+        for trial in self.trials:
+            trial.wait_s = self._wait(trial.settings, trial.interval_s)
+
     def record(
         self, settings: LoaderSettings, interval_s: float, spread_s: float = 0.0, fastest_s: float | None = None
     ) -> Trial:

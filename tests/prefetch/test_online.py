@@ -212,3 +212,29 @@ def test_the_prefetch_package_never_imports_lightning():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n == "lightning" or n.startswith(("lightning.", "pytorch_lightning")) for n in names), path
+
+
+def test_candidates_are_judged_against_the_step_time_past_the_warm_up():
+    # The first three steps take 300 ms (warm-up: autotuning, first allocations), every later one 20 ms:
+    # the search's step time follows the median of the steps after step 0, not the start's measurement.
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Sleepy(40, latency_s=0.02), batch_size=None))
+    online, said, warned = online_search(loader, clock)
+    steps: list[float] = []
+    try:
+        online.start()
+        for n, batch in enumerate(loader):
+            clock.t += 0.1 if online.search is None else 0.0  # the start waits; candidates' waits do not matter here
+            online.batch_arrived()
+            steps.append(0.3 if n < 3 else 0.02)
+            clock.t += steps[-1]
+            online.step_ended(batch)
+            if online.done:
+                break
+    finally:
+        loader.close()
+    assert online.measured is not None and online.measured.step_s > 0.2  # steps 1-3, two of them warm-up
+    assert online.search is not None and online.search.step_s == pytest.approx(sorted(steps[1:])[len(steps[1:]) // 2])
+    assert online.search.step_s == pytest.approx(0.02)  # by the end most steps were steady
+    for trial in online.search.trials[1:]:  # every candidate's predicted wait is against the current step
+        assert trial.wait_s == pytest.approx(max(0.0, trial.interval_s - 0.02))

@@ -280,3 +280,18 @@ def test_prefetch_factor_is_not_searched():
     search = PrefetchSearch(LoaderSettings(), step_s=0.01, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
     asked = run(search, lambda s: 0.1 if s.num_workers == 0 else 0.04 / s.num_workers)
     assert all(s.prefetch_factor in (None, 2) for s in asked)
+
+
+def test_waits_follow_the_step_time_measured_again():
+    # Judged against a warm-up step (300 ms) both counts leave no wait and the fewest win; against the
+    # steady 20 ms step one worker leaves 40 ms a step and two 10 ms.
+    search = PrefetchSearch(LoaderSettings(), step_s=0.3, batch_bytes=MB, budget=Budget(2, 10_000 * MB))
+    start = search.record(LoaderSettings(), 0.100, 0.001, fastest_s=0.099)
+    one = search.record(LoaderSettings(1, 2, persistent_workers=True), 0.060, 0.001)
+    two = search.record(LoaderSettings(2, 2, persistent_workers=True), 0.030, 0.001)
+    assert one.wait_s == two.wait_s == 0.0 and search.best is one
+    search.restep(0.020)
+    assert start.wait_s == 0.100  # without workers nothing overlaps: the wait is the interval, whatever the step
+    assert one.wait_s == pytest.approx(0.040) and two.wait_s == pytest.approx(0.010) and search.best is two
+    search.restep(0.0)  # no measurement: nothing changes
+    assert search.step_s == 0.020
