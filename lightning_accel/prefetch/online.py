@@ -156,9 +156,6 @@ class OnlineSearch:
         self.measured: WaitStats | None = None
         self.reason = "not run"
         self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
-        # Items keep the loader on a CPU: candidates are judged on the batches made after they took over
-        # (TunableLoader.settled_stamps), not on those made while the loader they replace still ran.
-        self.cpu_bound = False
         self.measurement_cost_s = 0.0
         self.finished_step: int | None = None  # the step at which the search decided
         self.remeasured = 0  # candidates measured longer because their first samples could not decide
@@ -272,7 +269,6 @@ class OnlineSearch:
         # The first steps already measured the start: without workers the loader works only while
         # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
         # arrives every wait + step. Their spread over the steps is the noise of that measurement.
-        self.cpu_bound = False  # until this measurement or a candidate's says otherwise
         waits, steps = [self.meter.waits[i] for i in indices], [self.meter.steps[i] for i in indices]
         samples = waits if start.num_workers == 0 else [w + s for w, s in zip(waits, steps)]
         self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
@@ -303,12 +299,18 @@ class OnlineSearch:
             return
         self._next_candidate()
 
+    @property
+    def cpu_bound(self) -> bool:
+        """The search learnt that items keep the loader on a CPU: candidates are then judged on the batches
+        made after they took over (TunableLoader.settled_stamps), not on those made while the loader they
+        replace still ran."""
+        return self.search is not None and self.search.cpu_cores is not None
+
     def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
         """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
         assert self.search is not None
         if busy is None or busy < self.cpu_busy_threshold:
             return
-        self.cpu_bound = True
         self.search.cpu_cores = self.cpu.cores if self.cpu is not None else 1
         if self.cpu is None or self.search.budget.max_workers <= self.cpu.cores:
             return
