@@ -53,7 +53,9 @@ class PrefetchTuner(Callback):
         trial_steps: steps measured at most to decide whether training is data-bound; two are
             enough when each waited longer for its batch than it computed (clearly data-bound;
             two also give the measurement its spread), one when the warm-up step waited over 3x
-            as long as it computed and the first candidate's workers started right after it.
+            as long as it computed and the first candidate's workers started right after it,
+            none when they started while the first batch loaded (``speculate``): the warm-up
+            step's verdict then waits for those workers' own measurement of the items.
         max_search_steps: the search must be decided by this step; it starts after step
             ``warmup_steps + trial_steps``, which must come before it, and tries no candidate
             it could not judge in time.
@@ -63,7 +65,7 @@ class PrefetchTuner(Callback):
             ``"next_epoch"`` (default, loses no data) or ``"restart"`` (the tuned settings
             serve now and the stream starts again from its beginning).
 
-    The attributes ``early``, ``guess``, ``max_lead``, ``remeasure`` and ``cpu_busy_threshold``
+    The attributes ``early``, ``speculate``, ``guess``, ``max_lead``, ``remeasure`` and ``cpu_busy_threshold``
     (see :class:`~lightning_accel.prefetch.online.OnlineSearch`) may be set before fit.
     """
 
@@ -106,6 +108,7 @@ class PrefetchTuner(Callback):
         self.cache_path = cache_path
         self.data_bound_fraction = data_bound_fraction
         self.early = True  # start the likely first candidate's workers while the start is measured
+        self.speculate = True  # ... already while the first batch loads, when it is slower than a worker's start
         self.guess = True  # let the start's measurement pick where the doubling starts
         self.max_lead = 16  # steps a candidate's workers may fill up before taking over
         self.remeasure = 4  # an undecided candidate is measured on up to this many times its usual batches
@@ -142,7 +145,7 @@ class PrefetchTuner(Callback):
             self.loader, budget, self.cpu, self.meter, cuda=pl_module.device.type == "cuda",
             warmup_steps=self.warmup_steps, trial_steps=self.trial_steps, max_search_steps=self.max_search_steps,
             data_bound_fraction=self.data_bound_fraction, cache_path=self.cache_path, cache_key=self._cache_key,
-            early=self.early, guess=self.guess, max_lead=self.max_lead, remeasure=self.remeasure,
+            early=self.early, speculate=self.speculate, guess=self.guess, max_lead=self.max_lead, remeasure=self.remeasure,
             cpu_busy_threshold=self.cpu_busy_threshold, say=rank_zero_info, warn=rank_zero_warn,
         )
         self.online.start()

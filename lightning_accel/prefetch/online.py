@@ -6,11 +6,18 @@ at ``on_train_start``) wraps the train ``DataLoader`` in a
 :class:`OnlineSearch` each step: the batch arrived, the step ended (a
 :class:`~lightning_accel.prefetch.WaitMeter` times both). The first
 ``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
-From a start without workers, a first step that waited longer than it computed already
-starts the likely first candidate's workers in the background, so that their start-up
-(forking each, about 80 ms under load) and first items overlap the measuring steps; the
-steps the forking disturbed are left out of the measurement, and the candidate is
-dropped if the measurement says compute-bound or proposes another.
+From a start without workers, a first batch that has taken longer to load here than a
+worker takes to start already starts workers, while it loads (:meth:`TunableLoader.speculate
+<lightning_accel.prefetch.TunableLoader.speculate>`; :mod:`~lightning_accel.prefetch.slow_batch`
+says why then): the worker budget for I/O-bound loading, a worker per core for CPU-bound.
+If that first step waited longer than it computed, they serve from the next batch and are
+the first candidate measured, and their measurement of the items, not the warm-up step
+alone, decides whether the run is data-bound (:meth:`OnlineSearch._verify_start`); else
+they are dropped. Otherwise a first step that waited longer than it computed starts the
+likely first candidate's workers in the background, so that their start-up (forking each,
+about 80 ms under load) and first items overlap the measuring steps; the steps the forking
+disturbed are left out of the measurement, and the candidate is dropped if the
+measurement says compute-bound or proposes another.
 Only if waiting takes more than ``data_bound_fraction`` of the time does it search, and
 it searches online, in the spirit of tf.data AUTOTUNE: the next candidate's loader is
 built and its workers started in the background while training goes on consuming the
@@ -66,12 +73,13 @@ from typing import Any
 
 from lightning_accel.cpu_budget import CpuBudget
 from lightning_accel.prefetch import cache
+from lightning_accel.prefetch.first_batch import FirstBatchWorkers, restate_start
 from lightning_accel.prefetch.handover import handover_lead
 from lightning_accel.prefetch.inner_loader import worker_start_s
 from lightning_accel.prefetch.loader_rebuild import RebuildError
 from lightning_accel.prefetch.probe import batch_nbytes
 from lightning_accel.prefetch.report import search_report
-from lightning_accel.prefetch.search import Budget, PrefetchSearch, spread
+from lightning_accel.prefetch.search import Budget, PrefetchSearch, Trial, spread
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.start_steps import StartSteps
 from lightning_accel.prefetch.stream_probe import probe_stream
@@ -112,6 +120,8 @@ class OnlineSearch:
         cuda: batches go to a CUDA device (pinning helps).
         cache_path, cache_key: where the outcome is stored for the next run (not stored without a path).
         early: start the likely first candidate's workers while the start is measured.
+        speculate: with ``early``, from a start without workers, start workers already while the
+            first batch loads, once it has taken longer than a worker takes to start.
         guess: let the start's measurement pick where the doubling starts.
         max_lead: steps a candidate's workers may fill up before taking over.
         remeasure: an undecided candidate is measured on up to this many times its usual batches.
@@ -135,6 +145,7 @@ class OnlineSearch:
         cache_path: str | None = None,
         cache_key: str = "",
         early: bool = True,
+        speculate: bool = True,
         guess: bool = True,
         max_lead: int = 16,
         remeasure: int = 4,
@@ -148,6 +159,7 @@ class OnlineSearch:
         self.data_bound_fraction = data_bound_fraction
         self.cache_path, self.cache_key = cache_path, cache_key
         self.early, self.guess, self.max_lead, self.remeasure = early, guess, max_lead, remeasure
+        self.speculate = speculate
         self.cpu_busy_threshold = cpu_busy_threshold
         self.say, self.warn = say, warn
         self.done = False
@@ -156,6 +168,7 @@ class OnlineSearch:
         self.measured: WaitStats | None = None
         self.reason = "not run"
         self.cpu_note = ""  # set when CPU-bound items held the workers to the CPU budget
+        self.start_note = ""  # set when the start was restated from its first candidate's workers
         self.measurement_cost_s = 0.0
         self.finished_step: int | None = None  # the step at which the search decided
         self.remeasured = 0  # candidates measured longer because their first samples could not decide
@@ -164,11 +177,31 @@ class OnlineSearch:
         self._batch_bytes = 0
         self._trying: LoaderSettings | None = None
         self._search_from = 0
+        self._start_unverified = False  # measured on the warm-up step alone: _verify_start judges it
+        self._speculation_judged = False
         self._steps = StartSteps(self.meter, warmup_steps, trial_steps)  # those that measure the start
+        self._first_batch = FirstBatchWorkers(self._start, budget, cpu, cuda, cpu_busy_threshold)
 
     def start(self) -> None:
         """Training is about to ask for its first batch."""
         self.meter.start()
+        if self.early and self.speculate and self._start.num_workers == 0 and self.loader.resumable:
+            # Past a worker's start-up, a first batch loaded here has cost more than a worker would.
+            self.loader.speculate(worker_start_s(), self._first_batch.choose)
+
+    def _judge_speculation(self) -> None:
+        """After the step whose slow batch started workers: they stay (:meth:`FirstBatchWorkers.keeps`), serve
+        from the next batch and are the first candidate measured, and the start is judged on their
+        measurement (:meth:`_verify_start`); or they are dropped, and the usual early start may follow."""
+        started = self.loader.speculated
+        if started is None or self._speculation_judged or started not in (self.loader.preparing, self.loader.settings):
+            return
+        self._speculation_judged = True
+        if self._first_batch.keeps(started, self.meter.stats(last=1), self._batch_bytes):
+            self.started_early = started
+            self._start_unverified = True
+        else:
+            self.loader.prepare(self._start, lead=0)
 
     def batch_arrived(self) -> None:
         """The step's batch arrived (the loop waited for it until now)."""
@@ -183,6 +216,7 @@ class OnlineSearch:
         self.meter.step_ended()
         if self.search is None:
             self._batch_bytes = batch_nbytes(batch)
+            self._judge_speculation()
             if self.loader.settings != self._start:  # the early candidate took over: measured until now
                 self._start_search(stop=len(self.meter) - 1)
             elif self._steps.enough():
@@ -210,7 +244,8 @@ class OnlineSearch:
     def report(self) -> str:
         """What was measured, tried and chosen, as one table."""
         return search_report(
-            self.reason, self.measured, self.search, self.chosen, self.finished_step, self.measurement_cost_s, self.cpu_note
+            self.reason, self.measured, self.search, self.chosen, self.finished_step, self.measurement_cost_s,
+            self.cpu_note, self.start_note,
         )
 
     def _keep(self, why: str) -> None:
@@ -283,14 +318,10 @@ class OnlineSearch:
         """Decide whether to search, from the start's steps after the warm-up (up to ``stop``), and begin."""
         clean = self._steps.clean(stop)
         measured = self.measured = self.meter.stats_of(clean)
-        if measured.wait_fraction <= self.data_bound_fraction:
-            self.reason = (
-                f"kept your loader: compute-bound ({100 * measured.wait_fraction:.0f}% of the time waiting "
-                f"<= {100 * self.data_bound_fraction:.0f}%)"
-            )
-            self.done = True
-            if self.loader.settings != self._start or self.loader.preparing is not None:
-                self.loader.prepare(self._start, lead=0)  # an early candidate is not needed
+        # Measured on the warm-up step alone (workers started while it loaded took over after it), the start
+        # is judged once those workers have measured its items again (_verify_start).
+        if not self._start_unverified and measured.wait_fraction <= self.data_bound_fraction:
+            self._compute_bound(measured.wait_fraction)
             return
         self._new_search(measured, clean)
         self._search_from = len(self.meter)
@@ -298,6 +329,33 @@ class OnlineSearch:
             self._probe_search()
             return
         self._next_candidate()
+
+    def _compute_bound(self, wait_fraction: float, why: str = "") -> None:
+        self.reason = (
+            f"kept your loader: compute-bound ({100 * wait_fraction:.0f}% of the time waiting "
+            f"<= {100 * self.data_bound_fraction:.0f}%{why})"
+        )
+        self.done = True
+        if self.loader.settings != self._start or self.loader.preparing is not None:
+            self.loader.prepare(self._start, lead=0)  # an early candidate is not needed
+
+    def _verify_start(self, trial: Trial, item_s: float) -> bool:
+        """Whether the run is data-bound, judged once the first candidate, started while the first batch
+        loaded, has measured the items again (:func:`restate_start`); if not, the start comes back."""
+        assert self.search is not None
+        start = self.search.trials[0]
+        first = 1000 * self.meter.waits[0]
+        if restate_start(start, item_s):
+            self.start_note = (
+                f"start restated from the first candidate's workers, {1000 * item_s:.1f} ms a batch each, "
+                f"where the warm-up step, its only measurement, waited {first:.0f} ms"
+            )
+        total = start.wait_s + self.search.step_s
+        fraction = start.wait_s / total if total > 0 else 0.0
+        if fraction > self.data_bound_fraction:
+            return True
+        self._compute_bound(fraction, f"; the first batch's {first:.0f} ms was one-off: workers made one in {1000 * item_s:.0f} ms")
+        return False
 
     @property
     def cpu_bound(self) -> bool:
@@ -345,8 +403,9 @@ class OnlineSearch:
         assert self.search is not None
         candidate = self.search.propose()
         early = self.started_early
-        if candidate is not None and candidate == early and early in (self.loader.settings, self.loader.preparing):
-            self._trying = candidate  # started early, while the start was measured
+        serving = early == self.loader.settings or (candidate == early and early == self.loader.preparing)
+        if early is not None and early != self._start and serving and all(t.settings != early for t in self.search.trials):
+            self._trying = early  # started early, while the start was measured; serving already, it is measured first
             return
         # Serving with more workers than a budget that shrank (CPU-bound items): the next
         # candidate, within it, is tried however late; it is the way back into the budget.
@@ -400,6 +459,10 @@ class OnlineSearch:
             self.search.trials.pop()
             return
         self.remeasured += len(stamps) > needed
+        if self._start_unverified:
+            self._start_unverified = False
+            if not self._verify_start(trial, statistics.median(items)):
+                return
         if candidate.num_workers:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{w} workers")
         self._trying = None

@@ -25,8 +25,10 @@ def search_report(
     finished_step: int | None = None,
     measurement_cost_s: float = 0.0,
     cpu_note: str = "",
+    start_note: str = "",
 ) -> str:
-    """``PrefetchTuner: <reason>``, then the start's measurement and one row per trial, if there were any."""
+    """``PrefetchTuner: <reason>``, then the start's measurement and one row per trial, if there were any;
+    the notes (CPU-bound items, a start restated from its first candidate's workers) close it."""
     lines = [f"PrefetchTuner: {reason}"]
     if measured is not None:
         lines.append(
@@ -51,8 +53,7 @@ def search_report(
             f"  budget per rank: {budget.max_workers} workers, {budget.memory_bytes / 2**20:.0f} MiB; "
             f"search over by step {finished_step}; measurement cost {measurement_cost_s:.1f} s"
         )
-        if cpu_note:
-            lines.append(f"  {cpu_note}")
+        lines += [f"  {note}" for note in (start_note, cpu_note) if note]
     return "\n".join(lines)
 
 

@@ -59,6 +59,17 @@ class Budget:
         return settings.num_workers <= self.max_workers and settings.buffered_batches * batch_bytes <= self.memory_bytes
 
 
+def worker_settings(start: LoaderSettings, workers: int, cuda: bool, prefetch: int | None = None) -> LoaderSettings:
+    """The settings a search candidate with ``workers`` gets: the start's ``prefetch_factor`` (2 by
+    default), pinned memory for a CUDA copy, workers kept across epochs."""
+    return LoaderSettings(
+        num_workers=workers,
+        prefetch_factor=(prefetch or start.prefetch_factor or 2) if workers else None,
+        pin_memory=cuda,
+        persistent_workers=workers > 0,
+    )
+
+
 @dataclass
 class Trial:
     settings: LoaderSettings
@@ -107,12 +118,7 @@ class PrefetchSearch:
     _phase: str = "start"
 
     def _settings(self, workers: int, prefetch: int | None = None) -> LoaderSettings:
-        return LoaderSettings(
-            num_workers=workers,
-            prefetch_factor=(prefetch or self.start.prefetch_factor or 2) if workers else None,
-            pin_memory=self.cuda,
-            persistent_workers=workers > 0,
-        )
+        return worker_settings(self.start, workers, self.cuda, prefetch)
 
     def _wait(self, settings: LoaderSettings, interval_s: float) -> float:
         # Without workers the loader only runs while the step waits for it: no overlap.

@@ -31,10 +31,16 @@ class StartSteps:
 
     def clean(self, stop: int | None = None, strict: bool = False) -> list[int]:
         """The measured steps (after the warm-up, before ``stop``) no background start disturbed;
-        unless ``strict``, all of them when fewer than two are left (the candidate took over first)."""
-        steps = range(self.skip, len(self.meter) if stop is None else stop)
+        unless ``strict``, all of them when fewer than two are left (the candidate took over first),
+        and the warm-up steps when none is (workers started while the first batch loaded took
+        over after it: that step waited over 3x as long as it computed, which is all the
+        verdict needs)."""
+        end = len(self.meter) if stop is None else stop
+        steps = range(self.skip, end)
         clean = [i for i in steps if i not in self.disturbed]
-        return clean if strict or len(clean) >= min(2, self.trial_steps) else list(steps)
+        if strict or len(clean) >= min(2, self.trial_steps):
+            return clean
+        return list(steps) if len(steps) else list(range(min(self.skip, end)))
 
     def clearly_data_bound(self) -> bool:
         """No need to measure more: two steps that each waited longer than they computed."""

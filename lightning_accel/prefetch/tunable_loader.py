@@ -36,7 +36,7 @@ buffered before the switch.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -51,6 +51,7 @@ from lightning_accel.prefetch.loader_rebuild import (
 from lightning_accel.prefetch.loader_state import IndexTwin, is_stateful_loader
 from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
+from lightning_accel.prefetch.slow_batch import SlowBatchWatch
 from lightning_accel.prefetch.stream import handover_at, handover_position, positioned_copy, stream_state
 
 STREAM_SWITCHES = ("next_epoch", "restart")
@@ -89,6 +90,8 @@ class TunableLoader:
         self._in_epoch = False
         self._consumed = 0
         self._held: list = []  # batches read before the wrap, served first by the next epoch (serve_first)
+        self._speculate: tuple[float, Callable[[float], LoaderSettings | None]] | None = None  # armed by speculate
+        self.speculated: LoaderSettings | None = None  # what speculate started (from the batch after the slow one)
         self.reaper = Reaper()  # frees served batches off the training thread
         # From now on the user's loader is only a template; free the workers it may keep alive.
         if loader.persistent_workers and getattr(loader, "_iterator", None) is not None:
@@ -175,9 +178,11 @@ class TunableLoader:
         A resumable stream hands over at the first batch boundary from there where the
         delivered items are a prefix of the stream. Between epochs, for a stream that
         cannot be resumed with ``stream_switch="next_epoch"``, or when the epoch ends
-        before the hand-over, the change takes effect at the next epoch.
+        before the hand-over, the change takes effect at the next epoch. A prepared loader
+        not yet serving (one :meth:`speculate` started, too) is dropped first.
         """
         check_rebuildable(self.loader, workers=settings.num_workers > 0)
+        self._speculate = None
         self._drop_next()
         if settings == self.settings:
             self._pending = None
@@ -185,32 +190,86 @@ class TunableLoader:
         self._pending = settings
         if not self._in_epoch or self._inner is None:
             return  # between epochs: at the next one
-        at = self._consumed + max(0, lead)
-        if not is_iterable(self.loader):
-            assert self._batches is not None
-            if at >= len(self._batches):
-                return  # the epoch ends first: at the next epoch
-            nxt = _Inner(self.loader, settings, _Plan(self._batches, at), first=at)
-            if self._inner.plan is not None:
-                self._inner.plan.stop = at  # the current workers fetch nothing past the hand-over
-        elif self.resumable:
-            state = stream_state(self.loader.dataset)
-            assert state is not None
-            inner = self._inner
-            at = handover_at(at, inner.first, inner.settings.num_workers, self._items_per_batch, state.get("chunk", 1))
-            position = handover_position(inner.position, inner.first, at, self._items_per_batch)
-            nxt = _Inner(self.loader, settings, None, positioned_copy(self.loader.dataset, position), at, position)
-        elif self.stream_switch == "restart":
-            nxt = _Inner(self.loader, settings, None, first=at)  # a fresh iterator: the stream starts again
-            nxt.restart = True
-        else:
-            return  # a stream without a position: at the next epoch
-        self._pending = None
-        self._next, self._next_at = nxt, at
-        if at <= self._consumed:
+        built = self._build(settings, self._consumed + max(0, lead))
+        if built is None:
+            return  # at the next epoch
+        self._install(*built)
+        assert self._next is not None
+        if self._next_at <= self._consumed:
             self._take_over(overlap=False)
         else:
             self._next.start_in_background()
+
+    def _build(self, settings: LoaderSettings, at: int) -> tuple[_Inner, int] | None:
+        """An inner loader with ``settings`` serving from batch ``at`` (or the stream's next hand-over
+        point from there), not started; ``None`` where it can only serve from the next epoch.
+
+        Reads the loader's state without changing it, so a timer thread may call it while the
+        training thread loads a batch (:meth:`speculate`).
+        """
+        if not is_iterable(self.loader):
+            assert self._batches is not None
+            if at >= len(self._batches):
+                return None  # the epoch ends first
+            return _Inner(self.loader, settings, _Plan(self._batches, at), first=at), at
+        if self.resumable:
+            state = stream_state(self.loader.dataset)
+            assert state is not None and self._inner is not None
+            inner = self._inner
+            at = handover_at(at, inner.first, inner.settings.num_workers, self._items_per_batch, state.get("chunk", 1))
+            position = handover_position(inner.position, inner.first, at, self._items_per_batch)
+            return _Inner(self.loader, settings, None, positioned_copy(self.loader.dataset, position), at, position), at
+        if self.stream_switch == "restart":
+            nxt = _Inner(self.loader, settings, None, first=at)  # a fresh iterator: the stream starts again
+            nxt.restart = True
+            return nxt, at
+        return None  # a stream without a position
+
+    def _install(self, nxt: _Inner, at: int) -> None:
+        """``nxt`` takes over at batch ``at``; the current loader fetches nothing past it."""
+        if not is_iterable(self.loader) and self._inner is not None and self._inner.plan is not None:
+            self._inner.plan.stop = at
+        self._pending = None
+        self._next_at = at  # before _next: the loop reads _next first
+        self._next = nxt
+
+    def speculate(self, after_s: float, choose: Callable[[float], LoaderSettings | None]) -> None:
+        """Once: if the next batch this process loads itself (no workers) takes longer than ``after_s``,
+        start the workers of the settings ``choose(cpu_share)`` names while it loads; they serve from the
+        batch after it, unless :meth:`prepare` (e.g. with the current settings) drops them first.
+
+        ``choose`` runs on a timer thread and gets the loading thread's CPU share so far
+        (:class:`~lightning_accel.prefetch.slow_batch.SlowBatchWatch` says why, and why then);
+        ``speculated`` names the settings once their loader is adopted, at that batch's arrival.
+        """
+        self._speculate = (after_s, choose)
+
+    def _watch(self) -> SlowBatchWatch | None:
+        """The watch over the batch about to be loaded, if :meth:`speculate` armed one for it."""
+        # Only where the hand-over loses and repeats nothing (a stream that restarts would repeat its start).
+        if self._speculate is None or self.settings.num_workers or self._next is not None or not self.resumable:
+            return None
+        (after_s, choose), self._speculate = self._speculate, None
+        at = self._consumed + 1
+
+        def start(cpu_share: float) -> tuple[_Inner, int] | None:
+            settings = choose(cpu_share)
+            if settings is None or settings == self.settings:
+                return None
+            check_rebuildable(self.loader, workers=settings.num_workers > 0)
+            built = self._build(settings, at)
+            if built is not None:
+                built[0].start_in_background()
+            return built
+
+        return SlowBatchWatch(after_s, start)
+
+    def _adopt(self, watch: SlowBatchWatch | None) -> None:
+        """The watched batch is in: install what the watch started, if anything."""
+        built = watch.stop() if watch is not None else None
+        if built is not None:
+            self._install(*built)
+            self.speculated = built[0].settings
 
     @property
     def _items_per_batch(self) -> int:
@@ -311,10 +370,13 @@ class TunableLoader:
                 if self._next is not None and self._consumed == self._next_at:
                     self._take_over()  # batch boundary: the prepared workers serve from here on
                 assert self._inner is not None
+                watch = self._watch()
                 try:
                     stamp, batch = next(self._inner.iterator)
                 except StopIteration:
                     return
+                finally:
+                    self._adopt(watch)
                 self.stamps.append(stamp)
                 self._consumed += 1
                 self.reaper.served(batch)
