@@ -233,22 +233,26 @@ def test_workers_start_while_the_first_batch_loads(recorder, make_trainer):
     # From the defaults, a first batch slower than a worker's start (50 ms before any was measured)
     # starts the workers while it loads: they serve from the next batch, so only batch 0 is loaded
     # here and no step waits a second whole batch in this process (seed 004's workload: 0.54 s saved).
-    dataset = WhereLoaded(24, latency_s=0.3)
-    tuner = PrefetchTuner(max_workers=4)
+    # (Two workers at most: the count does not hang on the CPU share measured in the first few ms,
+    # and two forks cannot stretch step 0 past its 0.4 s wait on a loaded machine.)
+    dataset = WhereLoaded(24, latency_s=0.4)
+    tuner = PrefetchTuner(max_workers=2)
     model = recorder(step_s=0.01)
     make_trainer([tuner]).fit(model, DataLoader(dataset, batch_size=1))
-    speculated = tuner.loader.speculated
-    assert speculated is not None and speculated.num_workers == 4  # I/O-bound items: the worker budget
-    assert tuner.online.started_early == speculated and tuner.search.trials[1].settings == speculated
-    assert tuner.measured.steps == 1 and tuner.search.trials[0].settings == LoaderSettings(0)
+    speculated, report = tuner.loader.speculated, tuner.report()
+    assert speculated is not None and speculated.num_workers == 2, report
+    assert tuner.online.started_early == speculated and tuner.search.trials[1].settings == speculated, report
+    assert tuner.measured.steps == 1 and tuner.search.trials[0].settings == LoaderSettings(0), report
     here = [i for i in range(24) if dataset.pids[i] == os.getpid()]
-    assert here == [0], here
-    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2, tuner.report()
+    assert here == [0], (here, tuner.meter.waits[:3], tuner.meter.steps[:3], report)
+    assert tuner.chosen == speculated, report
     assert sorted(model.indices) == list(range(24))
 
 
-def test_speculation_waits_for_a_slow_batch(recorder, make_trainer):
+def test_speculation_waits_for_a_slow_batch(recorder, make_trainer, monkeypatch):
     # Items far quicker than a worker's start: nothing is started before the start is measured.
+    # (The start-up is the last one measured in this process, 10-80 ms; pinned here so load cannot flip it.)
+    monkeypatch.setattr("lightning_accel.prefetch.online.worker_start_s", lambda: 0.5)
     tuner = PrefetchTuner(max_workers=2, data_bound_fraction=0.5)
     make_trainer([tuner]).fit(recorder(step_s=0.01), DataLoader(WhereLoaded(12, latency_s=0.0), batch_size=1))
     assert tuner.loader.speculated is None and "compute-bound" in tuner.reason
