@@ -28,7 +28,8 @@ from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.report import search_report, trials_csv
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
-from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader, tunable_loader
+from lightning_accel.prefetch.stateful_tunable import tunable_loader
+from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
 
 

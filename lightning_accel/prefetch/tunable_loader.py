@@ -24,8 +24,10 @@ can take a whole item's latency).
 
 When the user's loader is torchdata's ``StatefulDataLoader`` (map-style), the epoch's
 batches are drawn through an index twin of it (:mod:`~lightning_accel.prefetch.loader_state`),
-and :class:`StatefulTunableLoader` checkpoints the state that loader would have after the
-batches served, in its own format: a resumed run, tuned or not, continues exactly.
+and :class:`~lightning_accel.prefetch.stateful_tunable.StatefulTunableLoader` checkpoints
+the state that loader would have after the batches served, in its own format: a resumed
+run, tuned or not, continues exactly (:func:`~lightning_accel.prefetch.stateful_tunable.tunable_loader`
+picks the wrapper).
 
 Every inner loader stamps each batch with the (system-wide monotonic) time its worker
 finished it: ``stamps`` holds them for the batches served by the current settings, so
@@ -42,12 +44,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from lightning_accel.prefetch.inner_loader import _Inner, _Plan
-from lightning_accel.prefetch.loader_rebuild import (
-    RebuildError,
-    check_rebuildable,
-    is_iterable,
-    settings_of,
-)
+from lightning_accel.prefetch.loader_rebuild import check_rebuildable, is_iterable, settings_of
 from lightning_accel.prefetch.loader_state import IndexTwin, is_stateful_loader
 from lightning_accel.prefetch.reaper import Reaper
 from lightning_accel.prefetch.settings import LoaderSettings
@@ -385,39 +382,3 @@ class TunableLoader:
             self._batches = None
             self._in_epoch = False
 
-
-class StatefulTunableLoader(TunableLoader):
-    """A :class:`TunableLoader` over a map-style ``StatefulDataLoader``: checkpoints that loader's state.
-
-    Lightning saves ``state_dict()`` with each checkpoint and loads it on resume; the
-    state is the user's loader's own format after the batches served this epoch, so it
-    loads into the user's loader (an untuned run) as well as into this one.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        assert self._twin is not None
-        return self._twin.state_after(self._consumed)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The next epoch continues from ``state``; must come between epochs."""
-        assert self._twin is not None
-        if self._in_epoch:
-            raise RuntimeError("load_state_dict mid-epoch: load the state before iterating the loader")
-        self._twin.load_state_dict(state)
-
-
-def tunable_loader(loader: Any, settings: LoaderSettings | None = None, stream_switch: str = "next_epoch") -> TunableLoader:
-    """The wrapper for ``loader``: :class:`StatefulTunableLoader` for a map-style ``StatefulDataLoader``.
-
-    A ``StatefulDataLoader`` over an iterable dataset is refused (:class:`RebuildError`):
-    its per-worker state cannot be carried across re-built loaders yet, and dropping it
-    would silently lose the exact resume its user asked for.
-    """
-    if is_stateful_loader(loader):
-        if is_iterable(loader):
-            raise RebuildError(
-                "a StatefulDataLoader over an iterable dataset keeps per-worker state that re-built loaders cannot "
-                "carry yet; keep it untuned, or use a plain DataLoader over a stream with a 'position' state"
-            )
-        return StatefulTunableLoader(loader, settings, stream_switch)
-    return TunableLoader(loader, settings, stream_switch)

@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_accel.prefetch import LoaderSettings, RebuildError
 from lightning_accel.prefetch.stream import PositionStream
-from lightning_accel.prefetch.tunable_loader import StatefulTunableLoader, TunableLoader, tunable_loader
+from lightning_accel.prefetch.stateful_tunable import StatefulTunableLoader, tunable_loader
+from lightning_accel.prefetch.tunable_loader import TunableLoader
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata").StatefulDataLoader
 
