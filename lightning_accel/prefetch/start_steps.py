@@ -33,8 +33,8 @@ class StartSteps:
         """The measured steps (after the warm-up, before ``stop``) no background start disturbed;
         unless ``strict``, all of them when fewer than two are left (the candidate took over first),
         and the warm-up steps when none is (workers started while the first batch loaded took
-        over after it: that step waited over 3x as long as it computed, which is all the
-        verdict needs)."""
+        over after it; their own measurement of the items then restates the start before the
+        verdict: ``OnlineSearch._verify_start``)."""
         end = len(self.meter) if stop is None else stop
         steps = range(self.skip, end)
         clean = [i for i in steps if i not in self.disturbed]
