@@ -150,10 +150,16 @@ def test_training_that_ends_mid_search_reports_and_caches_the_best_so_far(sleepy
     tuner.early, tuner.max_lead = False, 2
     model = recorder(step_s=0.002)
     make_trainer([tuner], max_steps=14).fit(model, DataLoader(sleepy(64, latency_s=0.03), batch_size=1))
-    assert "training ended before the search did" in tuner.reason, tuner.report()
-    assert tuner.chosen is not None and tuner.chosen.num_workers == 2  # 2 workers measured, the rest not
+    report = tuner.report()
+    assert "training ended before the search did" in tuner.reason, report
+    assert any(t.settings.num_workers == 2 for t in tuner.search.trials), report  # measured before the end
     assert tuner.finished_step == 14 and len(model.indices) == 14 == len(set(model.indices))
-    assert cache_load(path, tuner._cache_key) == tuner.chosen  # the next run starts from there
+    if tuner.chosen is not None:  # 2 workers (~15 ms a batch against 30) beat the start: the next run starts there
+        assert tuner.chosen.num_workers == 2 and cache_load(path, tuner._cache_key) == tuner.chosen, report
+    else:
+        # Under load their few samples can fail to beat the start beyond the noise (44 +- 25 ms a batch once,
+        # in a whole-suite run): the start stays, and an unfinished "keep" is cached for nobody.
+        assert tuner.reason.startswith("kept your loader") and cache_load(path, tuner._cache_key) is None, report
 
 
 class HiccupInWorkers(Dataset):
