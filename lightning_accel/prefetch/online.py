@@ -178,7 +178,6 @@ class OnlineSearch:
         self._trying: LoaderSettings | None = None
         self._search_from = 0
         self._start_unverified = False  # measured on the warm-up step alone: _verify_start judges it
-        self._speculation_judged = False
         self._steps = StartSteps(self.meter, warmup_steps, trial_steps)  # those that measure the start
         self._first_batch = FirstBatchWorkers(self._start, budget, cpu, cuda, cpu_busy_threshold)
 
@@ -194,9 +193,9 @@ class OnlineSearch:
         from the next batch and are the first candidate measured, and the start is judged on their
         measurement (:meth:`_verify_start`); or they are dropped, and the usual early start may follow."""
         started = self.loader.speculated
-        if started is None or self._speculation_judged or started not in (self.loader.preparing, self.loader.settings):
+        # Judged once: kept, it is the early candidate; dropped, it is neither preparing nor serving.
+        if started is None or self.started_early is not None or started not in (self.loader.preparing, self.loader.settings):
             return
-        self._speculation_judged = True
         if self._first_batch.keeps(started, self.meter.stats(last=1), self._batch_bytes):
             self.started_early = started
             self._start_unverified = True
@@ -350,8 +349,7 @@ class OnlineSearch:
                 f"start restated from the first candidate's workers, {1000 * item_s:.1f} ms a batch each, "
                 f"where the warm-up step, its only measurement, waited {first:.0f} ms"
             )
-        total = start.wait_s + self.search.step_s
-        fraction = start.wait_s / total if total > 0 else 0.0
+        fraction = WaitStats(1, start.wait_s, self.search.step_s).wait_fraction
         if fraction > self.data_bound_fraction:
             return True
         self._compute_bound(fraction, f"; the first batch's {first:.0f} ms was one-off: workers made one in {1000 * item_s:.0f} ms")
