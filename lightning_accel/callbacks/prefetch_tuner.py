@@ -1,13 +1,16 @@
 """PrefetchTuner: finding the train loader's worker settings by measurement, during fit, without pausing it.
 
-At ``on_train_start`` the train ``DataLoader`` is wrapped in a
-:class:`~lightning_accel.prefetch.TunableLoader` (Lightning has already called ``iter()``
-on it, so the wrapper is swapped into ``fit_loop._combined_loader`` and the epoch iterator
-re-created before any batch is consumed, :mod:`~lightning_accel.callbacks._train_loader`).
-Each step's timings then feed :class:`~lightning_accel.prefetch.online.OnlineSearch`, which
-decides whether the run is data-bound and, if so, which settings serve, switching the loader
-at batch boundaries; its module docstring says how and why. This callback only wires it
-in: the budgets, the cache, the swap, rank-zero messages and the logged metrics.
+The train ``DataLoader`` is wrapped in a :class:`~lightning_accel.prefetch.TunableLoader`
+as Lightning processes it, before the fit loop reads from it
+(:mod:`~lightning_accel.callbacks._process_hook`): for a loader without a length
+Lightning's fetcher reads one batch ahead right then, and the tuner's first decision (start
+workers while a slow first batch loads) is about exactly that batch. Where that wrap did not
+happen, ``on_train_start`` swaps the wrapper into ``fit_loop._combined_loader`` instead
+(:mod:`~lightning_accel.callbacks._train_loader`). Each step's timings then feed
+:class:`~lightning_accel.prefetch.online.OnlineSearch`, which decides whether the run is
+data-bound and, if so, which settings serve, switching the loader at batch boundaries; its
+module docstring says how and why. This callback only wires it in: the budgets, the cache,
+the wrap, rank-zero messages and the logged metrics.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._train_loader import swap_train_loader
+from lightning_accel.callbacks._process_hook import TrainLoaderHook
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.loader_rebuild import RebuildError
+from lightning_accel.prefetch.loader_state import is_stateful_loader
 from lightning_accel.prefetch.online import OnlineSearch
 from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.report import search_report, trials_csv
@@ -121,23 +125,61 @@ class PrefetchTuner(Callback):
         self._chosen: LoaderSettings | None = None  # when no search runs: the cache's settings
         self._reason = "not run"
         self._cache_key = ""
+        self._hook: TrainLoaderHook | None = None  # installed for each fit (setup to teardown)
+        self._why_not = "no train loader was set up"  # why the loader was kept, when it was
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._why_not = "no train loader was set up"
+            self._hook = TrainLoaderHook(trainer, lambda loader: self._wrap_early(trainer, loader))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _wrap_early(self, trainer: pl.Trainer, loader: Any) -> Any:
+        """The fit's train loader as Lightning processes it: wrapped and tuned from here, or kept (and
+        ``on_train_start`` says why, once the loaders are all known)."""
+        self.online, self.loader = None, None  # a later fit decides afresh
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready and not is_stateful_loader(loader):
+            self._why_not = "fit resumed part-way through an epoch and the loader cannot report its position"
+            return loader
+        budget = self._budget(trainer)
+        cached = self._cached(loader, trainer, budget)
+        try:
+            wrapped = tunable_loader(loader, cached, self.stream_switch)
+        except RebuildError as err:
+            self._why_not = str(err)
+            return loader
+        self._begin(wrapped, budget, cached, trainer.lightning_module)
+        return wrapped
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.online = None  # a later fit decides afresh
+        combined = trainer.fit_loop._combined_loader
+        count = len(combined.flattened) if combined is not None else 0
+        if count > 1:  # the first of several was wrapped as it was processed: it serves your settings, untuned
+            if self.loader is not None:
+                self.loader.prepare(self.loader.settings, lead=0)  # drops workers it may have started
+            self.online, self.loader = None, None
+            self._refuse(f"{count} train loaders; only a single train loader is supported")
+        elif self.loader is None:
+            self._refuse(self._why_not)
+
+    def _budget(self, trainer: pl.Trainer) -> Budget:
         self.cpu = cpu_budget(trainer.num_devices)
-        budget = default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
-        cached = self._cached(trainer, budget)
-        try:
-            # A cache hit serves with the tuned settings from the very first batch.
-            why_not = swap_train_loader(trainer, lambda loader: tunable_loader(loader, cached, self.stream_switch))
-        except RebuildError as err:
-            why_not = str(err)
-        if why_not is not None:
-            self._reason = f"kept your loader: {why_not}"
-            rank_zero_warn(f"PrefetchTuner: {why_not}; training continues with your loader's settings")
-            return
-        self.loader = trainer.fit_loop._combined_loader.flattened[0]  # type: ignore[union-attr]
+        return default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
+
+    def _refuse(self, why_not: str) -> None:
+        self._reason = f"kept your loader: {why_not}"
+        rank_zero_warn(f"PrefetchTuner: {why_not}; training continues with your loader's settings")
+
+    def _begin(self, loader: TunableLoader, budget: Budget, cached: LoaderSettings | None, pl_module: pl.LightningModule) -> None:
+        """``loader`` serves from now on: with the cache's settings, or searched online from its own."""
+        self.loader = loader
         if cached is not None:
             self._chosen, self._reason = cached, f"from cache {self.cache_path}"
             rank_zero_info(f"PrefetchTuner: {self._reason}: {cached.label()}")
@@ -151,13 +193,9 @@ class PrefetchTuner(Callback):
         )
         self.online.start()
 
-    def _cached(self, trainer: pl.Trainer, budget: Budget) -> LoaderSettings | None:
-        combined = trainer.fit_loop._combined_loader
-        if not self.cache_path or combined is None or len(combined.flattened) != 1:
-            return None
-        loader = combined.flattened[0]
-        if not hasattr(loader, "dataset"):
-            return None  # not a DataLoader: the swap says why it is kept
+    def _cached(self, loader: Any, trainer: pl.Trainer, budget: Budget) -> LoaderSettings | None:
+        if not self.cache_path or not hasattr(loader, "dataset"):
+            return None  # no cache, or not a DataLoader (the wrap says why it is kept)
         self._cache_key = cache.cache_key(loader.dataset, getattr(loader, "batch_size", None), trainer.num_devices)
         cached = cache.load(self.cache_path, self._cache_key)
         return cached if cached is not None and cached.num_workers <= budget.max_workers else None

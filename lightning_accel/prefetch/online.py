@@ -216,8 +216,10 @@ class OnlineSearch:
         if self.search is None:
             self._batch_bytes = batch_nbytes(batch)
             self._judge_speculation()
-            if self.loader.settings != self._start:  # the early candidate took over: measured until now
-                self._start_search(stop=len(self.meter) - 1)
+            if self.loader.settings != self._start:
+                # The early candidate took over: the start served the batches before it. Where the loop reads
+                # a batch ahead (a stream under Lightning) that includes the one of the step just ended.
+                self._start_search(stop=min(len(self.meter), self.loader.took_over_after))
             elif self._steps.enough():
                 self._start_search()
             elif self.started_early is None and self.early:

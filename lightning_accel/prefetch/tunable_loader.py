@@ -79,6 +79,8 @@ class TunableLoader:
         self.restarts = 0  # of those, stream restarts from the beginning (stream_switch="restart")
         self.stamps: list[float] = []  # finish times of the batches served under ``settings``
         self.took_over_at = 0.0  # time.monotonic() (the stamps' clock) when ``settings`` began serving
+        self.handed_out = 0  # batches handed out since the wrap, all epochs
+        self.took_over_after = 0  # of those, how many came before ``settings`` began serving
         self._pending: LoaderSettings | None = None  # for the next epoch (or the next batch, cold)
         self._inner: _Inner | None = None
         self._next: _Inner | None = None  # prepared in the background, takes over at ``_next_at``
@@ -86,7 +88,6 @@ class TunableLoader:
         self._batches: list | None = None  # this epoch's batches while a map-style epoch runs
         self._in_epoch = False
         self._consumed = 0
-        self._held: list = []  # batches read before the wrap, served first by the next epoch (serve_first)
         self._speculate: tuple[float, Callable[[float], LoaderSettings | None]] | None = None  # armed by speculate
         self.speculated: LoaderSettings | None = None  # what speculate started (from the batch after the slow one)
         self.reaper = Reaper()  # frees served batches off the training thread
@@ -119,31 +120,6 @@ class TunableLoader:
     def consumed(self) -> int:
         """Batches handed out so far this epoch."""
         return self._consumed
-
-    def rewind(self, batches: int) -> None:
-        """The user's loader read ``batches`` in this process before the wrap, and nobody trained on them.
-
-        For a resumable stream, its position moves back by their items, so the first epoch
-        serves them (see ``callbacks._train_loader``); a map-style epoch or a stream that
-        restarts anyway needs nothing.
-        """
-        state = stream_state(self.loader.dataset) if is_iterable(self.loader) else None
-        if state is not None and batches > 0:
-            position = max(0, state["position"] - batches * self._items_per_batch)
-            self.loader.dataset.load_state_dict({**state, "position": position})
-
-    def serve_first(self, batches: list) -> bool:
-        """The user's loader already read ``batches`` in this process (Lightning's fetcher reads one
-        batch ahead of a stream), and nobody trained on them: the next epoch serves them first.
-
-        Only a stream that reports its position (it stands past their items, and the next
-        epoch starts there); returns whether they were taken. Reading them again instead
-        (:meth:`rewind`) costs an item's whole latency at the start (0.2 s on the bench stream).
-        """
-        if not is_iterable(self.loader) or not self.resumable or stream_state(self.loader.dataset) is None:
-            return False
-        self._held = list(batches)
-        return True
 
     @property
     def switches_mid_epoch(self) -> bool:
@@ -282,6 +258,7 @@ class TunableLoader:
         self.settings = self._inner.settings
         self.stamps = []
         self.took_over_at = time.monotonic()
+        self.took_over_after = self.handed_out
         self.switches += 1
         self.restarts += self._inner.restart
 
@@ -299,6 +276,7 @@ class TunableLoader:
                 self.settings = self._pending
                 self.stamps = []
                 self.took_over_at = time.monotonic()
+                self.took_over_after = self.handed_out
                 self.switches += 1
             self._pending = None
 
@@ -336,7 +314,6 @@ class TunableLoader:
             self._next = None
         self._apply_pending()
         self._consumed = 0
-        held: list = []
         if is_iterable(self.loader):
             state = stream_state(self.loader.dataset) if self.resumable else None
             if state is not None:
@@ -345,10 +322,9 @@ class TunableLoader:
                     self._inner.close(background=True)
                 dataset = positioned_copy(self.loader.dataset, state["position"])
                 self._inner = _Inner(self.loader, self.settings, None, dataset, 0, state["position"])
-                held, self._held = self._held, []
             elif self._inner is None:
                 self._inner = _Inner(self.loader, self.settings, None)
-            self._inner.first = len(held)  # the held batches come first; the loader's own start after them
+            self._inner.first = 0  # this epoch's batches count from here
         else:
             source = self.loader.batch_sampler if self.loader.batch_sampler is not None else self.loader.sampler
             # This epoch's order, drawn from the user's sampler exactly once.
@@ -360,9 +336,6 @@ class TunableLoader:
         self._inner.start()
         self._in_epoch = True
         try:
-            for batch in held:
-                self._consumed += 1
-                yield batch
             while True:
                 if self._next is not None and self._consumed == self._next_at:
                     self._take_over()  # batch boundary: the prepared workers serve from here on
@@ -376,6 +349,7 @@ class TunableLoader:
                     self._adopt(watch)
                 self.stamps.append(stamp)
                 self._consumed += 1
+                self.handed_out += 1
                 self.reaper.served(batch)
                 yield batch
         finally:

@@ -169,9 +169,9 @@ class CountedPositions(PositionStream):
         return torch.tensor(position), torch.full((4,), float(position))
 
 
-def test_the_batch_lightning_read_ahead_of_a_stream_is_served_not_read_again(recorder, make_trainer):
-    # Lightning's fetcher reads one batch of a loader without a length before on_train_start; the tuned
-    # loader serves that batch first instead of reading its items again (a whole item's latency each).
+def test_a_stream_is_read_once_from_lightnings_read_ahead_on(recorder, make_trainer):
+    # Lightning's fetcher reads one batch of a loader without a length before on_train_start; the
+    # tuner wrapped the loader before that read, so it is the tuned loader's first batch, read once.
     stream, _ = CountedPositions(), READS.clear()
     tuner = PrefetchTuner()
     model = recorder(step_s=0.01)  # instant items: compute-bound, no worker ever starts
@@ -179,3 +179,24 @@ def test_the_batch_lightning_read_ahead_of_a_stream_is_served_not_read_again(rec
     assert "compute-bound" in tuner.reason, tuner.report()
     assert model.indices == list(range(24))  # every position once, in order
     assert len(READS) == len(set(READS)) and READS[:24] == list(range(24)), READS[:8]
+
+
+class SlowCountedPositions(CountedPositions):
+    def read(self, position: int):
+        time.sleep(0.3)
+        return super().read(position)
+
+
+def test_workers_start_while_lightning_reads_ahead_of_a_slow_stream(recorder, make_trainer):
+    # The batch Lightning reads ahead is the first one loaded here: slower than a worker's start, it
+    # starts the workers, which make the next ones (before, that batch and the next loaded here: 0.6 s).
+    stream, _ = SlowCountedPositions(), READS.clear()
+    tuner = PrefetchTuner(max_workers=2)
+    model = recorder(step_s=0.01)
+    make_trainer([tuner], max_steps=10).fit(model, DataLoader(stream, batch_size=1))
+    report = tuner.report()
+    assert tuner.loader.speculated is not None and tuner.loader.speculated.num_workers == 2, report
+    assert READS == [0], (READS, tuner.meter.waits[:3], report)  # only the read-ahead batch loaded here
+    assert tuner.meter.waits[0] > 0.3, report  # the first step's wait counts the read-ahead batch
+    assert tuner.measured.steps == 1 and tuner.search.trials[0].settings == LoaderSettings(0), report
+    assert model.indices == list(range(10))
