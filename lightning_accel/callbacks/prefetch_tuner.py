@@ -121,7 +121,7 @@ class PrefetchTuner(Callback):
         self.cpu: CpuBudget | None = None
         self.meter = WaitMeter()
         self.loader: TunableLoader | None = None
-        self.online: OnlineSearch | None = None  # built at on_train_start when the loader is tuned here
+        self.online: OnlineSearch | None = None  # built as the loader is wrapped, when it is tuned here
         self._chosen: LoaderSettings | None = None  # when no search runs: the cache's settings
         self._reason = "not run"
         self._cache_key = ""
@@ -168,6 +168,8 @@ class PrefetchTuner(Callback):
             self._refuse(f"{count} train loaders; only a single train loader is supported")
         elif self.loader is None:
             self._refuse(self._why_not)
+        elif self.online is not None and self.loader.handed_out == 0:
+            self.meter.start()  # nothing read ahead (a loader with a length): the first wait counts from here
 
     def _budget(self, trainer: pl.Trainer) -> Budget:
         self.cpu = cpu_budget(trainer.num_devices)

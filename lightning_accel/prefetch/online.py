@@ -1,8 +1,8 @@
 """The online search for a train loader's worker settings: fed step timings, it switches a TunableLoader.
 
-How it works, and why this way. The caller (:class:`~lightning_accel.callbacks.PrefetchTuner`
-at ``on_train_start``) wraps the train ``DataLoader`` in a
-:class:`~lightning_accel.prefetch.TunableLoader` before any batch is consumed and feeds
+How it works, and why this way. The caller (:class:`~lightning_accel.callbacks.PrefetchTuner`,
+as Lightning processes the train loader) wraps the train ``DataLoader`` in a
+:class:`~lightning_accel.prefetch.TunableLoader` before any batch is read and feeds
 :class:`OnlineSearch` each step: the batch arrived, the step ended (a
 :class:`~lightning_accel.prefetch.WaitMeter` times both). The first
 ``warmup_steps + trial_steps`` real steps measure the data wait against the step time.
