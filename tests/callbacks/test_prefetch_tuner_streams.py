@@ -200,3 +200,52 @@ def test_workers_start_while_lightning_reads_ahead_of_a_slow_stream(recorder, ma
     assert tuner.meter.waits[0] > 0.3, report  # the first step's wait counts the read-ahead batch
     assert tuner.measured.steps == 1 and tuner.search.trials[0].settings == LoaderSettings(0), report
     assert model.indices == list(range(10))
+
+
+class SlowTokenWindows(PositionStream):
+    """An endless stream of 16-token windows (position ``p``: ids ``(7 p + j) % 256``) after 80 ms of I/O each."""
+
+    def read(self, position: int):
+        time.sleep(0.08)
+        return torch.tensor(position), (7 * position + torch.arange(16)) % 256
+
+
+def test_a_transformers_model_on_a_slow_token_stream_is_tuned_within_the_epoch(make_trainer):
+    # A model this project did not write (transformers' Llama, its defaults apart from the size, random
+    # weights) reading a position stream at the DataLoader's defaults: the tuner gives it workers
+    # within the one epoch and every window is trained on once.
+    transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+    import lightning.pytorch as pl
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+    )
+
+    class Causal(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = transformers.LlamaForCausalLM(config)
+            self.positions: list[int] = []
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            position, ids = batch
+            self.positions += position.tolist()
+            loss = self.net(input_ids=ids, labels=ids).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    tuner, model = PrefetchTuner(max_workers=4, max_search_steps=20), Causal()
+    make_trainer([tuner], max_steps=40).fit(model, DataLoader(SlowTokenWindows(), batch_size=2))
+    report = tuner.report()
+    assert tuner.chosen is not None and tuner.chosen.num_workers >= 2, report
+    assert tuner.loader.settings == tuner.chosen and "serving from the next batches" in tuner.reason, report
+    # Every window once, an unbroken prefix across the hand-overs (the last round of workers may be partly
+    # served: each worker reads every w-th position, two to a batch).
+    served, w = model.positions, tuner.chosen.num_workers
+    assert len(served) == 80 == len(set(served)) and sorted(served)[: 80 - 2 * w] == list(range(80 - 2 * w))
+    assert all(torch.isfinite(torch.tensor(model.losses)))
