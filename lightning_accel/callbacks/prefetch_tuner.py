@@ -4,9 +4,9 @@ The train ``DataLoader`` is wrapped in a :class:`~lightning_accel.prefetch.Tunab
 as Lightning processes it, before the fit loop reads from it
 (:mod:`~lightning_accel.callbacks._process_hook`): for a loader without a length
 Lightning's fetcher reads one batch ahead right then, and the tuner's first decision (start
-workers while a slow first batch loads) is about exactly that batch. Where that wrap did not
-happen, ``on_train_start`` swaps the wrapper into ``fit_loop._combined_loader`` instead
-(:mod:`~lightning_accel.callbacks._train_loader`). Each step's timings then feed
+workers while a slow first batch loads) is about exactly that batch. Where it keeps your
+loader (one it cannot rebuild, several train loaders), ``on_train_start`` says why in one
+warning, once the loaders are all known. Each step's timings then feed
 :class:`~lightning_accel.prefetch.online.OnlineSearch`, which decides whether the run is
 data-bound and, if so, which settings serve, switching the loader at batch boundaries; its
 module docstring says how and why. This callback only wires it in: the budgets, the cache,

@@ -179,6 +179,9 @@ class OnlineSearch:
         self._search_from = 0
         self._start_unverified = False  # measured on the warm-up step alone: _verify_start judges it
         self._steps = StartSteps(self.meter, warmup_steps, trial_steps)  # those that measure the start
+        # Per step: batches the loader had handed out when its batch arrived. The wait measured the fetch of the
+        # last of them, which is the step's own batch, or the next one where the loop reads a batch ahead.
+        self._fetched: list[int] = []
         self._first_batch = FirstBatchWorkers(self._start, budget, cpu, cuda, cpu_busy_threshold)
 
     def start(self) -> None:
@@ -206,6 +209,7 @@ class OnlineSearch:
         """The step's batch arrived (the loop waited for it until now)."""
         if not self.done:
             self.meter.batch_arrived()
+            self._fetched.append(self.loader.handed_out)
             self._steps.note(self.loader.starting)
 
     def step_ended(self, batch: Any) -> None:
@@ -217,9 +221,12 @@ class OnlineSearch:
             self._batch_bytes = batch_nbytes(batch)
             self._judge_speculation()
             if self.loader.settings != self._start:
-                # The early candidate took over: the start served the batches before it. Where the loop reads
-                # a batch ahead (a stream under Lightning) that includes the one of the step just ended.
-                self._start_search(stop=min(len(self.meter), self.loader.took_over_after))
+                # The early candidate took over: the steps whose waits fetched the start's batches measured it.
+                # Where the loop reads a batch ahead (a stream under Lightning), a step's wait fetched the next
+                # batch, so the step before the hand-over's already measured the candidate (its 2-3 ms wait,
+                # averaged with the start's 150 ms, once made the start too noisy to beat).
+                took_over = self.loader.took_over_after
+                self._start_search(stop=sum(1 for fetched in self._fetched if fetched <= took_over))
             elif self._steps.enough():
                 self._start_search()
             elif self.started_early is None and self.early:

@@ -33,14 +33,15 @@ class StartSteps:
         """The measured steps (after the warm-up, before ``stop``) no background start disturbed;
         unless ``strict``, all of them when fewer than two are left (the candidate took over first),
         and the warm-up steps when none is (workers started while the first batch loaded took
-        over after it; their own measurement of the items then restates the start before the
-        verdict: ``OnlineSearch._verify_start``)."""
+        over after it, or, where the loop reads a batch ahead, even with the batch the warm-up
+        step's wait fetched; their own measurement of the items then restates the start before
+        the verdict: ``OnlineSearch._verify_start``)."""
         end = len(self.meter) if stop is None else stop
         steps = range(self.skip, end)
         clean = [i for i in steps if i not in self.disturbed]
         if strict or len(clean) >= min(2, self.trial_steps):
             return clean
-        return list(steps) if len(steps) else list(range(min(self.skip, end)))
+        return list(steps) if len(steps) else list(range(min(self.skip, len(self.meter))))
 
     def clearly_data_bound(self) -> bool:
         """No need to measure more: two steps that each waited longer than they computed."""

@@ -27,6 +27,12 @@ class StatefulTunableLoader(TunableLoader):
     loads into the user's loader (an untuned run) as well as into this one.
     """
 
+    def __init__(self, loader: Any, settings: LoaderSettings | None = None, stream_switch: str = "next_epoch") -> None:
+        super().__init__(loader, settings, stream_switch)
+        pending = getattr(loader, "next_iter_state", None)
+        if pending:  # a state loaded into the user's loader before fit: its next epoch starts there, as the loader's would
+            self.load_state_dict(pending)
+
     def state_dict(self) -> dict[str, Any]:
         assert self._twin is not None
         return self._twin.state_after(self._consumed)

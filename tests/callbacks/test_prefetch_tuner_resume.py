@@ -33,3 +33,36 @@ def test_checkpoint_mid_epoch_resumes_with_the_same_samples(sleepy, recorder, ma
         trainer.fit(resumed, loader(sleepy), ckpt_path=str(tmp_path / f"step={step}.ckpt"))
         assert again.loader is not None, again.reason  # wrapped although fit resumed part-way through an epoch
         assert resumed.indices == full.indices[4 * step :], step
+
+
+def test_a_state_loaded_into_the_users_loader_before_fit_is_where_the_tuned_loader_starts(sleepy, recorder, make_trainer):
+    # The user positioned their StatefulDataLoader by hand (load_state_dict before fit, no checkpoint):
+    # the tuned loader starts its first epoch there, as that loader would.
+    first = loader(sleepy)
+    seen = [batch[0].tolist() for _, batch in zip(range(3), first)]  # three batches of an epoch
+    state = first.state_dict()
+    rest_untuned, rest_tuned = recorder(), recorder()
+    plain = loader(sleepy)
+    plain.load_state_dict(state)
+    make_trainer([], max_epochs=1).fit(rest_untuned, plain)
+    tuned = loader(sleepy)
+    tuned.load_state_dict(state)
+    tuner = PrefetchTuner(max_workers=2)
+    make_trainer([tuner], max_epochs=1).fit(rest_tuned, tuned)
+    assert tuner.loader is not None, tuner.reason
+    assert len(rest_untuned.indices) == 28 and rest_tuned.indices == rest_untuned.indices
+    assert sorted(sum(seen, []) + rest_tuned.indices) == list(range(40))
+
+
+def test_a_plain_loader_resumed_mid_epoch_is_kept_and_the_tuner_says_why(sleepy, recorder, make_trainer, tmp_path):
+    from torch.utils.data import DataLoader
+
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    make_trainer([every], max_epochs=1, enable_checkpointing=True).fit(recorder(), DataLoader(sleepy(40), batch_size=4))
+    tuner = PrefetchTuner(max_workers=2)
+    trainer = make_trainer([tuner], max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(recorder(), DataLoader(sleepy(40), batch_size=4), ckpt_path=str(tmp_path / "step=3.ckpt"))
+    assert tuner.loader is None and tuner.reason == (
+        "kept your loader: fit resumed part-way through an epoch and the loader cannot report its position"
+    )
+    assert "process_dataloader" not in vars(trainer.strategy)

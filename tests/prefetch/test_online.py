@@ -238,3 +238,36 @@ def test_candidates_are_judged_against_the_step_time_past_the_warm_up():
     assert online.search.step_s == pytest.approx(0.02)  # by the end most steps were steady
     for trial in online.search.trials[1:]:  # every candidate's predicted wait is against the current step
         assert trial.wait_s == pytest.approx(max(0.0, trial.interval_s - 0.02))
+
+
+def test_a_loop_reading_a_batch_ahead_measures_the_start_on_its_own_batches_only():
+    # Lightning reads one batch ahead of a stream: each step's wait fetched the next batch, so the wait
+    # of the step before the early candidate's hand-over already fetched one of the candidate's batches.
+    # It is not the start's: averaged in (2 ms with 150 ms), it once made the start too noisy to beat.
+    clock = Clock()
+    loader = TunableLoader(DataLoader(Sleepy(40, latency_s=0.005), batch_size=None))
+    online, _, _ = online_search(loader, clock, early=True, speculate=False, trial_steps=2)
+    served: list[LoaderSettings] = []
+
+    def fetch(batches):
+        batch = next(batches)
+        served.append(loader.settings)
+        clock.t += 0.0 if loader.settings.num_workers else 0.1  # 100 ms a batch here; workers had theirs ready
+        return batch
+
+    try:
+        online.start()
+        batches = iter(loader)
+        ahead = fetch(batches)
+        for _ in range(30):
+            batch, ahead = ahead, fetch(batches)
+            online.batch_arrived()
+            clock.t += 0.01
+            online.step_ended(batch)
+    finally:
+        loader.close()
+    took_over = served.index(online.started_early)
+    assert took_over >= 2 and all(s == LoaderSettings(0) for s in served[:took_over])  # the early candidate
+    start = online.search.trials[0]
+    assert start.settings == LoaderSettings(0)
+    assert start.interval_s == pytest.approx(0.1) and start.spread_s == pytest.approx(0.0), online.report()
