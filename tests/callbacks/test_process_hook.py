@@ -59,8 +59,10 @@ def test_only_the_train_loader_is_wrapped_and_the_strategy_is_restored(sleepy, r
     assert "process_dataloader" not in vars(trainer.strategy)
 
 
-def test_workers_are_seeded_before_the_wrap_as_lightning_would(sleepy, recorder, make_trainer):
-    pl.seed_everything(3, workers=True)
+def test_workers_are_seeded_before_the_wrap_as_lightning_would(sleepy, recorder, make_trainer, monkeypatch):
+    # What seed_everything(workers=True) sets (through monkeypatch: the variable must not outlive the test,
+    # or every later multi-process test would seed its ranks differently from its reference).
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
     train, seen = DataLoader(sleepy(4), batch_size=2), Seen()
     make_trainer([seen], max_epochs=1).fit(recorder(), train)
     assert seen.wrapped == [train] and train.worker_init_fn is not None  # Lightning skips a non-DataLoader
