@@ -11,7 +11,7 @@ from lightning_accel.callbacks._process_hook import TrainLoaderHook
 
 
 class Seen(pl.Callback):
-    """Installs the hook for each fit; records what the wrap was handed and when the fit loop first read."""
+    """Installs the hook for each fit and records what the wrap was handed."""
 
     def __init__(self) -> None:
         self.wrapped: list = []
