@@ -127,6 +127,7 @@ class PrefetchTuner(Callback):
         self._cache_key = ""
         self._hook: TrainLoaderHook | None = None  # installed for each fit (setup to teardown)
         self._why_not = "no train loader was set up"  # why the loader was kept, when it was
+        self._untuned: TunableLoader | None = None  # the first of several train loaders: wrapped, serving, closed at the end
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -164,7 +165,7 @@ class PrefetchTuner(Callback):
         if count > 1:  # the first of several was wrapped as it was processed: it serves your settings, untuned
             if self.loader is not None:
                 self.loader.prepare(self.loader.settings, lead=0)  # drops workers it may have started
-            self.online, self.loader = None, None
+            self._untuned, self.online, self.loader = self.loader, None, None
             self._refuse(f"{count} train loaders; only a single train loader is supported")
         elif self.loader is None:
             self._refuse(self._why_not)
@@ -234,8 +235,10 @@ class PrefetchTuner(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.online is not None and self.online.end():  # training ended mid-search: keep what was learnt
             rank_zero_info(self.report())
-        if self.loader is not None:
-            self.loader.close()
+        for loader in (self.loader, self._untuned):
+            if loader is not None:
+                loader.close()
+        self._untuned = None
 
     # What the search found (before it runs, or when none runs: the cache's answer or why not).
     @property

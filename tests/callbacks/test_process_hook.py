@@ -92,7 +92,10 @@ def test_the_first_of_several_train_loaders_serves_untuned_and_the_tuner_says_wh
 
     a, b = DataLoader(sleepy(6, latency_s=0.05), batch_size=1), DataLoader(sleepy(6), batch_size=1)
     tuner, model = PrefetchTuner(), TwoLoaders()
-    make_trainer([tuner]).fit(model, {"a": a, "b": b})
+    trainer = make_trainer([tuner])
+    trainer.fit(model, {"a": a, "b": b})
     assert tuner.reason == "kept your loader: 2 train loaders; only a single train loader is supported"
     assert tuner.loader is None and tuner.online is None
     assert model.indices == list(range(6))
+    served = trainer.fit_loop._combined_loader.flattened[0]  # the wrapper that served "a", closed at the end
+    assert served._inner is None and served.reaper._thread is None
