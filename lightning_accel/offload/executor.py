@@ -92,6 +92,8 @@ class L2LExecutor:
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
         self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
         self.streamer = Streamer(self.store, device, self.stats, alias=alias)
+        self.stats.offloaded_params = self.store.numel()
+        self.update_host_bytes()
         # runs first in every host-step / delayed-update thread (the thread budget, HostThreads)
         self.init_worker = init_worker
         self.delayed = DelayedUpdate(self.store, self.stats, init_worker) if delayed_update else None
@@ -160,8 +162,24 @@ class L2LExecutor:
             self.delayed.close()
 
     # -- forward ------------------------------------------------------------------------
+    def update_host_bytes(self, optimizer_bytes: int | None = None) -> None:
+        """Restate ``stats.host_bytes`` (the store and the gradient staging buffers), and the
+        host optimizer state's bytes when the caller measured them."""
+        self.stats.host_bytes = self.store.host_bytes() + self.streamer.staging_bytes()
+        if optimizer_bytes is not None:
+            self.stats.host_optimizer_bytes = optimizer_bytes
+
     def begin_step(self) -> None:
-        """Before a forward pass: bring the resident unit in if it streams."""
+        """Before a forward pass: bring the resident unit in if it streams. A frozen parameter
+        was planned to be streamed as stored and never written: one unfrozen since (gradual
+        unfreezing) would be updated in its stored dtype, unlike plain training, so it is refused."""
+        thawed = next((p for p in self.store.frozen if p.requires_grad), None)
+        if thawed is not None:
+            name = next(n for u in self.plan.blocks + [self.plan.resident] for n, p in u.params if p is thawed)
+            raise RuntimeError(
+                f"{self.owner}: parameter {name} was frozen when the offload was planned and now requires grad; "
+                "unfreezing during fit is not supported: set requires_grad before fit (or fit again after changing it)"
+            )
         if self.plan.offload_resident:
             self.streamer.acquire(RESIDENT, self.plan.resident)
 

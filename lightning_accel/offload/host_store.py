@@ -11,6 +11,13 @@ With ``snapshot=True`` (the one-step delayed update) every parameter gets a shad
 own, fp32 ones included: the device computes on the shadows while the host optimizer
 rewrites the masters, and the shadows catch up once that step is done. It costs one more
 copy of the parameters in host memory (fp32: twice the masters' bytes in all).
+
+A frozen parameter (``requires_grad=False``: a fine-tune's base) gets none of this. The
+host keeps the one tensor the user gave, in its dtype or tensor subclass (bf16, fp16, a
+torchao ``NF4Tensor``), pinned on CUDA; it streams as stored, is never written, and the
+model computes on it as it would without offload. ``master[p]`` and ``shadow[p]`` are that
+tensor itself, so the optimizer paths, which only see parameters with gradients, never
+touch it, and it costs its stored size once (:func:`~lightning_accel.offload.stored.stored_nbytes`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_accel.offload.plan import Unit
+from lightning_accel.stored import pinned, stored_nbytes
 
 
 class HostStore:
@@ -31,8 +39,12 @@ class HostStore:
         self.master: dict[nn.Parameter, Tensor] = {}
         self.shadow: dict[nn.Parameter, Tensor] = {}
         self.grads: dict[nn.Parameter, Tensor] = {}
+        self.frozen: set[nn.Parameter] = set()
         for unit in units:
             for name, param in unit.params:
+                if not param.requires_grad:
+                    self._keep_frozen(param)
+                    continue
                 if not param.is_floating_point():
                     raise TypeError(f"parameter {name} is {param.dtype}; L2L offload keeps fp32 masters of floating-point parameters only")
                 # fp32 masters; a float64 model (a reference run) keeps float64 and computes in it
@@ -56,6 +68,15 @@ class HostStore:
                 buf = owner._buffers[buf_name]
                 if buf is not None:
                     owner._buffers[buf_name] = buf.detach().to("cpu").pin_memory() if pin else buf.detach().to("cpu")
+
+    def _keep_frozen(self, param: nn.Parameter) -> None:
+        stored = param.data if param.device.type == "cpu" else param.data.to("cpu")
+        if self.pin:
+            stored = pinned(stored)
+        if stored is not param.data:
+            param.data = stored
+        self.master[param] = self.shadow[param] = stored
+        self.frozen.add(param)
 
     def _low(self, master: Tensor) -> Tensor:
         low = master.to(self.compute_dtype)
@@ -93,7 +114,17 @@ class HostStore:
             param.grad = None
         self.grads.clear()
 
+    def weight_bytes(self) -> int:
+        """Bytes of the host weights: frozen tensors as stored, masters, and shadows that are copies."""
+        total = sum(stored_nbytes(m) for m in self.master.values())
+        return total + sum(stored_nbytes(s) for p, s in self.shadow.items() if s is not self.master[p])
+
     def host_bytes(self) -> int:
-        total = sum(m.numel() * m.element_size() for m in self.master.values())
-        total += sum(s.numel() * s.element_size() for p, s in self.shadow.items() if s is not self.master[p])
-        return total
+        """:meth:`weight_bytes` plus the gradient buffer each trainable parameter holds from its
+        first gradient to the step (counted whether or not a step is under way)."""
+        grads = sum(m.numel() * m.element_size() for p, m in self.master.items() if p not in self.frozen)
+        return self.weight_bytes() + grads
+
+    def numel(self) -> int:
+        """Parameters the store holds (frozen and trainable)."""
+        return sum(p.numel() for p in self.master)

@@ -34,6 +34,17 @@ class OffloadStats:
     activation_d2h_bytes: int = 0
     activation_h2d_bytes: int = 0
     activation_d2h_bytes_per_step: int = 0
+    # parameters in the offloaded units (blocks, and the resident unit when it streams)
+    offloaded_params: int = 0
+    # everything the host keeps for them: frozen tensors as stored, fp32 masters, low-precision
+    # shadows, gradient buffers and pinned gradient staging (see HostStore.host_bytes)
+    host_bytes: int = 0
+    # the optimizer state of the host parameters (Adam: two fp32 moments each), once it exists
+    host_optimizer_bytes: int = 0
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        return self.host_bytes / self.offloaded_params if self.offloaded_params else 0.0
 
     @property
     def overlap_fraction(self) -> float:
@@ -44,6 +55,7 @@ class OffloadStats:
     def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
         out = {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in fields(self)}
         out[f"{prefix}overlap_fraction"] = self.overlap_fraction
+        out[f"{prefix}host_bytes_per_param"] = self.host_bytes_per_param
         return out
 
     def summary(self) -> str:
@@ -52,7 +64,9 @@ class OffloadStats:
             f"L2L offload: {self.steps} steps, {self.h2d_bytes_per_step / gib:.3f} GiB host->device and "
             f"{self.d2h_bytes_per_step / gib:.3f} GiB device->host per step, copies {self.copy_seconds:.2f} s "
             f"({self.overlap_fraction:.0%} hidden behind compute), peak {self.peak_resident_blocks} blocks / "
-            f"{self.peak_device_bytes / 2**20:.1f} MiB of block weights on the device"
+            f"{self.peak_device_bytes / 2**20:.1f} MiB of block weights on the device, "
+            f"{self.host_bytes / gib:.3f} GiB on the host for {self.offloaded_params:,} parameters "
+            f"({self.host_bytes_per_param:.2f} B each) + {self.host_optimizer_bytes / gib:.3f} GiB of optimizer state"
         )
         if self.activation_d2h_bytes:
             line += f", {self.activation_d2h_bytes_per_step / gib:.3f} GiB of boundary activations parked on the host per step"

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.stats import OffloadStats
+from lightning_accel.stored import record_stream, stored_nbytes, to_device
 
 
 @dataclass
@@ -81,10 +82,11 @@ class Streamer:
             start = self._timing_event()
             for _, param in unit.params:
                 src = self.store.shadow[param]
-                dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-                dst.copy_(src, non_blocking=self.cuda)
+                if param in self.store.frozen and not self.cuda:
+                    continue  # the host is the device: compute on the stored tensor itself
+                dst = to_device(src, self.device, non_blocking=self.cuda)
                 params[param] = dst
-                nbytes += dst.numel() * dst.element_size()
+                nbytes += stored_nbytes(dst)
             for owner, name, _ in unit.buffers:
                 buf = owner._buffers[name]
                 if buf is not None:
@@ -113,7 +115,7 @@ class Streamer:
                 self.stats.wait_seconds += time.perf_counter() - waited
             compute = torch.cuda.current_stream(self.device)
             for tensor in (*entry.params.values(), *(dev for _, dev in entry.buffers.values())):
-                tensor.record_stream(compute)
+                record_stream(tensor, compute)
         for param, tensor in entry.params.items():
             param.data = tensor
         for owner, name, _ in unit.buffers:
@@ -139,6 +141,10 @@ class Streamer:
                 host.copy_(owner._buffers[name])  # into the (pinned) host tensor it came from
                 owner._buffers[name] = host
         self._device_bytes -= entry.nbytes
+
+    def staging_bytes(self) -> int:
+        """Pinned host buffers the gradient copies land in (CUDA; one per trainable parameter once used)."""
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
 
     def is_on_device(self, index: int) -> bool:
         return index in self.on_device

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_accel.pipeline.partition import check_balance, stage_of_block
+from lightning_accel.stored import plain_parts
 
 __all__ = ["RankLayout", "broadcast_shared", "check_split", "keep_own_parameters", "owners", "send_initial_weights"]
 
@@ -48,38 +49,45 @@ def send_initial_weights(tensors: Sequence[Tensor], owners: Sequence[int], share
     """Every rank starts from rank 0's weights: in each pipeline, each stage's tensors go from its first rank to their
     owner only (``shared`` ones to every rank); then each stage's rank in replica 0 broadcasts them over the replicas."""
     first = layout.pp_global(0)
-    for t, owner, everywhere in zip(tensors, owners, shared):
+    parts = _plain(tensors, owners, shared)
+    for t, owner, everywhere in parts:
         if everywhere:
-            buf = t.data.to(layout.device)
+            buf = t.to(layout.device)
             dist.broadcast(buf, src=first, group=layout.pp_group)
-            t.data.copy_(buf)
+            t.copy_(buf)
         elif owner != 0 and layout.pp_rank in (0, owner):
-            buf = t.data.to(layout.device)
+            buf = t.to(layout.device)
             if layout.pp_rank == 0:
                 dist.send(buf, dst=layout.pp_global(owner), group=layout.pp_group)
             else:
                 dist.recv(buf, src=first, group=layout.pp_group)
-                t.data.copy_(buf)
+                t.copy_(buf)
     if layout.dp_size == 1:
         return
     dp_root = dist.get_global_rank(layout.dp_group, 0)
-    for t, owner, everywhere in zip(tensors, owners, shared):
+    for t, owner, everywhere in parts:
         if everywhere or owner == layout.pp_rank:
-            buf = t.data.to(layout.device)
+            buf = t.to(layout.device)
             dist.broadcast(buf, src=dp_root, group=layout.dp_group)
             if layout.dp_rank:
-                t.data.copy_(buf)
+                t.copy_(buf)
+
+
+def _plain(tensors: Sequence[Tensor], owners: Sequence[int], shared: Sequence[bool]) -> list[tuple[Tensor, int, bool]]:
+    """``(tensor, owner, shared)`` per plain tensor holding the data: a tensor subclass (a frozen NF4 weight) goes as
+    its codes and scalers, since sending it dequantized would re-quantize it (:mod:`lightning_accel.stored`)."""
+    return [(part, owner, everywhere) for t, owner, everywhere in zip(tensors, owners, shared) for part in plain_parts(t.data)]
 
 
 @torch.no_grad()
 def broadcast_shared(tensors: Sequence[Tensor], owners: Sequence[int], shared: Sequence[bool], layout: RankLayout) -> None:
     """The ``shared`` tensors (on every rank) take their owner's values (through the device: after teardown the module
     is on the CPU, which nccl cannot send)."""
-    for tensor, owner, everywhere in zip(tensors, owners, shared):
+    for tensor, owner, everywhere in _plain(tensors, owners, shared):
         if everywhere:
-            buf = tensor.data.to(layout.device)
+            buf = tensor.to(layout.device)
             dist.broadcast(buf, src=layout.pp_global(owner), group=layout.pp_group)
-            tensor.data.copy_(buf)
+            tensor.copy_(buf)
 
 
 def keep_own_parameters(

@@ -74,6 +74,7 @@ from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, agree_found_inf, clip_grad_norm_across, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import HostPartition, partition_units
+from lightning_accel.stored import plain_parts
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.patching import swapped
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
@@ -193,8 +194,9 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         """Rank 0's parameters and buffers on every rank, as DDP does when it wraps the model."""
         assert self.lightning_module is not None and self._executor is not None
         tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
-        host = [t.data for t in tensors if t.device.type == "cpu"]
-        device = [t.data for t in tensors if t.device.type != "cpu"]
+        # a frozen NF4 weight goes as its codes and scalers: sending it dequantized would re-quantize it
+        host = [part for t in tensors if t.device.type == "cpu" for part in plain_parts(t.data)]
+        device = [part for t in tensors if t.device.type != "cpu" for part in plain_parts(t.data)]
         broadcast_units([host], [0], self._host_group)
         if device:
             broadcast_units([device], [0], None)
@@ -347,8 +349,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         return sum(state_bytes(o, host) for o in self.optimizers)
 
     def host_weight_bytes(self) -> int:
-        """Bytes of host weights this rank holds (fp32 masters and low-precision copies; not partitioned)."""
-        return self._executor.store.host_bytes() if self._executor is not None else 0
+        """Bytes of host weights this rank holds (fp32 masters, low-precision copies, frozen tensors as stored; not partitioned)."""
+        return self._executor.store.weight_bytes() if self._executor is not None else 0
 
     def _kept_indices(self, optimizer: Optimizer) -> set[int]:
         """Indices of ``optimizer.state_dict()`` whose state this rank keeps: its own host

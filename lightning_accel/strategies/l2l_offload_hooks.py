@@ -74,6 +74,7 @@ from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
+from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 
@@ -250,7 +251,12 @@ class L2LOffloadHooks(Strategy):
             if self._executor.streamer.alias
             else f"device copies in {compute_dtype} on {device}"
         )
+        stats = self._executor.stats
+        frozen = self._executor.store.frozen
         extras = [
+            f"host keeps {stats.host_bytes / 2**30:.3f} GiB for {stats.offloaded_params:,} parameters "
+            f"({stats.host_bytes_per_param:.2f} B each"
+            + (f"; {sum(p.numel() for p in frozen):,} frozen, kept as stored and never written)" if frozen else ")"),
             *([f"host updates one step late after {self.delayed_update_warmup} warm-up steps"] if self.delayed_update else []),
             *(["block-boundary activations parked on the host"] if self.offload_activations else []),
             self._threads.describe(),
@@ -350,7 +356,15 @@ class L2LOffloadHooks(Strategy):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
+        executor.update_host_bytes(self.host_optimizer_bytes())
         return output
+
+    def host_optimizer_bytes(self) -> int:
+        """Bytes of optimizer state held for the host parameters."""
+        if self._executor is None:
+            return 0
+        host = [p for p in self._executor.store.master if p not in self._executor.store.frozen]
+        return sum(state_bytes(o, host) for o in self.optimizers)
 
     def _fuse(self, optimizer: Optimizer) -> bool:
         kernel = self._host_kernels.get(id(optimizer))
@@ -378,6 +392,7 @@ class L2LOffloadHooks(Strategy):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         self._after_defer()
         executor.after_step(masters_changed=False)
+        executor.update_host_bytes(self.host_optimizer_bytes())
         return output
 
     def _can_overlap(self, optimizer: Optimizer) -> bool:

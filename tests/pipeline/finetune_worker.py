@@ -1,0 +1,41 @@
+"""A user script fine-tuning LoRA adapters on a frozen bf16 or NF4 Llama with ``DistributedGPipeStrategy`` on 2 CPU
+processes, Lightning's defaults otherwise (its distributed sampler left on, the user's plain DataLoader).
+
+Run as ``python finetune_worker.py OUT_DIR``: for ``bf16`` and ``nf4`` one ``Trainer.fit`` of STEPS steps, 1F1B x
+CHUNKS micro-batches, ``bf16-mixed``; rank 0 saves ``{kind}.ckpt`` (the gathered checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
+from finetune_models import lora_llama  # noqa: E402
+from real_models import CausalLM, lm_loader  # noqa: E402
+
+STEPS, CHUNKS = 4, 2
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    for kind in ("bf16", "nf4"):
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, schedule="1f1b", timeout=60),
+            max_steps=STEPS, precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(CausalLM(lora_llama(nf4=kind == "nf4"), lr=1e-3), lm_loader())
+        trainer.save_checkpoint(out / f"{kind}.ckpt")
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
