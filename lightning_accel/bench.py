@@ -28,6 +28,7 @@ BENCHMARK_MODULES: tuple[str, ...] = (
     "lightning_accel.benchmarks.ddp",
     "lightning_accel.benchmarks.pipeline",
     "lightning_accel.benchmarks.pipeline_init",
+    "lightning_accel.benchmarks.finetune",
 )
 
 
