@@ -134,3 +134,28 @@ def test_gpipe_distributed_trains_adapters_like_plain_lightning(two_ranks: Path,
     state = state_entries(torch.load(two_ranks / f"{kind}.ckpt", weights_only=False)["state_dict"])
     gathered = {type(state[n]).__name__ for n in base}  # as stored: an NF4 weight is not dequantized on the way
     assert gathered == ({"Tensor", "NF4Tensor"} if kind == "nf4" else {"Tensor"})
+
+
+@pytest.mark.slow
+def test_l2l_offload_ddp_trains_adapters_on_an_nf4_base_like_plain_lightning(tmp_path: Path) -> None:
+    """2 gloo ranks, the host step partitioned, Lightning's distributed sampler: each rank's base stays NF4 and
+    bit-identical (set-up broadcasts it as its codes and scalers, not dequantized), and the averaged adapters equal
+    plain Lightning accumulating over the ranks' shards in turn (the same per-shard bf16 arithmetic)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+    from user_script import run_user_script
+
+    result = run_user_script(Path(__file__).resolve().parent / "finetune_ddp_worker.py", [str(tmp_path)], 300, "2-process QLoRA")
+    assert result.returncode == 0, result.stdout[-4000:]
+    task, start, _ = _start("nf4")
+    dataset = lm_loader().dataset
+    shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    order = [i for b in range(2) for shard in shards for i in shard[4 * b : 4 * b + 4]]  # rank 0's batch, rank 1's, ...
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision="bf16-mixed", accumulate_grad_batches=2,
+    )
+    trainer.fit(task, DataLoader(dataset, batch_size=4, sampler=order))
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert relative_update_difference(start, adapters(task.net), got["adapters"]) < 1e-5
+        assert 0.518 < got["host_bytes_per_param"] < 0.8
