@@ -65,6 +65,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -100,6 +101,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
     """
 
     strategy_name = "l2l_offload_ddp"
+    _shows_backward_gradients = False  # the block gradients are averaged after the backward: said at set-up
 
     def __init__(
         self,
@@ -176,6 +178,12 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     def _refuse(self, trainer: Trainer, fitting: bool) -> None:
         module = trainer.lightning_module
+        if fitting and self._reads_gradients("on_after_backward"):
+            rank_zero_warn(
+                "L2LOffloadDDPStrategy: on_after_backward sees no gradient of the offloaded blocks (they go to the host "
+                "and are averaged across ranks after the backward); read them in on_before_optimizer_step, where "
+                "they are averaged" + (" (each rank holds its own blocks' share with host_step='partitioned')" if self.host_step == "partitioned" else "")
+            )
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"L2LOffloadDDPStrategy needs automatic optimization ({type(module).__name__} sets "

@@ -65,6 +65,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
@@ -85,6 +86,9 @@ class L2LOffloadHooks(Strategy):
     (:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy`): combined with
     ``SingleDeviceStrategy`` or ``DDPStrategy``, never used alone. The data-parallel strategy
     fills in :meth:`_base_setup`, :meth:`_gradients_ready` and :meth:`_after_update`."""
+
+    # on_after_backward sees the host gradients (one device); data parallel averages them only after the backward
+    _shows_backward_gradients = True
 
     def _init_offload(
         self,
@@ -318,6 +322,38 @@ class L2LOffloadHooks(Strategy):
         return self._eval(super().predict_step, *args, **kwargs)
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # Lightning calls on_after_backward from the precision plugin's post_backward, before this strategy's
+        # post_backward; the block gradients went to the host as they arrived, so they are landed and shown as
+        # ``param.grad`` (host tensors) for the hooks, as plain Lightning shows them, and taken off again after
+        # (the next backward of an accumulation must not add into them twice).
+        if not self._shows_backward_gradients or not self._reads_gradients("on_after_backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        plugin = self.precision_plugin
+        post_backward = plugin.post_backward
+
+        def landed_for_hooks(tensor: torch.Tensor, module: Any) -> torch.Tensor:
+            executor = self._executor
+            assert executor is not None
+            executor.streamer.finish_grads()
+            executor.install_grads()
+            try:
+                return post_backward(tensor, module)
+            finally:
+                for param in executor.store.grads:
+                    param.grad = None
+
+        with swapped(plugin, "post_backward", landed_for_hooks):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _reads_gradients(self, *hooks: str) -> bool:
+        """Whether the user's LightningModule or a callback overrides one of ``hooks`` (where Lightning shows gradients)."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        owners = [module, *(trainer.callbacks if trainer is not None else [])]
+        return any(is_overridden(hook, owner) for hook in hooks for owner in owners if owner is not None)
+
+    @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         assert self._executor is not None
         self._executor.begin_backward()
@@ -399,7 +435,9 @@ class L2LOffloadHooks(Strategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         clipping = bool(trainer is not None and trainer.gradient_clip_val)
         scaling = getattr(self.precision_plugin, "scaler", None) is not None
-        return isinstance(optimizer, _PER_PARAMETER) and not clipping and not scaling
+        # a hook that reads the gradients must see every one of them before any block steps
+        hooks = self._reads_gradients("on_after_backward", "on_before_optimizer_step")
+        return isinstance(optimizer, _PER_PARAMETER) and not clipping and not scaling and not hooks
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
