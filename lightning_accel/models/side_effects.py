@@ -113,7 +113,7 @@ def _is_transformers_cache(value: Any) -> bool:
 def cache_argument(args: tuple, kwargs: Mapping[str, Any]) -> str | None:
     """The name of the argument holding a transformers ``Cache`` (``"args[2]"`` when
     positional), or None. Looks at the top-level arguments only: that is where
-    transformers passes ``past_key_values`` to its layers."""
+    transformers passes its cache to its layers (``cache`` since transformers 5.24, ``past_key_values`` before)."""
     for key, value in kwargs.items():
         if _is_transformers_cache(value):
             return key
@@ -128,7 +128,7 @@ def describe_cache_refusal(owner: str, name: str, module: nn.Module, argument: s
     return (
         f"{owner}: block {name!r} ({type(module).__name__}) was called with a {type(value).__name__} "
         f"({argument}); {why} would write its keys and values into the cache again; do not pass "
-        "use_cache=True or past_key_values= when training (config.use_cache is already off)"
+        "use_cache=True or a cache (cache= / past_key_values=) when training (config.use_cache is already off)"
     )
 
 

@@ -16,6 +16,14 @@ from lightning_accel.models.side_effects import (
 )
 
 
+def _cache_kwarg() -> str:
+    """The keyword transformers hands a decoder layer its cache by: ``cache`` from 5.24, ``past_key_values`` before."""
+    import inspect
+
+    transformers = pytest.importorskip("transformers")
+    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
 def _llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -40,17 +48,18 @@ def test_disable_kv_cache_leaves_other_models_alone() -> None:
 
 def test_a_cache_argument_is_found_and_refused_in_one_line() -> None:
     transformers, net = _llama()
+    CACHE_KWARG = _cache_kwarg()
     seen: list[str | None] = []
     layer = net.model.layers[1]
     layer.register_forward_pre_hook(lambda m, a, k: seen.append(cache_argument(a, k)), with_kwargs=True)
     net(torch.randint(0, 64, (1, 4)))  # use_cache on: the model makes a DynamicCache and hands it to each layer
-    assert seen == ["past_key_values"]
+    assert seen == [CACHE_KWARG]
     disable_kv_cache(net)
     net(torch.randint(0, 64, (1, 4)))
-    assert seen == ["past_key_values", None]
+    assert seen == [CACHE_KWARG, None]
     assert cache_argument((torch.ones(1), transformers.DynamicCache()), {}) == "args[1]"
-    msg = describe_cache_refusal("GPipeStrategy", "model.layers.1", layer, "past_key_values", transformers.DynamicCache(), "recomputing it in backward")
-    with pytest.raises(RuntimeError, match=r"block 'model.layers.1' \(LlamaDecoderLayer\) was called with a DynamicCache \(past_key_values\); recomputing .*; do not pass use_cache=True"):
+    msg = describe_cache_refusal("GPipeStrategy", "model.layers.1", layer, CACHE_KWARG, transformers.DynamicCache(), "recomputing it in backward")
+    with pytest.raises(RuntimeError, match=rf"block 'model.layers.1' \(LlamaDecoderLayer\) was called with a DynamicCache \({CACHE_KWARG}\); recomputing .*; do not pass use_cache=True or a cache \(cache= / past_key_values=\)"):
         raise RuntimeError(msg)
 
 

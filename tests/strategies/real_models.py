@@ -72,6 +72,14 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
 GRADIENT_FREE = {"attn.c_attn.bias": slice(32, 64), "attn.qkv.bias": slice(32, 64)}
 
 
+def cache_kwarg() -> str:
+    """The keyword transformers hands a decoder layer its KV cache by: ``cache`` from 5.24, ``past_key_values`` before."""
+    import inspect
+
+    transformers = pytest.importorskip("transformers")
+    return "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
 def logits_of(output: Any) -> Tensor:
     """Logits from whatever a causal LM returns: a tensor (litgpt, nn.Sequential) or a
     transformers ``ModelOutput`` / tuple (logits first)."""

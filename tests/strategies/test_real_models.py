@@ -32,7 +32,7 @@ from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_models import CausalLM, assert_same_weights, fit, real_task, train_save_resume  # noqa: E402
+from real_models import CausalLM, assert_same_weights, cache_kwarg, fit, real_task, train_save_resume  # noqa: E402
 
 MODELS = ("llama", "gpt2", "litgpt", "sequential")
 STRATEGIES = ("l2l", "l2l-copies", "gpipe-always", "gpipe-except_last", "gpipe-never")
@@ -105,7 +105,7 @@ def test_use_cache_is_restored_after_fit_and_the_cache_is_never_built() -> None:
     task = real_task("llama")
     assert task.net.config.use_cache is True
     caches: list[Any] = []
-    task.net.model.layers[0].register_forward_pre_hook(lambda m, a, k: caches.append(k.get("past_key_values")), with_kwargs=True)
+    task.net.model.layers[0].register_forward_pre_hook(lambda m, a, k: caches.append(k.get(cache_kwarg(), "absent")), with_kwargs=True)
     with pytest.warns(UserWarning, match=r"L2LOffloadStrategy: `use_cache=True` is incompatible with recomputing blocks"):
         fit(task, L2LOffloadStrategy(), steps=1)
     assert caches and all(c is None for c in caches)
@@ -142,7 +142,7 @@ def test_a_block_called_with_a_kv_cache_is_refused_naming_it(kind: str) -> None:
     owner = "L2LOffloadStrategy" if kind == "l2l" else "GPipeStrategy"
     why = "recomputing it in backward" if kind == "l2l" else "re-materializing it in backward"
     name = "net.model.layers.0" if kind == "l2l" else "model.layers.0"  # L2L plans the LightningModule, GPipe its net
-    with pytest.raises(RuntimeError, match=rf"{owner}: block '{name}' \(LlamaDecoderLayer\) was called with a DynamicCache \(past_key_values\); {why} would write"):
+    with pytest.raises(RuntimeError, match=rf"{owner}: block '{name}' \(LlamaDecoderLayer\) was called with a DynamicCache \({cache_kwarg()}\); {why} would write"):
         fit(task, _strategy(kind), steps=1)
 
 
