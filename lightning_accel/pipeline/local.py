@@ -61,6 +61,7 @@ from lightning_accel.models.block_policy import Block
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal, mutated_buffers
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
+from lightning_accel.pipeline.microbatch import gather_output, scatter_call
 from lightning_accel.pipeline.partition import stage_of_block
 from lightning_accel.pipeline.streams import StageCopier
 
@@ -207,6 +208,17 @@ class LocalPipeline:
             self._current = previous
             self._pending.clear()  # a stage run's outputs that the forward never asked for
             self._last_output = None
+
+    def run_microbatches(self, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], chunks: int) -> tuple[Any, bool]:
+        """``forward(*args, **kwargs)``, one training call of the net, as ``chunks`` micro-batches through the stages
+        (each inside :meth:`microbatch`), their outputs gathered into the whole batch's; returns it and whether a scalar
+        output had to be averaged over the micro-batches (:func:`~lightning_accel.pipeline.microbatch.gather_output`)."""
+        calls, sizes = scatter_call(args, kwargs, chunks)
+        outputs = []
+        for i, (a, kw) in enumerate(calls):
+            with self.microbatch(i):
+                outputs.append(forward(*a, **kw))
+        return gather_output(outputs, sizes)
 
     def stage_chained(self, stage: int) -> bool:
         """Whether ``stage`` is re-materialized as one checkpoint (its blocks were seen to chain)."""

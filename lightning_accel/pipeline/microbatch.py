@@ -1,4 +1,4 @@
-"""Manipulation of micro-batches: scatter a batch into M chunks and gather them back.
+"""Manipulation of micro-batches: scatter a batch (or a model call's arguments) into M chunks and gather them back.
 
 A batch is whatever a DataLoader yields: a tensor, or tuples, lists and dicts of them
 (and of values that are not tensors, which every chunk shares). Every tensor in one
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DropRagged", "batch_size", "gather", "map_tensors", "scatter", "tensors_in"]
+__all__ = ["DropRagged", "batch_size", "call_batch_size", "gather", "gather_output", "map_tensors", "scatter", "scatter_call", "tensors_in"]
 
 
 def tensors_in(batch: Any) -> list[Tensor]:
@@ -108,6 +108,77 @@ def gather(microbatches: Sequence[Any]) -> Any:
             return type(first)(*columns)
         return type(first)(columns)
     return first
+
+
+def _first_tensor(args: tuple, kwargs: dict[str, Any]) -> Tensor:
+    first = next(iter(tensors_in(list(args)) or tensors_in(kwargs)), None)
+    if first is None or first.ndim == 0:
+        raise ValueError("cannot split a forward call into micro-batches: its first tensor argument has no batch dimension")
+    return first
+
+
+def call_batch_size(args: tuple, kwargs: dict[str, Any]) -> int:
+    """The batch size of a model call: dimension 0 of its first tensor argument (see :func:`scatter_call`)."""
+    return _first_tensor(args, kwargs).size(0)
+
+
+def scatter_call(args: tuple, kwargs: dict[str, Any], chunks: int) -> tuple[list[tuple[tuple, dict[str, Any]]], list[int]]:
+    """A model call's arguments as ``chunks`` calls on micro-batches, and the micro-batch sizes.
+
+    The batch size is dimension 0 of the first tensor argument (positional first); every
+    tensor of that size in dimension 0 is split (``torch.tensor_split``), everything else
+    (a shared mask, position ids of batch 1, flags) goes to every call as it is.
+    """
+    first = _first_tensor(args, kwargs)
+    size = first.size(0)
+
+    def split(value: Any) -> list[Any]:
+        if isinstance(value, Tensor) and value.ndim > 0 and value.size(0) == size:
+            return list(torch.tensor_split(value, chunks, dim=0))
+        if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+            columns = [split(v) for v in value]
+            return [type(value)(col[i] for col in columns) for i in range(chunks)]
+        if isinstance(value, dict):
+            parts = {k: split(v) for k, v in value.items()}
+            return [{k: parts[k][i] for k in value} for i in range(chunks)]
+        return [value] * chunks
+
+    split_args, split_kwargs = split(tuple(args)), split(dict(kwargs))
+    sizes = [t.size(0) for t in torch.tensor_split(first, chunks, dim=0)]
+    return list(zip(split_args, split_kwargs)), sizes
+
+
+def gather_output(outputs: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, bool]:
+    """The micro-batch outputs of a model call as the whole batch's output, and whether a scalar had to be averaged.
+
+    Tensors whose dimension 0 is each micro-batch's size are concatenated (logits, hidden
+    states); a 0-d tensor (a loss or auxiliary loss the model computed itself) becomes the
+    size-weighted mean of the micro-batches' values, which equals the whole batch's only for
+    a mean over equally weighted samples; mappings (transformers' ``ModelOutput``), tuples and
+    lists keep their types; anything else is the first micro-batch's.
+    """
+    averaged = False
+
+    def join(values: Sequence[Any]) -> Any:
+        nonlocal averaged
+        first = values[0]
+        if isinstance(first, Tensor):
+            if first.ndim == 0:
+                averaged = True
+                total = sum(sizes)
+                return sum(v * (n / total) for v, n in zip(values, sizes))
+            if all(isinstance(v, Tensor) and v.ndim > 0 and v.size(0) == n for v, n in zip(values, sizes)):
+                return torch.cat(list(values), dim=0)
+            return first
+        if isinstance(first, Mapping):
+            joined = {k: join([v[k] for v in values]) for k in first}
+            return type(first)(**joined) if hasattr(first, "__dataclass_fields__") else type(first)(joined)  # type: ignore[call-arg]
+        if isinstance(first, (tuple, list)):
+            columns = [join([v[i] for v in values]) for i in range(len(first))]
+            return type(first)(*columns) if hasattr(first, "_fields") else type(first)(columns)
+        return first
+
+    return join(outputs), averaged
 
 
 class DropRagged:

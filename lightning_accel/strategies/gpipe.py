@@ -1,29 +1,30 @@
 """GPipeStrategy: GPipe micro-batching inside a plain Lightning ``Trainer``.
 
-How it hooks into Lightning: Lightning's automatic optimization calls
-``strategy.training_step`` inside the optimizer closure, then ``strategy.backward`` on
-the returned loss, then steps. This strategy overrides only ``training_step``: it
-scatters the batch into ``chunks`` micro-batches, runs the LightningModule's own
-``training_step`` on each (so the user's loss, logging and metrics code is unchanged),
-and returns the micro-batch losses reduced to the batch loss (see
-:mod:`lightning_accel.pipeline.reduction`). Lightning's own ``backward`` then runs one
-backward pass through all micro-batches, which accumulates their gradients, and its
-``optimizer_step`` steps once. Because backward, precision, clipping and gradient
-accumulation stay Lightning's, a loss scaler steps once per batch and
-``accumulate_grad_batches`` / ``gradient_clip_val`` keep working. The alternative,
-backward per micro-batch inside ``training_step``, would bypass the precision plugin's
-backward and the ``on_before_backward`` hooks.
+How it hooks into Lightning: the user's ``training_step`` runs once per batch, as under any
+Lightning strategy, so its logging, torchmetrics and manual optimization see the whole batch.
+What is micro-batched is the network's forward: while ``training_step`` runs, a call of the
+network (the LightningModule's ``net``, or the module itself) is split into ``chunks``
+micro-batches along the batch dimension of its tensor arguments, each runs through the stages
+(:meth:`lightning_accel.pipeline.LocalPipeline.run_microbatches`), and the outputs are
+concatenated back, so the user's loss is computed on the whole batch's output, as in plain
+training (torchgpipe's ``GPipe.forward`` does the same). Lightning's own ``backward`` then
+runs one backward pass through all micro-batches, and its ``optimizer_step`` steps once:
+precision, clipping, loss scaling and ``accumulate_grad_batches`` stay Lightning's. A batch
+smaller than ``chunks`` after the first (an epoch's last batch, ``drop_last=False``) runs as
+that many micro-batches; a first batch smaller than ``chunks`` is refused (the setting could
+never be honoured).
 
 Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload)
 are split into stages (``balance``) and placed on ``devices`` by
 :class:`lightning_accel.pipeline.LocalPipeline`, which wraps no module, so checkpoints
 keep the user's parameter names. ``balance="by_time"`` needs a sample, and the one that
 costs nothing and is surely representative is the first training batch: the model stays
-whole on the first device through setup (and any sanity check), and the first
-``training_step`` times every block on its first micro-batch
+whole on the first device through setup (and any sanity check), and the first training
+call of the network times every block on its first micro-batch
 (:func:`lightning_accel.pipeline.partition.profile_block_times`, which leaves weights,
-gradients, BatchNorm statistics and the RNG untouched), splits, and places, before any
-gradient is computed. Optimizer state restored from a checkpoint follows its parameters.
+gradients, BatchNorm statistics and the RNG untouched, and runs no loss or logging), splits,
+and places, before any gradient is computed. Optimizer state restored from a checkpoint
+follows its parameters.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from typing_extensions import override
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
-from lightning_accel.pipeline.microbatch import batch_size, scatter
-from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
+from lightning_accel.patching import Patch, patch
+from lightning_accel.pipeline.microbatch import call_batch_size, scatter_call
 from lightning_accel.pipeline.options import PipelineOptions
-from lightning_accel.pipeline.reduction import reduce_outputs
+from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 
 DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
 
@@ -104,7 +105,6 @@ class GPipeStrategy(SingleDeviceStrategy):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches keep
             only each stage's input and recompute the rest in backward (memory for time).
         blocks: the block policy of :func:`lightning_accel.models.block_policy.find_blocks`.
-        loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from the
             whole batch, instead of once per micro-batch.
     """
@@ -118,12 +118,11 @@ class GPipeStrategy(SingleDeviceStrategy):
         devices: DeviceSpec = None,
         checkpoint: str = "except_last",
         blocks: BlockPolicy = "auto",
-        loss_reduction: str = "mean",
         deferred_batch_norm: bool = False,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with gpipe_distributed
+        self.options = PipelineOptions(chunks, balance, checkpoint)  # validated once, shared with gpipe_distributed
         self.devices = _devices(devices)
         if not isinstance(balance, str) and len(list(balance)) > len(self.devices):
             raise ValueError(
@@ -135,10 +134,14 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.balance = balance if isinstance(balance, str) else list(balance)
         self.checkpoint = checkpoint
         self.blocks = blocks
-        self.loss_reduction = loss_reduction
         self.deferred_batch_norm = deferred_batch_norm
         self.pipeline: LocalPipeline | None = None
         self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
+        self._forward: Patch | None = None  # the network's micro-batched forward, installed by model_to_device
+        self._training = False  # inside the user's training_step: a forward of the network is micro-batched
+        self._called = False  # the network's forward ran during this training_step
+        self._full_batch_seen = False  # a batch of >= chunks samples came: a smaller one later is an epoch's last
+        self._said: set[str] = set()  # one-time notices already given
 
     def _net(self) -> nn.Module:
         """The network the blocks live in: the LightningModule's ``net`` if it has one (zoo tasks), else itself."""
@@ -162,16 +165,11 @@ class GPipeStrategy(SingleDeviceStrategy):
             self._plan_said = plan
             rank_zero_info(plan)
 
-    def _place_by_time(self, sample: Any, rest: tuple, kwargs: dict) -> None:
-        """Time every block on ``sample`` (the first micro-batch), split by those times, place."""
-        module = self.lightning_module
-        assert module is not None
+    def _place_by_time(self, forward: Any, args: tuple, kwargs: dict) -> None:
+        """Time every block on the network's first micro-batch (``forward(*args, **kwargs)``), split by those times, place."""
         net = self._net()
         blocks = find_blocks(net, self.blocks)
-        with self.precision_plugin.train_step_context():
-            times = profile_block_times(
-                net, [b.module for b in blocks], lambda: module.training_step(sample, *rest, **kwargs)
-            )
+        times = profile_block_times(net, [b.module for b in blocks], lambda: forward(*args, **kwargs))
         balance = balance_by_cost(times, min(len(self.devices), len(blocks)))
         self._place(net, blocks, balance, "balance='by_time': " + ", ".join(f"{t * 1e3:.2f}" for t in times)
                     + " ms per block, forward + backward on the first micro-batch")
@@ -207,8 +205,11 @@ class GPipeStrategy(SingleDeviceStrategy):
             self._place(net, blocks, check_balance(self.balance, len(blocks), len(self.devices)), "balance given")
         elif self.balance == "by_size" or stages == 1:  # by_time with one stage: nothing to measure
             self._place(net, blocks, balance_by_cost(block_bytes([b.module for b in blocks]), stages), f"balance={self.balance!r}")
-        # else by_time: needs a sample, so the first training_step places (see the module docstring)
+        # else by_time: needs a sample, so the network's first training call places (see the module docstring)
         self._warn_batch_norm(net)
+        if self._forward is None:
+            # an instance attribute: the class's forward is called per micro-batch, and comes back at teardown
+            self._forward = patch(net, "forward", self._microbatched(net.forward))
 
     def _disable_kv_cache(self) -> None:
         """transformers models cache keys and values by default; a re-materialized block would append them twice.
@@ -222,27 +223,71 @@ class GPipeStrategy(SingleDeviceStrategy):
             if self._cache_settings:
                 rank_zero_warn(self._cache_settings.notice(type(self).__name__, "re-materializing"))
 
+    def _microbatched(self, forward: Any) -> Any:
+        """The network's forward: within ``training_step`` (with grad), as micro-batches through the stages."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self._training or not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            self._called = True
+            chunks = self._chunks_for(call_batch_size(args, kwargs))
+            if self.pipeline is None:  # balance="by_time", first batch
+                first_args, first_kwargs = scatter_call(args, kwargs, chunks)[0][0]
+                self._place_by_time(forward, first_args, first_kwargs)
+                assert self.pipeline is not None
+            self.pipeline.checkpoint_stop = checkpoint_stop(self.checkpoint, chunks)
+            output, averaged = self.pipeline.run_microbatches(forward, args, kwargs, chunks)
+            if averaged:
+                self._say_once(
+                    "scalar",
+                    f"GPipeStrategy(chunks={self.chunks}): the network returned a scalar (e.g. a loss it computed itself) "
+                    "per micro-batch; it is their size-weighted mean, which equals the whole batch's only for a mean over "
+                    "equally weighted samples; compute the loss from the network's outputs in training_step for exactness",
+                )
+            return output
+
+        return run
+
+    def _chunks_for(self, size: int) -> int:
+        """Micro-batches for a batch of ``size``: ``chunks``, or fewer for an epoch's smaller last batch."""
+        if size >= self.chunks:
+            self._full_batch_seen = True
+            return self.chunks
+        if not self._full_batch_seen:
+            raise ValueError(
+                f"chunks={self.chunks} is greater than the batch size {size}: some micro-batches would be empty; "
+                f"set chunks <= {size} or raise the DataLoader's batch_size to at least {self.chunks}"
+            )
+        self._say_once("ragged", f"GPipeStrategy(chunks={self.chunks}): a batch of {size} samples runs as {size} micro-batches")
+        return size
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_warn(message)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        assert self.lightning_module is not None
-        if args:
-            batch, rest = args[0], args[1:]
-        else:
-            batch, rest = kwargs.pop("batch"), ()
-        micro = scatter(batch, self.chunks)
-        if self.pipeline is None:  # balance="by_time", first batch
-            self._place_by_time(micro[0], rest, kwargs)
-            assert self.pipeline is not None
-        outputs = []
-        with self.precision_plugin.train_step_context():
-            for i, mb in enumerate(micro):
-                with self.pipeline.microbatch(i):
-                    outputs.append(self.lightning_module.training_step(mb, *rest, **kwargs))
-        self.pipeline.finish_batch()
-        return reduce_outputs(outputs, [batch_size(mb) for mb in micro], self.loss_reduction)
+        self._training, self._called = True, False
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            self._training = False
+        if self.pipeline is not None:
+            self.pipeline.finish_batch()
+        if not self._called:
+            self._say_once(
+                "uncalled",
+                f"GPipeStrategy: training_step did not call {type(self._net()).__name__}.forward, so nothing was split "
+                "into micro-batches or pipelined; call the network (self.net(x) or self(x)) in training_step",
+            )
+        return output
 
     @override
     def teardown(self) -> None:
+        if self._forward is not None:
+            self._forward.remove()
+            self._forward = None
         if self.pipeline is not None:
             self.pipeline.restore()
             self.pipeline = None
