@@ -106,9 +106,16 @@ def broadcast_step_result(
     return payload[0], payload[1]
 
 
+# reduce_fx spellings Lightning takes (a name or the torch function) -> how micro-batch values make the batch's
+_REDUCE_FX = {"sum": sum, "max": max, "min": min, torch.sum: sum, torch.max: max, torch.min: min}
+
+
 def reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[int], reduction: str) -> list[tuple[str, Any, dict]]:
-    """One ``(name, value, kwargs)`` per logged name from the micro-batches' ``self.log`` records: numbers reduced like
-    the loss (weighted by micro-batch ``sizes`` for ``"mean"``, summed for ``"sum"``), anything else the last one's."""
+    """One ``(name, value, kwargs)`` per logged name from the micro-batches' ``self.log`` records, the value the whole
+    batch would have logged: a number logged with ``reduce_fx="sum"``, ``"max"`` or ``"min"`` is the sum, max or min
+    over the micro-batches (a count stays a count, as Lightning's sum over DDP ranks keeps it); one logged with the
+    default ``"mean"`` (or a function of the user's) is reduced like the loss (weighted by micro-batch ``sizes`` for
+    ``"mean"``, summed for ``"sum"``); anything else is the last micro-batch's."""
     merged: dict[str, tuple[list[Any], list[int], dict]] = {}
     for record, size in zip(records, sizes):
         for name, value, kwargs in record:
@@ -121,7 +128,12 @@ def reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[
             out.append((name, values[-1], kwargs))  # not a number: the last micro-batch's
             continue
         total = sum(weights)
-        value = sum(v * (w / total) for v, w in zip(values, weights)) if reduction == "mean" else sum(values)
+        fx = kwargs.get("reduce_fx", "mean")
+        combine = _REDUCE_FX.get(fx.lower() if isinstance(fx, str) else fx)
+        if combine is not None:
+            value = combine(values) if combine is sum else combine(values, key=float)
+        else:
+            value = sum(v * (w / total) for v, w in zip(values, weights)) if reduction == "mean" else sum(values)
         if "batch_size" in kwargs:
             kwargs = {**kwargs, "batch_size": total}  # weighs the epoch mean by the whole batch
         out.append((name, value, kwargs))

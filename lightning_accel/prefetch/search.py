@@ -32,6 +32,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.cpu_budget import cpu_budget
 from lightning_accel.prefetch.settings import LoaderSettings
 
@@ -327,14 +328,8 @@ class PrefetchSearch:
 
 def _available_memory_bytes() -> int:
     """Free RAM (``MemAvailable``), and free ``/dev/shm`` where it exists: workers hand batches over through it."""
-    free = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
+    ram = available_host_bytes()
+    free = [] if ram is None else [ram]
     try:
         st = os.statvfs("/dev/shm")
         free.append(st.f_bavail * st.f_frsize)

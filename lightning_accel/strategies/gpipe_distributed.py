@@ -43,7 +43,9 @@ weights). One built in ``configure_model`` (Lightning's hook for large models) i
 (:func:`~lightning_accel.pipeline.deferred_init.materialize`, seeded from global rank 0's
 ``torch.initial_seed()`` and each module's name): the initial weights equal ``materialize`` of
 the whole model in one process, for any layout; a checkpoint given to ``fit`` loads after
-setup. After ``fit`` the module stays split; ``validate``, ``test`` and ``save_checkpoint`` work on it.
+setup. After ``fit`` rank 0's module is the whole trained model (the other stages gathered onto the CPU, as a
+module is after DDP, when they fit the free host memory; one warning otherwise), the other ranks keep their stages;
+``validate``, ``test``, ``save_checkpoint`` and another ``fit`` split it again.
 
 Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
 LightningModule's ``example_input_array`` before the first batch;
@@ -80,7 +82,8 @@ from typing_extensions import override
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.patching import swapped
-from lightning_accel.pipeline.checkpoint import gather_model_state, load_own_state
+from lightning_accel.host_memory import available_host_bytes
+from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, agree_found_inf, average_gradients, clip_grad_norm_over
@@ -554,6 +557,17 @@ class DistributedGPipeStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         self.sync_weights()  # after fit, each rank holds its stages and current values of everything else
+        module = self.lightning_module
+        if self._split_state is None or module is None or not dist.is_initialized():
+            return
+        # rank 0's module: the whole trained model on the CPU, as after DDP (when it fits the host)
+        needed = gather_whole_module(module, self._layout, self.global_rank, available_host_bytes())
+        if needed is not None:
+            rank_zero_warn(
+                f"DistributedGPipeStrategy: after fit rank 0's module holds only its stages: the other stages "
+                f"({needed / 2**30:.1f} GiB) do not fit the free host memory; trainer.save_checkpoint(path) gathers "
+                "every stage into a checkpoint that loads into the whole model"
+            )
 
     @override
     def teardown(self) -> None:

@@ -65,13 +65,18 @@ def reference(name: str) -> DeferredLM:
 
 
 class Holdings(pl.Callback):
-    """The parameter names this rank holds (not on meta) once the strategy has set up."""
+    """The parameter names this rank holds (not on meta) once the strategy has set up, and when training ends (before
+    the strategy's own on_train_end gathers the whole model onto rank 0)."""
 
     def __init__(self) -> None:
         self.at_start: list[str] = []
+        self.at_end: list[str] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.at_start = [n for n, p in pl_module.named_parameters() if not p.is_meta]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at_end = [n for n, p in pl_module.named_parameters() if not p.is_meta]
 
 
 def main() -> None:
@@ -91,8 +96,8 @@ def main() -> None:
         trainer.save_checkpoint(out / f"{name}.ckpt")
         info: dict[str, Any] = {
             "at_start": holdings.at_start,
-            "after_fit": [n for n, p in task.named_parameters() if not p.is_meta],
-            "meta": [n for n, p in task.named_parameters() if p.is_meta],
+            "after_fit": holdings.at_end,
+            "meta": [n for n, _ in task.named_parameters() if n not in holdings.at_end],
         }
         torch.save(info, out / f"{name}-rank{rank}.pt")
         if name == "gpt":  # 2 steps, saved; a fresh (meta-built) model resumed from it to step 4

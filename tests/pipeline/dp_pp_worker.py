@@ -25,7 +25,7 @@ from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrateg
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_pp_models import CASES, DP, POISON_RANK, POISON_STEP, PP, Poison, fp16_plugin, rank_loader, task  # noqa: E402
-from gpipe_models import CLIP, val_loader  # noqa: E402
+from gpipe_models import CLIP, HeldAtTrainEnd, val_loader  # noqa: E402
 
 
 class Record(pl.Callback):
@@ -48,13 +48,13 @@ class Record(pl.Callback):
 
 def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None = None, fp16: bool = False) -> None:
     chunks, balance, n, accumulate = CASES[schedule]
-    record, model = Record(), task()
+    record, model, held = Record(), task(), HeldAtTrainEnd()
     strategy = DistributedGPipeStrategy(chunks=chunks, schedule=schedule, balance=balance, timeout=60)
     precision = {"plugins": [fp16_plugin()]} if fp16 else {"precision": "64-true"}
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=DP * PP, strategy=strategy, **precision, logger=False,
         gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, num_sanity_val_steps=0, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, *[Poison(POISON_STEP, POISON_RANK)] * fp16],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record, held, *[Poison(POISON_STEP, POISON_RANK)] * fp16],
     )
     trainer.fit(model, rank_loader(n), val_loader(), ckpt_path=ckpt_path)
     trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
@@ -66,7 +66,7 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
             "votes": [strategy.reduce_boolean_decision(True), strategy.reduce_boolean_decision(trainer.global_rank != 3),
                       strategy.reduce_boolean_decision(trainer.global_rank == 3, all=False)],
             "inputs": record.inputs, "returned": record.returned, "logged": record.logged, "scales": record.scales,
-            "resident": {k: p.detach().clone() for k, p in model.named_parameters() if not p.is_meta},
+            "resident": held.held,
             "val": {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ppl", "val/seen")},
         },
         os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),

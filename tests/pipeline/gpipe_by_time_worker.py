@@ -23,6 +23,8 @@ from lightning_accel.models import MLP
 from lightning_accel.models.mlp import MLPBlock
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
+from gpipe_models import HeldAtTrainEnd  # noqa: E402  (this script's directory is on sys.path)
+
 CHUNKS, REPEATS = 2, 100
 
 
@@ -93,19 +95,19 @@ class Losses(pl.Callback):
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
-    model, losses = UnevenRegressor(), Losses()
+    model, losses, held = UnevenRegressor(), Losses(), HeldAtTrainEnd()
     # the blocks are of two classes (Repeated, then MLPBlocks): "auto" looks for one class, so name them
     strategy = DistributedGPipeStrategy(chunks=CHUNKS, balance="by_time", timeout=60, blocks=lambda net: list(net.blocks))
     trainer = pl.Trainer(
         max_epochs=1, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, callbacks=[losses],
+        enable_checkpointing=False, enable_progress_bar=False, callbacks=[losses, held],
     )
     trainer.fit(model, train_loader(), val_loader())
     assert strategy.pipeline is None  # torn down; the balance stays on the split module's layout
     torch.save(
         {"times": strategy._block_times, "balance": list(getattr(model, "_gpipe_distributed_layout")[2]),
          "returned": losses.returned, "val": float(trainer.callback_metrics["val/loss"]),
-         "resident": {k: p.detach().clone() for k, p in model.named_parameters() if not p.is_meta}},
+         "resident": held.held},
         os.path.join(out, f"by_time-rank{trainer.global_rank}.pt"),
     )
 

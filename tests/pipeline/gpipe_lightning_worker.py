@@ -5,7 +5,8 @@ launcher re-runs this script for rank 1, exactly as for DDP. SCHEDULES is a
 comma-separated list, one ``Trainer.fit`` each in the same processes (start-up paid
 once). Per schedule, rank 0 saves ``{schedule}.ckpt`` (through ``trainer.save_checkpoint``)
 and every rank ``{schedule}-rank{r}.pt``: the loss each step returned, what ``train/loss``
-logged, the parameters resident on that rank after fit (the rest are on the meta device),
+logged, the parameters resident on that rank at the end of training (the rest are on the meta device), its module's
+tensors after fit (rank 0: the whole model) and rank 0's logits of two validation sequences through it,
 the parameters its optimizer holds with the sizes of their state, and ``val/loss``,
 ``val/ppl`` from the validation at the end of fit and from ``trainer.validate`` after it.
 ``1f1b`` trains on 36 sequences: its fifth batch has 4, not 8. ``gpipe`` re-materializes every
@@ -23,7 +24,7 @@ import torch
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpipe_models import CLIP, gpt_loader, gpt_task, val_loader  # noqa: E402
+from gpipe_models import CLIP, HeldAtTrainEnd, gpt_loader, gpt_task, val_loader  # noqa: E402
 
 CASES = {  # schedule: (chunks, balance, training sequences)
     "gpipe": (4, [2, 2], 32),
@@ -50,20 +51,24 @@ def _val(trainer: pl.Trainer) -> dict[str, float]:
 
 def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None = None) -> None:
     chunks, balance, n = CASES[schedule]
-    losses = Losses()
+    losses, held = Losses(), HeldAtTrainEnd()
     task = gpt_task()
     strategy = DistributedGPipeStrategy(chunks=chunks, schedule=schedule, balance=balance, checkpoint=CHECKPOINT[schedule], timeout=60)
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
         gradient_clip_val=CLIP,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, held],
     )
     # validation at the end of the epoch (and the sanity check before training) runs through the pipeline
     trainer.fit(task, gpt_loader(n=n), val_loader(), ckpt_path=ckpt_path)
     in_fit = _val(trainer)
+    # after fit, as after DDP: the module (rank 0's whole, the others' own stages) and what it computes
+    after_fit = {n: t.detach().clone() for n, t in task.state_dict().items() if not t.is_meta}
+    probe = next(iter(val_loader()))[0][:2]
+    logits = task.net(probe).detach() if trainer.global_rank == 0 else None
     trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
     names = {id(p): n for n, p in task.named_parameters()}
-    resident = {n: p.detach().clone() for n, p in task.named_parameters() if not p.is_meta}
+    resident = held.held
     optimizer = trainer.optimizers[0]
     in_optimizer = {
         names[id(p)]: {k: v.numel() for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
@@ -75,7 +80,7 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
     assert not patched, f"modules keep an instance forward after validate: {patched}"
     torch.save(
         {"returned": losses.returned, "logged": losses.logged, "resident": resident, "optimizer": in_optimizer,
-         "val_in_fit": in_fit, "val_after": _val(trainer)},
+         "val_in_fit": in_fit, "val_after": _val(trainer), "after_fit": after_fit, "probe": probe, "logits": logits},
         os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),
     )
 

@@ -1,7 +1,8 @@
-"""The model and data shared by the 2-process Lightning pipeline test and its single-process reference."""
+"""The model, data and a recording callback shared by the 2-process Lightning pipeline tests and their single-process references."""
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -48,3 +49,14 @@ def stage_names(task: LanguageModelTask, balance: list[int], ranks: int) -> list
         for i in range(start, start + count):
             names[s % ranks] |= {f"net.blocks.{i}.{n}" for n, _ in net.blocks[i].named_parameters()} | outside
     return names
+
+
+class HeldAtTrainEnd(pl.Callback):
+    """The parameters this rank holds (not on ``meta``) when training ends, before the strategy's ``on_train_end`` (it
+    runs after the callbacks') gathers the whole model onto rank 0: what each rank kept while it trained."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.held = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters() if not p.is_meta}

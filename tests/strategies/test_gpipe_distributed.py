@@ -132,6 +132,23 @@ def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_rank
     )
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_after_fit_rank_zeros_module_is_the_whole_trained_model(two_ranks, schedule):
+    """As after DDP: rank 0's module holds every weight (the other stages gathered onto the CPU), equal to the gathered
+    checkpoint, and computes what the plain model loaded from it computes; rank 1 keeps its stages (before: rank 0's
+    other stages stayed on meta, state_dict() held meta tensors and model(x) raised)."""
+    ranks = _ranks(two_ranks, schedule)
+    checkpoint = torch.load(two_ranks / f"{schedule}.ckpt", weights_only=False)["state_dict"]
+    after = ranks[0]["after_fit"]
+    assert set(after) == set(checkpoint)
+    for name, tensor in checkpoint.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, msg=name)
+    plain = gpt_task().double()  # the 64-true run saved float64
+    plain.load_state_dict(checkpoint)
+    torch.testing.assert_close(ranks[0]["logits"], plain.net(ranks[0]["probe"]).detach(), rtol=1e-12, atol=1e-12)
+    assert set(ranks[1]["after_fit"]) < set(checkpoint)  # rank 1 keeps its own stages only
+
+
 def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference):
     """The pipeline resuming from its checkpoint (each rank taking its stages' weights and optimizer state), and plain
     Lightning resuming from that same checkpoint, both continue exactly as plain Lightning resuming from its own."""
@@ -151,6 +168,15 @@ def test_logged_values_reduce_over_micro_batches_like_the_loss():
     records = [[("loss", 1.0, {"batch_size": 2})], [("loss", 4.0, {"batch_size": 6}), ("tag", "x", {})]]
     assert reduce_logs(records, [2, 6], "mean") == [("loss", 3.25, {"batch_size": 8}), ("tag", "x", {})]
     assert reduce_logs(records, [2, 6], "sum") == [("loss", 5.0, {"batch_size": 8}), ("tag", "x", {})]
+
+
+@pytest.mark.parametrize(("fx", "expected"), [("sum", 24.0), (torch.sum, 24.0), ("max", 16.0), ("min", 8.0), ("mean", 12.0)])
+def test_logged_values_keep_their_reduce_fx_over_micro_batches(fx, expected):
+    """A value logged with reduce_fx="sum" (a count) is the micro-batches' sum, as the whole batch would log it, whatever
+    the loss reduction; "max"/"min" likewise; the default mean is weighted like the loss (before: every value averaged)."""
+    records = [[("count", torch.tensor(8.0), {"reduce_fx": fx})], [("count", torch.tensor(16.0), {"reduce_fx": fx})]]
+    [(name, value, kwargs)] = reduce_logs(records, [4, 4], "mean")
+    assert (name, float(value), kwargs) == ("count", expected, {"reduce_fx": fx})
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +204,9 @@ def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_
         assert bits(first["returned"][step]) == bits(last["returned"][step]), step
         logged = {name: value for name, value, _ in last["seen"][step]}
         assert logged["step_int"] == float(step) and type(logged["step_int"]) is float  # the micro-batches' mean
-        assert logged["half"].dtype == torch.bfloat16 and logged["count"].dtype == torch.float32
+        assert logged["half"].dtype == torch.bfloat16
+        # logged with reduce_fx="max": the micro-batches' max, an int64 as the whole batch would log it
+        assert logged["count"].dtype == torch.int64 and int(logged["count"]) == step * 1000
         torch.testing.assert_close(logged["always"], last["returned"][step].float())
         if step in (2, 3):
             assert logged["sometimes"] == step / 3
