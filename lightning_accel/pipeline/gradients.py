@@ -22,6 +22,7 @@ __all__ = [
     "agree_found_inf",
     "average_gradients",
     "clip_grad_norm_over",
+    "grad_norm_over",
     "gradient_presence",
     "set_aside",
     "sum_over_users",
@@ -131,19 +132,29 @@ def _sum_between(flat: Tensor, users: tuple[int, ...], rank: int, group: dist.Pr
 
 
 @torch.no_grad()
+def grad_norm_over(
+    grads: Sequence[Tensor], counted: Sequence[bool], norm_type: float, group: dist.ProcessGroup | None, device: torch.device
+) -> Tensor:
+    """The ``norm_type``-norm of a gradient split across ``group`` (float64): the ``grads`` whose ``counted`` flag is set
+    (each tensor counted on one rank: a tensor every rank holds alike, on one of them) from every rank, as
+    ``torch.nn.utils.get_total_norm`` of the whole model's gradients. Every rank of ``group`` calls it."""
+    inf = norm_type == float("inf")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g, count in zip(grads, counted):
+        if count:
+            part = g.detach().double().abs()
+            total = torch.maximum(total, part.max()) if inf else total + part.pow(norm_type).sum()
+    dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+    return total if inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
 def clip_grad_norm_over(
     grads: Sequence[Tensor], counted: Sequence[bool], clip_val: float, group: dist.ProcessGroup | None, device: torch.device
 ) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over a model split across ``group``: the squared norms of ``grads`` whose
-    ``counted`` flag is set (each tensor counted on one rank: a tensor every rank holds alike, on one of them) are
-    summed over the group, and every gradient is scaled by ``clip_val / (norm + 1e-6)`` where that is below 1.
-    Returns the total norm."""
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for g, count in zip(grads, counted):
-        if count:
-            squares += g.detach().double().pow(2).sum()
-    dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
+    """``torch.nn.utils.clip_grad_norm_`` over a model split across ``group``: the 2-norm of :func:`grad_norm_over`, and
+    every gradient is scaled by ``clip_val / (norm + 1e-6)`` where that is below 1. Returns the total norm."""
+    norm = grad_norm_over(grads, counted, 2.0, group, device)
     coef = torch.clamp(clip_val / (norm + 1e-6), max=1.0)
     for g in grads:
         g.detach().mul_(coef.to(g.dtype))

@@ -86,7 +86,7 @@ from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
-from lightning_accel.pipeline.gradients import add_gradients, agree_found_inf, average_gradients, clip_grad_norm_over
+from lightning_accel.pipeline.gradients import add_gradients, agree_found_inf, average_gradients, clip_grad_norm_over, grad_norm_over
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
 from lightning_accel.pipeline.metric_state import metrics_over_replicas, restore_metric_sync
@@ -98,6 +98,7 @@ from lightning_accel.pipeline.rank_split import RankSplit, split_module
 from lightning_accel.pipeline.rank_step import eval_step, train_step
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
 from lightning_accel.pipeline.step_result import broadcast_step_result
+from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
 
@@ -307,6 +308,13 @@ class DistributedGPipeStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING and overrides(trainer.lightning_module, "on_after_backward", "on_before_optimizer_step"):
+            rank_zero_warn(
+                "DistributedGPipeStrategy: in on_after_backward and on_before_optimizer_step each rank holds the gradients "
+                "of its own stages (and of the weights outside the blocks its stages use), already averaged over the "
+                "replicas; the other stages' parameters have none there. trainer.strategy.grad_norm(2) gives the whole "
+                "model's norm (call it on every rank)"
+            )
         if scaler is not None:  # between the plugin's unscale_ and its scaler.step: one verdict for every rank
             after_closure = type(self.precision_plugin)._after_closure.__get__(self.precision_plugin)
 
@@ -460,6 +468,16 @@ class DistributedGPipeStrategy(DDPStrategy):
         flag = torch.tensor(int(decision), device=self.root_device)
         flag = self.reduce(flag, group=dist.group.WORLD if dist.is_initialized() else None, reduce_op="sum")
         return bool(flag == self.world_size) if all else bool(flag)
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The whole model's gradient norm, from every stage: what ``lightning.pytorch.utilities.grad_norm(module,
+        norm_type)`` reports as its total under DDP (each rank here holds only its own stages' gradients). A collective
+        over the pipeline's ranks: call it on every rank, e.g. in ``on_before_optimizer_step``."""
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        split, layout = self._split_state, self._layout
+        assert split is not None
+        counted = [split.counted_here(p, layout) for p in params]
+        return grad_norm_over([p.grad for p in params], counted, float(norm_type), layout.pp_group, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks, what

@@ -65,7 +65,6 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
@@ -78,6 +77,7 @@ from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
+from lightning_accel.strategies.user_hooks import overrides
 
 
 class L2LOffloadHooks(Strategy):
@@ -348,10 +348,7 @@ class L2LOffloadHooks(Strategy):
 
     def _reads_gradients(self, *hooks: str) -> bool:
         """Whether the user's LightningModule or a callback overrides one of ``hooks`` (where Lightning shows gradients)."""
-        module = self.lightning_module
-        trainer = module.trainer if module is not None else None
-        owners = [module, *(trainer.callbacks if trainer is not None else [])]
-        return any(is_overridden(hook, owner) for hook in hooks for owner in owners if owner is not None)
+        return overrides(self.lightning_module, *hooks)
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

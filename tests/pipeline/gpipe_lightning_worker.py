@@ -39,10 +39,14 @@ class Losses(pl.Callback):
     def __init__(self) -> None:
         self.returned: list[float] = []
         self.logged: list[float] = []
+        self.norms: list[float] = []  # the whole model's gradient norm before each step (strategy.grad_norm)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.returned.append(float(outputs["loss"]))
         self.logged.append(float(trainer.callback_metrics["train/loss"]))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(float(trainer.strategy.grad_norm(2)))  # every rank: a collective over the pipeline
 
 
 def _val(trainer: pl.Trainer) -> dict[str, float]:
@@ -79,7 +83,7 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
     patched = [n for n, m in task.named_modules() if "forward" in vars(m)]
     assert not patched, f"modules keep an instance forward after validate: {patched}"
     torch.save(
-        {"returned": losses.returned, "logged": losses.logged, "resident": resident, "optimizer": in_optimizer,
+        {"returned": losses.returned, "logged": losses.logged, "norms": losses.norms, "resident": resident, "optimizer": in_optimizer,
          "val_in_fit": in_fit, "val_after": _val(trainer), "after_fit": after_fit, "probe": probe, "logits": logits},
         os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),
     )

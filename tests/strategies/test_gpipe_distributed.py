@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
@@ -69,6 +70,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpipe2")
     result = _launch(out)
     assert result.returncode == 0, result.stdout[-4000:]
+    (out / "stdout.txt").write_text(result.stdout)
     return out
 
 
@@ -147,6 +149,33 @@ def test_after_fit_rank_zeros_module_is_the_whole_trained_model(two_ranks, sched
     plain.load_state_dict(checkpoint)
     torch.testing.assert_close(ranks[0]["logits"], plain.net(ranks[0]["probe"]).detach(), rtol=1e-12, atol=1e-12)
     assert set(ranks[1]["after_fit"]) < set(checkpoint)  # rank 1 keeps its own stages only
+
+
+class Norms(pl.Callback):
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.norms.append(float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_whole_models_gradient_norm_is_one_call_on_every_rank(two_ranks, schedule):
+    """Each rank holds its own stages' gradients in on_before_optimizer_step: strategy.grad_norm(2) on every rank equals
+    the total of Lightning's grad_norm in plain training (before clipping), and the notice says so once."""
+    norms = Norms()
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, precision="64-true", logger=False, enable_checkpointing=False,
+        gradient_clip_val=CLIP, enable_progress_bar=False, enable_model_summary=False, callbacks=[norms],
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(gpt_task(), gpt_loader(as_lightning_distributes_it=True, n=CASES[schedule][2]))
+    for rank in _ranks(two_ranks, schedule):
+        torch.testing.assert_close(rank["norms"], norms.norms, rtol=1e-10, atol=0)
+    said = (two_ranks / "stdout.txt").read_text()
+    assert said.count("DistributedGPipeStrategy: in on_after_backward and on_before_optimizer_step each rank holds the "
+                      "gradients of its own stages") == 1  # rank 0 only; Python's warning filter: once per process
+    assert "trainer.strategy.grad_norm(2) gives the whole model's norm" in said
 
 
 def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference):
