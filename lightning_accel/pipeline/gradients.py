@@ -141,9 +141,9 @@ def grad_norm_over(
     inf = norm_type == float("inf")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g, count in zip(grads, counted):
-        if count:
+        if count:  # each gradient reduced where it lives, the partial sums gathered on ``device``
             part = g.detach().double().abs()
-            total = torch.maximum(total, part.max()) if inf else total + part.pow(norm_type).sum()
+            total = torch.maximum(total, part.max().to(device)) if inf else total + part.pow(norm_type).sum().to(device)
     dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
     return total if inf else total.pow(1.0 / norm_type)
 

@@ -75,9 +75,10 @@ from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, agree_found_inf, clip_grad_norm_across, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import HostPartition, partition_units
-from lightning_accel.stored import plain_parts
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.patching import swapped
+from lightning_accel.pipeline.gradients import grad_norm_over
+from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
 HostStep = Literal["partitioned", "replicated"]
@@ -182,7 +183,14 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
             rank_zero_warn(
                 "L2LOffloadDDPStrategy: on_after_backward sees no gradient of the offloaded blocks (they go to the host "
                 "and are averaged across ranks after the backward); read them in on_before_optimizer_step, where "
-                "they are averaged" + (" (each rank holds its own blocks' share with host_step='partitioned')" if self.host_step == "partitioned" else "")
+                "they are averaged" + (" (each rank holds its own blocks' share with host_step='partitioned'; "
+                "trainer.strategy.grad_norm(2), called on every rank, is the whole model's norm)" if self.host_step == "partitioned" else "")
+            )
+        elif fitting and self.host_step == "partitioned" and self._reads_gradients("on_before_optimizer_step"):
+            rank_zero_warn(
+                "L2LOffloadDDPStrategy(host_step='partitioned'): in on_before_optimizer_step each rank holds the averaged "
+                "gradients of its own blocks only; trainer.strategy.grad_norm(2), called on every rank, is the whole "
+                "model's norm"
             )
         if fitting and not module.automatic_optimization:
             raise ValueError(
@@ -306,6 +314,21 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
                 stack.enter_context(swapped(plugin, "_after_closure", agreed))
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm after the averaging (in ``on_before_optimizer_step``): what
+        ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` reports as its total under DDP. With the host step
+        partitioned each rank holds only its own blocks' gradients, so the norm is taken across the ranks: a collective,
+        call it on every rank."""
+        assert self._executor is not None
+        host = self._executor.store.master
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # a host gradient here is one this rank owns; the device parameters' are alike on every rank: counted on rank 0
+        counted = [self._partition is None or p in host or self.global_rank == 0 for p in params]
+        group = self._host_group if self._partition is not None else None
+        if group is None:  # replicated: every rank holds every averaged gradient
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().double(), norm_type).cpu() for p in params]), norm_type)
+        return grad_norm_over([p.grad for p in params], counted, float(norm_type), group, torch.device("cpu"))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self._executor is not None

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lightning_accel.models import GPT, LanguageModelTask  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities import grad_norm  # noqa: E402
 
 from lightning_accel.plugins.precision import OffloadPrecision  # noqa: E402
 from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy  # noqa: E402
@@ -95,9 +96,16 @@ def llama_loader() -> DataLoader:
 class Losses(pl.Callback):
     def __init__(self) -> None:
         self.returned: list[float] = []
+        self.norms: list[float] = []  # the whole model's gradient norm before each step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.returned.append(float(outputs["loss"]))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if isinstance(trainer.strategy, L2LOffloadDDPStrategy):  # each rank may hold a share: a collective
+            self.norms.append(float(trainer.strategy.grad_norm(2)))
+        else:
+            self.norms.append(float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]))
 
 
 def fit(out: str, devices: int, case: str) -> None:
@@ -136,6 +144,7 @@ def fit(out: str, devices: int, case: str) -> None:
     result: dict[str, Any] = {
         "weights": {k: v.detach().cpu().clone() for k, v in task.state_dict().items()},
         "losses": losses.returned,
+        "norms": losses.norms,
         "scale": float(trainer.precision_plugin.scaler.get_scale()) if getattr(trainer.precision_plugin, "scaler", None) else None,
         "optimizer_bytes": sum(
             v.numel() * v.element_size() for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)
