@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
@@ -216,7 +217,7 @@ class LocalPipeline:
         calls, sizes = scatter_call(args, kwargs, chunks)
         outputs = []
         for i, (a, kw) in enumerate(calls):
-            with self.microbatch(i):
+            with self.microbatch(i), record_function(f"gpipe/forward microbatch {i}"):  # a profiler's label
                 outputs.append(forward(*a, **kw))
         return gather_output(outputs, sizes)
 

@@ -138,3 +138,12 @@ def test_a_scalar_the_network_returns_is_averaged_and_said() -> None:
         _fit(piped, GPipeStrategy(chunks=4, devices=2), _loader(), max_steps=2)
     for (name, a), b in zip(plain.state_dict().items(), piped.state_dict().values()):  # a mean of equal halves: exact
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_profiler_sees_each_micro_batchs_forward() -> None:
+    """Trainer(profiler=...) or torch.profiler around fit attributes time to each micro-batch (torch's pipelining
+    schedules label gpipe_distributed's "Forward i"/"Backward i" themselves)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _fit(Classifier(), GPipeStrategy(chunks=4, devices=2), _loader(), max_steps=1)
+    names = {e.name for e in prof.events()}
+    assert {f"gpipe/forward microbatch {i}" for i in range(4)} <= names
