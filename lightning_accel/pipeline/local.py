@@ -169,6 +169,10 @@ class LocalPipeline:
                         f"and {name} (stage {stage}, {self.devices[stage]}); a pipeline cannot hold one tensor on two "
                         "devices; untie the weights (e.g. GPT(tie_weights=False)) or put both stages on one device"
                     )
+        # a training forward inside microbatch(i) is a micro-batch of this batch; one outside it is a recomputation,
+        # which must not update BatchNorm running statistics a second time. Installed before the blocks' forwards, so a
+        # BatchNorm that is a block itself is recomputed through it too (the block's checkpoint calls what it wraps)
+        self._batch_norm = DeferredBatchNorm(self.net, lambda: self._current is not None, self.deferred_batch_norm)
         for name, stage in assignment.items():
             module, device = modules[name], self.devices[stage]
             if any(b.name == name for b in self.blocks):
@@ -179,9 +183,6 @@ class LocalPipeline:
                 self._handles.append(module.register_forward_pre_hook(self._mover(device), with_kwargs=True))
         first = self.devices[0]
         self._handles.append(self.net.register_forward_hook(lambda _m, _a, out: self.copy(out, first)))
-        # a training forward inside microbatch(i) is a micro-batch of this batch; one outside it is a recomputation,
-        # which must not update BatchNorm running statistics a second time
-        self._batch_norm = DeferredBatchNorm(self.net, lambda: self._current is not None, self.deferred_batch_norm)
 
     def finish_batch(self) -> None:
         """Call after the last micro-batch's forward: commits deferred BatchNorm statistics."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -344,6 +345,43 @@ def test_deferred_batch_norm_keeps_whole_batch_running_statistics():
     assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == STEPS
     torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(bn.running_var, ref.running_var, rtol=1e-10, atol=1e-12)
+
+
+class BatchNormBlocks(pl.LightningModule):
+    """The mixed nn.Sequential of the docs: each layer a block, two of them BatchNorm layers of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self(batch["inputs"]), batch["target"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_batch_norm_block_is_not_updated_again_by_its_recomputation(checkpoint, chunks):
+    """A BatchNorm that is a block of its own updates its running statistics once per micro-batch in every checkpoint
+    mode, as checkpoint="never" does (one micro-batch: plain training's statistics exactly). Before, recomputation
+    updated it again: chunks 1 "always" 6 updates for plain's 3; chunks 4: "never" 12, "except_last" 21, "always" 24."""
+    plain, piped = BatchNormBlocks(), BatchNormBlocks()
+    _fit(plain, DataLoader(DictData(), batch_size=8), "auto", steps=STEPS)
+    blocks = lambda net: list(net)  # noqa: E731  every layer a block
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # chunks=4 without deferral: the per-micro-batch notice
+        _fit(piped, DataLoader(DictData(), batch_size=8), GPipeStrategy(chunks=chunks, devices=2, checkpoint=checkpoint, blocks=blocks), steps=STEPS)
+    for k in (1, 4):
+        assert int(piped.net[k].num_batches_tracked) == chunks * int(plain.net[k].num_batches_tracked) == chunks * STEPS
+    if chunks == 1:
+        for (name, a), b in zip(plain.state_dict().items(), piped.state_dict().values()):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_batch_norm_with_micro_batches_warns_what_differs():
