@@ -50,13 +50,17 @@ def gather_model_state(state: Mapping[str, Tensor], layout: RankLayout, global_r
 
 
 def gather_optimizer_state(state: Mapping[str, Any], full: Sequence[Sequence[int]], kept: Sequence[int], layout: RankLayout) -> dict[str, Any]:
-    """The whole model's optimizer state from this rank's ``state``: each rank's part under the whole model's indices
-    (``full`` per group, ``kept`` this rank's; see :func:`lightning_accel.pipeline.placement.keep_own_parameters`)."""
+    """The whole model's optimizer state from this rank's ``state``, on the first rank of each pipeline (global rank 0's
+    is the one saved): each rank's part under the whole model's indices (``full`` per group, ``kept`` this rank's; see
+    :func:`lightning_accel.pipeline.placement.keep_own_parameters`). The other ranks get their own part only, so no
+    rank but that one ever holds the whole model's optimizer state. Every rank of the pipeline calls it."""
     mine = {kept[i]: _cpu(s) for i, s in state["state"].items()}
-    every: list[Any] = [None] * layout.pp_size
-    dist.all_gather_object(every, mine, group=layout.pp_group)  # each pipeline its own (the replicas' are equal)
     groups = [{**g, "params": list(ids)} for g, ids in zip(state["param_groups"], full)]
-    return {"state": {i: s for part in every for i, s in sorted(part.items())}, "param_groups": groups}
+    first = layout.pp_rank == 0
+    every: list[Any] | None = [None] * layout.pp_size if first else None
+    dist.gather_object(mine, every, dst=layout.pp_global(0), group=layout.pp_group)  # each pipeline its own
+    parts = every if every is not None else [mine]
+    return {"state": {i: s for part in parts for i, s in sorted(part.items())}, "param_groups": groups}
 
 
 def local_optimizer_state(whole: Mapping[str, Any], full: Sequence[Sequence[int]], kept: Sequence[int]) -> dict[str, Any]:

@@ -71,6 +71,8 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
     probe = next(iter(val_loader()))[0][:2]
     logits = task.net(probe).detach() if trainer.global_rank == 0 else None
     trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
+    # what a save puts in each rank's memory: the whole optimizer state on rank 0 only (a collective: every rank)
+    optimizer_entries = len(trainer.strategy.optimizer_state(trainer.optimizers[0])["state"])
     names = {id(p): n for n, p in task.named_parameters()}
     resident = held.held
     optimizer = trainer.optimizers[0]
@@ -84,7 +86,8 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
     assert not patched, f"modules keep an instance forward after validate: {patched}"
     torch.save(
         {"returned": losses.returned, "logged": losses.logged, "norms": losses.norms, "resident": resident, "optimizer": in_optimizer,
-         "val_in_fit": in_fit, "val_after": _val(trainer), "after_fit": after_fit, "probe": probe, "logits": logits},
+         "val_in_fit": in_fit, "val_after": _val(trainer), "after_fit": after_fit, "probe": probe, "logits": logits,
+         "optimizer_entries": optimizer_entries},
         os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),
     )
 

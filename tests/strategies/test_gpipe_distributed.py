@@ -151,6 +151,17 @@ def test_after_fit_rank_zeros_module_is_the_whole_trained_model(two_ranks, sched
     assert set(ranks[1]["after_fit"]) < set(checkpoint)  # rank 1 keeps its own stages only
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_save_gathers_the_optimizer_state_on_rank_zero_only(two_ranks, schedule):
+    """Rank 0 holds the whole model's optimizer state at a save; rank 1 only its own part (before: every rank of the
+    pipeline gathered all of it, all_gather_object)."""
+    whole = torch.load(two_ranks / f"{schedule}.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    ranks = _ranks(two_ranks, schedule)
+    assert ranks[0]["optimizer_entries"] == len(whole)
+    own = sum(1 for sizes in ranks[1]["optimizer"].values() if sizes)
+    assert ranks[1]["optimizer_entries"] == own < len(whole)
+
+
 class Norms(pl.Callback):
     def __init__(self) -> None:
         self.norms: list[float] = []
