@@ -11,7 +11,8 @@ bad input ends in one line and exit status 2 before Hydra makes a run directory:
    SLURM allocation can be derived (:func:`lightning_accel.sweep.check_sweep`);
 4. construction: the objects whose constructors check their arguments are built once,
    cheaply (the network on the meta device, the Trainer's loop settings on the CPU), so
-   their own validation runs and no second copy of it exists here; the pipeline balance
+   their own validation runs and no second copy of it exists here (a transformers
+   ``pretrained_path`` is checked there too, without reading a weight); the pipeline balance
    is checked against the network's blocks with the strategy's own functions;
 5. the run on this machine (``launch=True``): the hardware the recipe needs, the data
    files, a writable outputs directory;

@@ -29,6 +29,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig  # n
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+from lightning_accel.models.hf_checkpoint import read_config, refuse, tensor_shapes, unloaded, weight_files, where  # noqa: E402
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # config.json names that transformers 5 still reads and converts (to rope_parameters, dtype)
 _LEGACY_KEYS = {"rope_theta", "rope_scaling", "torch_dtype"}
@@ -48,7 +50,8 @@ def hf_causal_lm(
             Weights are random (the model's own initializer, seeded by the run's seed).
         pretrained_path: a local directory written by ``save_pretrained`` (config and
             weights); nothing is downloaded. Leave ``config`` unset: the directory brings
-            its own.
+            its own. A directory whose files or tensor names would not load every
+            parameter is refused in one line, on the meta device without reading a weight.
         dtype: parameter dtype, ``float32`` (default: what optimizers and the offload
             masters expect), ``bfloat16``, ``float16`` or ``float64``. Mixed precision is
             the trainer's job, not this one.
@@ -81,12 +84,7 @@ def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
     model_type = keys.pop("model_type", None)
     if model_type is None:
         raise UserError("hf_causal_lm config needs model_type (e.g. llama, qwen2, mistral, gpt2); set model.net.config.model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-        raise UserError(
-            f"model_type={model_type!r} has no causal-LM model in transformers {transformers.__version__}"
-            f"{close_matches(str(model_type), names)}; e.g. llama, qwen2, mistral, gpt2"
-        )
+    _check_model_type(model_type, "model_type")
     config_class = CONFIG_MAPPING[model_type]
     known = {f.name for f in dataclasses.fields(config_class)} | set(config_class.attribute_map) | _LEGACY_KEYS
     unknown = [k for k in keys if k not in known]
@@ -98,13 +96,43 @@ def make_config(config: Mapping[str, Any]) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **keys)
 
 
-def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
-    if not (path / "config.json").is_file():
+def _check_model_type(model_type: str, name: str, fix: str = "e.g. llama, qwen2, mistral, gpt2") -> None:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        names = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
         raise UserError(
-            f"model.net.pretrained_path={str(path)!r} has no config.json; point it at a directory written by "
-            "save_pretrained (nothing is downloaded)"
+            f"{name}={model_type!r} has no causal-LM model in transformers {transformers.__version__}"
+            f"{close_matches(str(model_type), names)}; {fix}"
         )
+
+
+def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
+    """The model a ``save_pretrained`` directory holds, its files checked first (:mod:`.hf_checkpoint`).
+
+    Under a meta default device (the pre-run check) nothing is loaded: the model is built
+    from ``config.json`` alone and the checkpoint's tensor names and shapes are matched
+    against it. Otherwise the weights load in ``dtype`` (a bf16 directory loaded as bf16 is
+    not even copied: the parameters map the safetensors file, copy-on-write), and a load
+    that left a parameter random or a tensor unused is refused.
+    """
+    model_type = str(read_config(path)["model_type"])
+    _check_model_type(model_type, f"{where(path)}: config.json's model_type", "point it at a causal LM's save_pretrained output")
+    shapes = tensor_shapes(path, weight_files(path))
+    if torch.get_default_device().type == "meta":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True), **kwargs)
+        refuse(path, list(model.state_dict()), *unloaded(model, shapes))
+        return model
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs)
-    except OSError as err:  # e.g. config.json but no weights file
-        raise UserError(f"model.net.pretrained_path={str(path)!r}: {str(err).strip().splitlines()[0]}") from None
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+        )
+    except OSError as err:
+        raise UserError(f"{where(path)}: {str(err).strip().splitlines()[0]}") from None
+    except RuntimeError as err:  # its report, logged above, names the tensors
+        if "conversion" not in str(err):
+            raise
+        raise UserError(f"{where(path)}: the weights do not convert into the model config.json builds (see the load report above); "
+                        "keep config.json and the weights from the same save_pretrained") from None
+    refuse(path, list(model.state_dict()), info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
+    # from_pretrained returns eval mode (for inference) and Lightning keeps the modes it finds,
+    # so a fine-tune would run without its dropout; train mode, as from_config gives
+    return model.train()

@@ -96,6 +96,65 @@ def test_a_recipe_loads_a_local_directory_instead_of_its_config(tmp_path: Path) 
         instantiate(cfg.model)
 
 
+def _save_tiny_llama(path: Path) -> torch.nn.Module:
+    """A Llama for llama-tiny_cpu's data (byte vocabulary), written by save_pretrained."""
+    from lightning_accel.models.hf import hf_causal_lm
+
+    torch.manual_seed(0)
+    saved = hf_causal_lm({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                          "tie_word_embeddings": True, "use_cache": False})
+    saved.save_pretrained(path)
+    return saved
+
+
+@pytest.mark.parametrize("launch", [False, True], ids=["validate", "run"])
+def test_a_save_pretrained_directory_passes_preflight(tmp_path: Path, launch: bool) -> None:
+    from lightning_accel.config.preflight import preflight
+
+    _save_tiny_llama(tmp_path / "mine")
+    cfg = preflight("llama-tiny_cpu", ["model.net.config=null", f"model.net.pretrained_path={tmp_path / 'mine'}"], launch=launch)
+    assert cfg.model.net.pretrained_path == str(tmp_path / "mine")
+    assert not (tmp_path / "outputs").exists()  # preflight makes no run directory
+
+
+def _truncate(path: Path) -> None:
+    (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:-64])
+
+
+def _drop_a_layer(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+@pytest.mark.parametrize(
+    ("breaks", "message"),
+    [
+        (lambda p: None, r"pretrained_path='.*/gone' does not exist; point it at a directory written by save_pretrained"),
+        (lambda p: (p / "config.json").write_text("{"), r"pretrained_path='.*/mine': config.json is not valid JSON"),
+        (lambda p: (p / "model.safetensors").unlink(), r"pretrained_path='.*/mine' has no weights file \(model.safetensors, "),
+        (_truncate, r"pretrained_path='.*/mine': model.safetensors cannot be read, truncated or corrupt"),
+        (_drop_a_layer, r"pretrained_path='.*/mine': the weights have no model.layers.1.self_attn.q_proj.weight \(9 of "),
+    ],
+    ids=["missing", "bad config.json", "no weights", "truncated", "missing tensors"],
+)
+def test_a_broken_directory_is_one_line_before_any_run(tmp_path: Path, command: str, breaks, message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel import cli
+
+    _save_tiny_llama(tmp_path / "mine")
+    breaks(tmp_path / "mine")
+    path = tmp_path / ("gone" if "does not exist" in message else "mine")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert cli.main([command, "llama-tiny_cpu", "model.net.config=null", f"model.net.pretrained_path={path}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, line), line
+    assert not (tmp_path / "outputs").exists()  # refused in preflight, before Hydra makes a run directory
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -181,3 +240,24 @@ def test_llama_pipeline_recipe_trains_in_two_processes(cli_env: dict[str, str], 
     net = hf_causal_lm(cfg.model.net.config)
     state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     net.load_state_dict({k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}, strict=True)
+
+
+@pytest.mark.slow
+def test_a_run_trains_from_a_save_pretrained_directory(cli_env: dict[str, str], tmp_path: Path) -> None:
+    saved = _save_tiny_llama(tmp_path / "mine")
+    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", "llama-tiny_cpu", "model.net.config=null",
+                           f"model.net.pretrained_path={tmp_path / 'mine'}", "trainer.max_steps=2", "trainer.val_check_interval=2",
+                           "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.block_size=32",
+                           "data.max_bytes=100000", "trainer.enable_progress_bar=false"],
+                          env=cli_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval mode" not in proc.stdout + proc.stderr  # from_pretrained's eval mode is undone: dropout is on in training
+    (run_json,) = (tmp_path / "outputs" / "llama-tiny_cpu").glob("*/run.json")
+    status = json.loads(run_json.read_text())
+    assert status["status"] == "completed" and status["global_step"] == 2
+    # two AdamW steps from the saved weights: every tensor moved, none by more than the two steps'
+    # learning rates (Adam moves a weight by about lr a step; max_lr 2e-3), where a fresh random
+    # init would be off by several times the init's 0.02 std
+    state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+    moved = {k: (state[f"net.{k}"] - v).abs().max().item() for k, v in saved.state_dict().items()}
+    assert min(moved.values()) > 0 and max(moved.values()) < 2 * 2e-3, moved
