@@ -2,7 +2,7 @@
 too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry and
-the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``.
+the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``, as do the DDP communication variants ``"ddp_fp16"``, ``"ddp_bf16"`` and ``"ddp_powersgd"``.
 """
 
 from lightning_accel._registry import register_all as _register_all
@@ -10,6 +10,7 @@ from lightning_accel.accelerators import XLAPJRTAccelerator
 from lightning_accel.accelerators import register_accelerators as _register_accelerators
 from lightning_accel.callbacks import DataWaitMonitor, DevicePrefetcher, OffloadMonitor, PrefetchTuner
 from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.ddp_comm import register_comm_variants as _register_comm_variants
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
@@ -34,4 +35,5 @@ __all__ = [
 ]
 
 _register_all()
+_register_comm_variants()
 _register_accelerators()

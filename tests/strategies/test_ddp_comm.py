@@ -14,7 +14,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from omegaconf import OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,7 +23,8 @@ from lightning_accel.comm import metered_all_reduce
 from lightning_accel.config.compose import compose_recipe
 from lightning_accel.config.errors import UserError
 from lightning_accel.config.preflight import check_comm_strategy
-from lightning_accel.strategies.ddp_comm import CommDDPStrategy
+from lightning_accel.runner import build_strategy
+from lightning_accel.strategies.ddp_comm import COMM_VARIANTS, CommDDPStrategy
 
 PARAMS = 32 * 2 + 2  # BoringModel: Linear(32, 2)
 
@@ -37,7 +39,7 @@ def restore_env() -> Iterator[None]:
     os.environ.update(saved)
 
 
-def _fit(strategy: DDPStrategy, monkeypatch: pytest.MonkeyPatch, accumulate: int = 2, steps: int = 3) -> tuple[dict, int]:
+def _fit(strategy: DDPStrategy | str, monkeypatch: pytest.MonkeyPatch, accumulate: int = 2, steps: int = 3) -> tuple[dict, int]:
     entered = []
     original = DistributedDataParallel.no_sync
 
@@ -62,6 +64,32 @@ def test_fp16_hook_runs_on_cpu_and_accumulation_uses_no_sync(monkeypatch: pytest
     # one fp16 all-reduce of every gradient per optimizer step.
     assert no_sync == 3
     assert by_dtype.get("float16") == 3 * PARAMS * 2
+
+
+def test_a_registered_name_trains_like_the_recipe_option(monkeypatch: pytest.MonkeyPatch, restore_env: None) -> None:
+    # Trainer(strategy="ddp_fp16") in a user's own script: the fp16 hook runs, as with strategy=ddp_fp16 in a recipe.
+    by_dtype, no_sync = _fit("ddp_fp16", monkeypatch)
+    assert no_sync == 3
+    assert by_dtype.get("float16") == 3 * PARAMS * 2
+
+
+@pytest.mark.parametrize("name", ["ddp_fp16", "ddp_bf16", "ddp_powersgd"])
+def test_registered_names_build_what_the_recipe_options_build(name: str) -> None:
+    # The registry entry and conf/strategy/<name>.yaml (with the ddp.yaml it inherits) agree key for key ...
+    cfg = compose_recipe("gpt-tiny_cpu", [f"strategy={name}"])
+    node = OmegaConf.to_container(cfg.strategy)
+    assert isinstance(node, dict)
+    target = node.pop("_target_")
+    entry = StrategyRegistry[name]
+    assert f"{entry['strategy'].__module__}.{entry['strategy'].__qualname__}" == target
+    assert entry["init_params"] == node == COMM_VARIANTS[name][1]
+    # ... so a plain Trainer given the name holds the strategy a recipe run builds.
+    by_name = pl.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False).strategy
+    from_recipe = build_strategy(cfg)
+    assert type(by_name) is type(from_recipe) is CommDDPStrategy
+    assert by_name.comm_hook == from_recipe.comm_hook and by_name.comm_hook.name == name.removeprefix("ddp_")
+    assert by_name._ddp_kwargs == from_recipe._ddp_kwargs
 
 
 def test_lightning_ddp_strategy_drops_the_hook_on_cpu(monkeypatch: pytest.MonkeyPatch, restore_env: None) -> None:
