@@ -6,6 +6,13 @@ step is not safe either (an offloaded optimizer updates parameters block by bloc
 backward). So the first SIGINT only asks the trainer to stop once the step in flight is
 done; that step is then written to ``last.ckpt`` (atomically, through the trainer's
 checkpoint IO). A second SIGINT means "now": it calls ``on_second`` and exits at once.
+
+The handler is installed for the fit's loops (from the sanity check, or the training
+loop's start) and put back at ``teardown``, or at ``on_exception`` when the fit raises
+(Lightning calls no teardown then), so a notebook's next Ctrl-C after a failed fit
+interrupts the kernel as usual. Not earlier: Lightning snapshots every signal handler after
+``on_fit_start`` and re-installs that snapshot when the fit ends, failed or not; a handler
+installed at ``setup`` would come back after ``on_exception`` had put the old one back.
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ class GracefulInterrupt(Callback):
         self.requested = False  # this process saw a Ctrl-C
         self.interrupted = False  # training stopped because of one
         self.saved: str | None = None
-        self._previous: Any = None
+        self._previous: Any = None  # the SIGINT handler ours replaced
+        self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
@@ -52,15 +60,31 @@ class GracefulInterrupt(Callback):
               file=sys.stderr, flush=True)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and threading.current_thread() is threading.main_thread():
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+
+    def _install(self) -> None:
+        if not self._installed and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        self._restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """Put the replaced handler back (idempotent; one not set from Python comes back as the default)."""
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._previous, self._installed = None, False
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:

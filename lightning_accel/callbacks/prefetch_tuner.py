@@ -11,6 +11,12 @@ warning, once the loaders are all known. Each step's timings then feed
 data-bound and, if so, which settings serve, switching the loader at batch boundaries; its
 module docstring says how and why. This callback only wires it in: the budgets, the cache,
 the wrap, rank-zero messages and the logged metrics.
+
+What the search decided is the callback's state in a checkpoint (:meth:`PrefetchTuner.state_dict`):
+a fit resumed from it serves that choice at once, with no search and no cache needed. A fit
+that raises cleans up in ``on_exception`` as ``teardown`` would (Lightning calls only the
+former then): the strategy's ``process_dataloader`` is put back and the loaders' workers
+and reaper threads are shut down.
 """
 
 from __future__ import annotations
@@ -128,6 +134,11 @@ class PrefetchTuner(Callback):
         self._hook: TrainLoaderHook | None = None  # installed for each fit (setup to teardown)
         self._why_not = "no train loader was set up"  # why the loader was kept, when it was
         self._untuned: TunableLoader | None = None  # the first of several train loaders: wrapped, serving, closed at the end
+        # What a checkpoint carries (state_dict): set by a cache hit or a checkpoint's finished search;
+        # a search run in this fit speaks for itself (self.online)
+        self._decided: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None  # a checkpoint's finished search, to serve at the next wrap
+        self._cut_short = False  # the search was still running when training ended
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -137,18 +148,55 @@ class PrefetchTuner(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._clean_up()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._clean_up()  # Lightning calls no teardown when fit raises
+        self._close_loaders()
+
+    def _clean_up(self) -> None:
+        """Put the strategy's ``process_dataloader`` back (idempotent)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
 
+    def _close_loaders(self) -> None:
+        """Shut down the wrapped loaders' workers and reaper threads (idempotent; the loader stays readable)."""
+        for loader in (self.loader, self._untuned):
+            if loader is not None:
+                loader.close()
+        self._untuned = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What was chosen and why, and whether the search finished (a fit resumed from it serves that choice
+        without searching again); an unfinished search is searched again."""
+        if self.online is not None:
+            finished = self.online.done and not (self._cut_short and self.online.chosen is None)  # as the cache
+            return _state(self.online.chosen, self.online.reason, finished)
+        if self._decided is not None:
+            return dict(self._decided)
+        return _state(None, self._reason, False)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = dict(state_dict) if state_dict.get("finished") else None
+
     def _wrap_early(self, trainer: pl.Trainer, loader: Any) -> Any:
         """The fit's train loader as Lightning processes it: wrapped and tuned from here, or kept (and
         ``on_train_start`` says why, once the loaders are all known)."""
-        self.online, self.loader = None, None  # a later fit decides afresh
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready and not is_stateful_loader(loader):
+        self.online, self.loader, self._chosen, self._cut_short = None, None, None, False  # a later fit decides afresh
+        restored, self._restored = self._restored, None
+        self._decided = restored  # the next checkpoint carries a checkpoint's choice on, even where it cannot serve
+        progress = trainer.fit_loop.epoch_loop.batch_progress  # as restored from a checkpoint, when fit resumes
+        if progress.current.ready and not progress.is_last_batch and not is_stateful_loader(loader):
             self._why_not = "fit resumed part-way through an epoch and the loader cannot report its position"
             return loader
         budget = self._budget(trainer)
+        if restored is not None and self._within(restored, budget):
+            return self._serve_restored(loader, restored)
+        self._decided = None
         cached = self._cached(loader, trainer, budget)
         try:
             wrapped = tunable_loader(loader, cached, self.stream_switch)
@@ -156,6 +204,31 @@ class PrefetchTuner(Callback):
             self._why_not = str(err)
             return loader
         self._begin(wrapped, budget, cached, trainer.lightning_module)
+        return wrapped
+
+    def _within(self, restored: dict[str, Any], budget: Budget) -> bool:
+        """Whether a checkpoint's choice fits this machine's budget (it may come from a larger one)."""
+        chosen = _settings(restored)
+        if chosen is None or chosen.num_workers <= budget.max_workers:
+            return True
+        rank_zero_info(
+            f"PrefetchTuner: the checkpoint's choice ({chosen.label()}) is over this machine's budget of "
+            f"{budget.max_workers} workers; searching again"
+        )
+        return False
+
+    def _serve_restored(self, loader: Any, restored: dict[str, Any]) -> Any:
+        """A resumed fit: the checkpoint's finished search serves from the first batch, no search runs."""
+        chosen = _settings(restored)
+        try:
+            wrapped = tunable_loader(loader, chosen, self.stream_switch)
+        except RebuildError as err:
+            self._why_not = str(err)
+            return loader
+        self.loader = wrapped
+        self._chosen, self._reason = chosen, f"from checkpoint: {restored['reason']}"
+        serves = chosen.label() if chosen is not None else "your loader's settings"
+        rank_zero_info(f"PrefetchTuner: resumed with the checkpoint's choice, no search: {serves} ({restored['reason']})")
         return wrapped
 
     @override
@@ -185,6 +258,7 @@ class PrefetchTuner(Callback):
         self.loader = loader
         if cached is not None:
             self._chosen, self._reason = cached, f"from cache {self.cache_path}"
+            self._decided = _state(cached, self._reason, True)
             rank_zero_info(f"PrefetchTuner: {self._reason}: {cached.label()}")
             return
         self.online = OnlineSearch(
@@ -234,11 +308,9 @@ class PrefetchTuner(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.online is not None and self.online.end():  # training ended mid-search: keep what was learnt
+            self._cut_short = True
             rank_zero_info(self.report())
-        for loader in (self.loader, self._untuned):
-            if loader is not None:
-                loader.close()
-        self._untuned = None
+        self._close_loaders()
 
     # What the search found (before it runs, or when none runs: the cache's answer or why not).
     @property
@@ -284,6 +356,15 @@ class PrefetchTuner(Callback):
     def trials_svg(self) -> str:
         """Throughput (batches/s) against the settings tried, in order, as an SVG document."""
         return trials_svg(self.search.trials if self.search else [], self.chosen)
+
+
+def _state(chosen: LoaderSettings | None, reason: str, finished: bool) -> dict[str, Any]:
+    """:meth:`PrefetchTuner.state_dict`'s form: plain data, so a checkpoint loads without this package's classes."""
+    return {"chosen": chosen.as_kwargs() if chosen is not None else None, "reason": reason, "finished": finished}
+
+
+def _settings(state: dict[str, Any]) -> LoaderSettings | None:
+    return LoaderSettings(**state["chosen"]) if state.get("chosen") is not None else None
 
 
 __all__ = ["PrefetchTuner"]

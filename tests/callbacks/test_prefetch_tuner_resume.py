@@ -66,3 +66,43 @@ def test_a_plain_loader_resumed_mid_epoch_is_kept_and_the_tuner_says_why(sleepy,
         "kept your loader: fit resumed part-way through an epoch and the loader cannot report its position"
     )
     assert "process_dataloader" not in vars(trainer.strategy)
+
+
+def test_a_fit_resumed_from_a_checkpoint_serves_the_tuners_choice_without_searching(sleepy, recorder, make_trainer, tmp_path, caplog):
+    import logging
+
+    from torch.utils.data import DataLoader
+
+    data = sleepy(64, latency_s=0.04)  # data-bound: 40 ms items against 5 ms steps
+    tuner = PrefetchTuner(max_workers=4, warmup_steps=1, trial_steps=3)  # no cache_path: only the checkpoint remembers
+    every = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    make_trainer([tuner, every], max_epochs=1, enable_checkpointing=True).fit(recorder(step_s=0.005), DataLoader(data, batch_size=1))
+    assert tuner.search is not None and tuner.chosen is not None and tuner.chosen.num_workers >= 2, tuner.report()
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["PrefetchTuner"]
+    assert saved == {"chosen": tuner.chosen.as_kwargs(), "reason": tuner.reason, "finished": True}
+
+    again, model = PrefetchTuner(max_workers=4, warmup_steps=1, trial_steps=3), recorder(step_s=0.005)
+    trainer = make_trainer([again], max_epochs=2, enable_checkpointing=True, default_root_dir=tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, DataLoader(data, batch_size=1), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert again.online is None and again.search is None  # no search ran
+    assert again.chosen == tuner.chosen and again.loader.settings == tuner.chosen and again.loader.switches == 0
+    assert again.reason == f"from checkpoint: {tuner.reason}"
+    said = [r.getMessage() for r in caplog.records if "PrefetchTuner" in r.getMessage()]
+    assert said == [f"PrefetchTuner: resumed with the checkpoint's choice, no search: {tuner.chosen.label()} ({tuner.reason})"]
+    assert sorted(model.indices) == list(range(64))  # the second epoch, whole
+    assert again.state_dict() == saved  # a checkpoint of the resumed run carries the choice on
+
+
+def test_a_checkpoint_taken_before_the_search_finished_is_searched_again(sleepy, recorder, make_trainer, tmp_path):
+    tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, max_search_steps=12)
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    make_trainer([tuner, every], max_epochs=1, enable_checkpointing=True).fit(recorder(step_s=0.002), loader(sleepy))
+    saved = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["callbacks"]["PrefetchTuner"]
+    assert saved["finished"] is False and saved["chosen"] is None, saved  # the start was still being measured
+
+    again = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2, max_search_steps=12)
+    trainer = make_trainer([again], max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(recorder(step_s=0.002), loader(sleepy), ckpt_path=str(tmp_path / "step=2.ckpt"))
+    assert again.online is not None and again.online.done and not again.reason.startswith("from checkpoint"), again.reason
