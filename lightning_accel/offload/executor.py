@@ -34,6 +34,12 @@ compute snapshot of every host parameter and lets
 :class:`~lightning_accel.offload.delayed.DelayedUpdate` apply step t's update to the
 masters while step t+1 computes (:meth:`defer_update`, :meth:`start_delayed_update`,
 :meth:`finish_delayed_update`).
+
+For a profiler, the streamer labels each unit's fetch, copies, release and gradients
+(``l2l/fetch``, ``l2l/copy``, ``l2l/release``, ``l2l/grad_to_host``), and
+:mod:`.host_step` the host optimizer step (``l2l/host_step``); here the same label goes on
+what belongs to the host step outside it: the shadows refreshed after a block's update
+during the backward or after the step, and the wait for a delayed update to land.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal
@@ -298,7 +305,8 @@ class L2LExecutor:
         step(stepped)
         for param in stepped:
             param.grad = None
-        self.refresh_shadows(stepped, wait=False)  # right after the update, while the tensors are warm
+        with record_function("l2l/host_step"):
+            self.refresh_shadows(stepped, wait=False)  # right after the update, while the tensors are warm
         self.stats.blocks_stepped_in_backward += len(indices)
         self.stats.host_step_calls += 1
 
@@ -363,8 +371,9 @@ class L2LExecutor:
         if masters_changed:
             stale = [p for p in self.store.master if p not in self._fresh]
             if stale:
-                self.streamer.wait_copies()
-                self.store.refresh_shadows(stale)
+                with record_function("l2l/host_step"):
+                    self.streamer.wait_copies()
+                    self.store.refresh_shadows(stale)
         self._fresh.clear()
         self.store.clear_grads()
         self.stats.steps += 1
@@ -395,6 +404,7 @@ class L2LExecutor:
         pending update in the masters and the compute snapshots. Returns whether one landed."""
         if self.delayed is None or not self.delayed.pending:
             return False
-        self.streamer.wait_copies()  # no copy may still read a snapshot about to change
-        return self.delayed.finish()
+        with record_function("l2l/host_step"):  # what of the background update the step waits for
+            self.streamer.wait_copies()  # no copy may still read a snapshot about to change
+            return self.delayed.finish()
 

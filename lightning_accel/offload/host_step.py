@@ -25,6 +25,9 @@ refresh pass (389 vs 417 Mparam/s, within the noise of a loaded machine): a bloc
 working set (parameters, gradients, two moments: 200 MB) is far beyond the cache. Calls
 of at least ``FOLD_MIN_NUMEL`` parameters cost nothing measurable, so the batching stays
 for hosts with larger caches; ``bench offload`` reports both ways side by side.
+
+Each update carries the profiler label ``l2l/host_step`` (``torch.profiler.record_function``),
+after the closure: the forward and backward it runs stay outside.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.profiler import record_function
 
 from lightning_accel.patching import swapped
 
@@ -148,7 +152,7 @@ def step_params(optimizer: Optimizer, params: Sequence[Tensor], fuse: bool) -> N
     """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state),
     the CPU ones on the fused kernel when ``fuse``. Not thread-safe against other users of
     the optimizer: the caller keeps the main thread off it meanwhile."""
-    with _groups(optimizer, update_groups(optimizer, params, fuse)):
+    with record_function("l2l/host_step"), _groups(optimizer, update_groups(optimizer, params, fuse)):
         optimizer.step()
 
 
@@ -175,24 +179,50 @@ def host_update(
     caller = threading.get_ident()
 
     def update(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        if threading.get_ident() != caller or not fuse:
+        if threading.get_ident() != caller:
             return step(closure, **kwargs)
+        if not fuse:
+            return _labelled_step(step, closure, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        todo = batches()
-        batched = {id(p) for batch in todo for p in batch}
-        for batch in todo:
-            with _groups(optimizer, update_groups(optimizer, batch, fuse)):
-                step(**kwargs)
-            if after_batch is not None:
-                after_batch(batch)
-        rest = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in batched]
-        if rest or not todo:
-            with _groups(optimizer, update_groups(optimizer, rest, fuse)):
-                step(**kwargs)
+        with record_function("l2l/host_step"):
+            todo = batches()
+            batched = {id(p) for batch in todo for p in batch}
+            for batch in todo:
+                with _groups(optimizer, update_groups(optimizer, batch, fuse)):
+                    step(**kwargs)
+                if after_batch is not None:
+                    after_batch(batch)
+            rest = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in batched]
+            if rest or not todo:
+                with _groups(optimizer, update_groups(optimizer, rest, fuse)):
+                    step(**kwargs)
         return loss
 
     with swapped(optimizer, "step", update):
         yield
+
+
+def _labelled_step(step: Callable[..., Any], closure: Callable[[], Any] | None, **kwargs: Any) -> Any:
+    """The user's ``step(closure)``, untouched, labelled ``l2l/host_step`` from the closure's (first) return on."""
+    label = record_function("l2l/host_step")
+    if closure is None:
+        with label:
+            return step(closure, **kwargs)
+    opened = False
+
+    def closure_then_label() -> Any:
+        nonlocal opened
+        result = closure()
+        if not opened:
+            label.__enter__()
+            opened = True
+        return result
+
+    try:
+        return step(closure_then_label, **kwargs)
+    finally:
+        if opened:
+            label.__exit__(None, None, None)
