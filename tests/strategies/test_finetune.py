@@ -19,9 +19,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning_accel.strategies.l2l_offload_hooks as l2l_module
-from lightning_accel import GPipeStrategy, L2LOffloadStrategy, OffloadPrecision
-from lightning_accel.offload import L2LExecutor
+# peft and torchao come with the fine-tuning extra (not yet in the test extra): without them nothing here can run,
+# the multi-process workers included
+pytest.importorskip("peft")
+pytest.importorskip("torchao")
+
+import lightning_accel.strategies.l2l_offload_hooks as l2l_module  # noqa: E402
+from lightning_accel import GPipeStrategy, L2LOffloadStrategy, OffloadPrecision  # noqa: E402
+from lightning_accel.offload import L2LExecutor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from finetune_models import WIDE, adapters, assert_frozen_unchanged, frozen, lora_llama, relative_update_difference, state_entries  # noqa: E402
