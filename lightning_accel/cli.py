@@ -1,4 +1,4 @@
-"""The ``lightning-accel`` command: run, ls, cp, validate and bench recipes.
+"""The ``lightning-accel`` command: run, ls, cp, validate and bench recipes; export a fine-tune's adapters.
 
 With no arguments it runs the embedded default recipe. ``run`` hands the recipe and the
 overrides to Hydra unchanged, so everything a Hydra user knows works (``-m`` multirun,
@@ -21,7 +21,7 @@ EXIT_USAGE = 2
 # Lightning starts each extra DDP rank by re-running this command with the overrides
 # only (plus hydra.run.dir=...); the recipe travels to those ranks in this variable.
 RECIPE_ENV = "LIGHTNING_ACCEL_RECIPE"
-_COMMANDS = ("run", "ls", "cp", "validate", "bench", "-h", "--help")
+_COMMANDS = ("run", "ls", "cp", "validate", "bench", "export", "-h", "--help")
 
 
 def _fail(message: str) -> int:
@@ -183,10 +183,22 @@ def cmd_bench(name: str | None, args: Sequence[str]) -> int:
     return run_benchmark(name, list(args))
 
 
+def cmd_export(run_dir: str, out: str | None) -> int:
+    """Write a fine-tune run's adapters in peft's format (:mod:`lightning_accel.models.export_adapters`)."""
+    from pathlib import Path
+
+    from lightning_accel.models.export_adapters import export_adapters
+
+    target, count, base = export_adapters(Path(run_dir), Path(out) if out is not None else None)
+    print(f"exported {count:,} adapter parameters of {run_dir} to {target}; load them with "
+          f"peft.PeftModel.from_pretrained(base, '{target}') on {base}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-accel",
-        description="Run, list, copy, validate and benchmark lightning_accel recipes. "
+        description="Run, list, copy, validate and benchmark lightning_accel recipes; export a fine-tune's adapters. "
         f"With no arguments, runs the default recipe ({DEFAULT_RECIPE}).",
     )
     sub = parser.add_subparsers(dest="command")
@@ -204,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", nargs="?")
     bench.add_argument("args", nargs=argparse.REMAINDER)
+    export = sub.add_parser("export", help="write a fine-tune run's adapters in peft's format")
+    export.add_argument("run_dir", help="a run directory (outputs/<recipe>/<date_time>) of a recipe with model.adapter")
+    export.add_argument("--out", help="where to write them (default: RUN_DIR/adapter)")
     return parser
 
 
@@ -220,7 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
     from lightning_accel.config.errors import explain
+    from lightning_accel.models.import_noise import drop_import_noise
 
+    drop_import_noise()  # before transformers or peft import torchao
     try:
         if ns.command == "run":
             return cmd_run(ns.recipe, ns.overrides)
@@ -234,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.all == (ns.recipe is not None):
                 return _fail("validate takes one recipe or --all; e.g. lightning-accel validate --all")
             return cmd_validate(recipe_names() if ns.all else [ns.recipe], ns.overrides)
+        if ns.command == "export":
+            return cmd_export(ns.run_dir, ns.out)
         return cmd_bench(ns.name, ns.args)
     except Exception as err:  # bad input becomes one line; anything else keeps its traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -284,8 +284,11 @@ def _check_balance(strategy: Any, net: Any) -> None:
 
 
 def check_checkpoint(path: str, module: Any) -> None:
-    """``path`` loads as a Lightning checkpoint whose weights fit ``module`` (names and shapes)."""
+    """``path`` loads as a Lightning checkpoint whose weights fit ``module`` (names and shapes); a
+    fine-tune's checkpoint leaves out the frozen base's tensors, and says which (``base_keys``)."""
     import torch
+
+    from lightning_accel.models.finetune_checkpoint import adapter_option, base_keys
 
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
@@ -295,7 +298,8 @@ def check_checkpoint(path: str, module: Any) -> None:
     if not isinstance(weights, dict):
         raise UserError(f"ckpt_path='{path}' has no 'state_dict' (not a Lightning checkpoint); pass a .ckpt written by a run")
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    missing = [k for k in expected if k not in weights]
+    frozen = base_keys(checkpoint)
+    missing = [k for k in expected if k not in weights and k not in frozen]
     unexpected = [k for k in weights if k not in expected]
     wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
     if wrong:
@@ -306,7 +310,8 @@ def check_checkpoint(path: str, module: Any) -> None:
         )
     if missing or unexpected:
         what = f"{len(missing)} of the model's tensors missing (e.g. {missing[0]})" if missing else f"{len(unexpected)} unknown tensors (e.g. {unexpected[0]})"
-        raise UserError(f"ckpt_path='{path}' does not fit this model: {what}; it was written for another model")
+        fix = f"it is a fine-tune's ({adapter_option(checkpoint)}): resume with that model/adapter and its keys" if frozen else "it was written for another model"
+        raise UserError(f"ckpt_path='{path}' does not fit this model: {what}; {fix}")
 
 
 def _check_writable(root: Path) -> None:

@@ -5,6 +5,11 @@ them apart lets one Hydra recipe swap the zoo GPT for a user's own module, and l
 accelerator strategies see a plain ``task.net``. Nothing here assumes the block
 protocol of :mod:`lightning_accel.models.blocks`.
 
+A ``LanguageModelTask`` may fine-tune: given an ``adapter`` (``model.adapter``,
+:mod:`lightning_accel.models.adapters`), it applies it to the net in ``__init__``, so the
+strategies see the peft model, and its checkpoints hold the trainable state and a record
+of the frozen base instead of the base (:mod:`lightning_accel.models.finetune_checkpoint`).
+
 ``optimizer`` and ``scheduler`` are factories, as Hydra builds them from a config with
 ``_partial_: true``: ``optimizer(params) -> Optimizer`` and
 ``scheduler(optimizer) -> LRScheduler``. They are called in ``configure_optimizers``,
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -26,12 +32,26 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
+from typing_extensions import override
+
+from lightning_accel.config.errors import UserError
+from lightning_accel.models.finetune_checkpoint import FrozenBase, adapter_option
 
 OptimizerFactory = Callable[[Iterable[Parameter]], Optimizer]
 SchedulerFactory = Callable[[Optimizer], LRScheduler]
 
 # F.cross_entropy's default; Perplexity is told the same so padded targets drop out of both
 IGNORE_INDEX = -100
+
+
+class Adapter(Protocol):
+    """What ``model.adapter`` builds (:class:`~lightning_accel.models.adapters.LoRA`, ``QLoRA``)."""
+
+    name: str
+
+    def apply(self, net: nn.Module) -> nn.Module: ...
+
+    def config(self) -> dict[str, Any]: ...
 
 
 class _Task(L.LightningModule):
@@ -76,6 +96,9 @@ class LanguageModelTask(_Task):
     ``val/loss``, ``val/ppl``, ``test/loss``, ``test/ppl`` per epoch. Perplexity is
     exp(token-weighted mean cross-entropy) over the whole epoch, accumulated by
     torchmetrics so it stays exact across uneven last batches and across devices.
+
+    With an ``adapter``, ``self.net`` is ``adapter.apply(net)`` (the peft model, its base
+    frozen), and checkpoints leave the frozen base out and name it instead.
     """
 
     def __init__(
@@ -84,11 +107,14 @@ class LanguageModelTask(_Task):
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_interval: str = "step",
+        adapter: Adapter | None = None,
     ) -> None:
-        super().__init__(net, optimizer, scheduler, scheduler_interval)
+        frozen_base = FrozenBase(net, adapter.config()) if adapter is not None else None  # read before peft wraps it
+        super().__init__(adapter.apply(net) if adapter is not None else net, optimizer, scheduler, scheduler_interval)
+        self.frozen_base = frozen_base
         # the net is checkpointed through state_dict; the factories are not YAML-serialisable
-        # (and Hydra's own config already records them), so only plain values go to hparams
-        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler"])
+        # (and Hydra's own config already records them, the adapter's keys too), so only plain values go to hparams
+        self.save_hyperparameters(ignore=["net", "optimizer", "scheduler", "adapter"])
         self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
         self.test_ppl = Perplexity(ignore_index=IGNORE_INDEX)
 
@@ -120,6 +146,23 @@ class LanguageModelTask(_Task):
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self._eval_step(batch, "test", self.test_ppl)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.frozen_base is not None:
+            self.frozen_base.save(self, checkpoint)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.frozen_base is not None:
+            self.frozen_base.load(self, checkpoint)
+        elif (option := adapter_option(checkpoint)) is not None:
+            raise UserError(f"the checkpoint holds a fine-tune's adapters, not a whole model; resume with its adapter: {option}")
+
+    @override
+    def on_fit_end(self) -> None:
+        if self.frozen_base is not None:
+            self.frozen_base.forget()  # the next fit hashes its base again
 
 
 def _logits(output: object) -> Tensor:

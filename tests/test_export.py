@@ -1,0 +1,195 @@
+"""Fine-tune runs end to end, through ``lightning-accel`` in a subprocess like a user: a tiny Llama written with
+save_pretrained is fine-tuned from ``model.net.pretrained_path``, ``lightning-accel export`` writes its adapters, and
+peft's ``PeftModel.from_pretrained`` on the plain base (for QLoRA: the same base in NF4) gives the trained model's
+logits; a killed fine-tune resumes to the adapters of an uninterrupted one; the output holds our lines, not our
+dependencies' import noise. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+peft = pytest.importorskip("peft", reason="needs the finetune extra")
+pytest.importorskip("torchao", reason="needs the finetune extra")
+
+from lightning_accel import cli  # noqa: E402
+from lightning_accel.models.quantize import quantize_nf4  # noqa: E402
+
+TESTS = Path(__file__).parent
+SHORT = ["trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_val_batches=2", "data.block_size=32",
+         "data.batch_size=4", "data.max_bytes=300000", "trainer.enable_progress_bar=false", "model.optimizer.lr=1e-2"]
+NOISE = ("Failed to load", "is an Enum subclass", "is_gradient_checkpointing", "Traceback")
+
+
+def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = env | {"PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def run_dirs(outputs: Path, recipe: str) -> list[Path]:
+    return sorted(p.parent for p in (outputs / recipe).glob("*/run.json"))
+
+
+def save_base(path: Path) -> None:
+    """A Llama for the byte corpus, every block Linear a multiple of 64 x 256 elements (NF4-able)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      tie_word_embeddings=True, use_cache=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def load_base(path: Path, nf4: bool) -> torch.nn.Module:
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    if nf4:
+        quantize_nf4(base)  # the same NF4 base the run trained on (model/adapter=qlora's defaults)
+    return base
+
+
+def merged_reference(base_dir: Path, checkpoint: Path, nf4: bool) -> torch.nn.Module:
+    """The trained model computed another way: the base (its NF4 weights dequantized) with each adapter merged
+    by hand, W + alpha / r * B @ A, read from the run's checkpoint: no peft involved."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    record = state["finetune"]["adapter"]
+    scale = record["lora_alpha"] / record["r"]
+    reference = load_base(base_dir, nf4)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, torch.nn.Linear) and hasattr(module.weight, "get_original_weight"):
+            module.weight = torch.nn.Parameter(module.weight.get_original_weight().float(), requires_grad=False)
+    merged = 0
+    for key, a in state["state_dict"].items():
+        if ".lora_A." not in key:
+            continue
+        b = state["state_dict"][key.replace(".lora_A.", ".lora_B.")]
+        module = key.removeprefix("net.base_model.model.").split(".lora_A.")[0]
+        weight = reference.get_submodule(module).weight
+        weight.data += scale * (b @ a)
+        merged += 1
+    assert merged == 4  # q_proj and v_proj of 2 layers
+    return reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "extra"), [
+    ("llama-tiny_lora_cpu", []),
+    ("llama-tiny_qlora_cpu", []),
+    ("llama-tiny_qlora_cpu", ["strategy=l2l_offload", "precision=offload-32-true", "callbacks=offload"]),
+], ids=["lora", "qlora", "qlora-l2l_offload"])
+def test_an_exported_adapter_loads_in_peft_with_the_trained_logits(recipe: str, extra: list[str], cli_env: dict[str, str],
+                                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_base(tmp_path / "base")
+    ran = run_cli(["run", recipe, "model.net.config=null", f"model.net.pretrained_path={tmp_path / 'base'}", *SHORT, *extra], cli_env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    for noise in NOISE:
+        assert noise not in ran.stdout + ran.stderr, noise
+    (run_dir,) = run_dirs(tmp_path / "outputs", recipe)
+    status = json.loads((run_dir / "run.json").read_text())
+    assert status["status"] == "completed" and status["global_step"] == 12
+
+    assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "adapter")]) == 0
+    assert f"to {tmp_path / 'adapter'}" in capsys.readouterr().out
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    nf4 = "qlora" in recipe
+    exported = peft.PeftModel.from_pretrained(load_base(tmp_path / "base", nf4), tmp_path / "adapter").eval()
+    assert exported.peft_config["default"].base_model_name_or_path == str(tmp_path / "base")
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = exported(x).logits
+        want = merged_reference(tmp_path / "base", Path(status["checkpoint"]), nf4)(x).logits
+        untrained = load_base(tmp_path / "base", nf4)(x).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (got - untrained).abs().max() > 1e-2  # the adapters trained: the test can fail
+
+
+@pytest.mark.slow
+def test_a_killed_finetune_resumes_to_the_adapters_of_an_uninterrupted_one(cli_env: dict[str, str], tmp_path: Path) -> None:
+    args = ["trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "data.block_size=32",
+            "data.batch_size=4", "data.max_bytes=300000", "trainer.enable_progress_bar=false",
+            "model.adapter.dropout=0.1"]  # dropout on: the RNG has to continue too
+    reference = run_cli(["run", "llama-tiny_lora_cpu", *args], cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "ref")})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    crashed = cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "crashed")}
+    killed = run_cli(["run", "llama-tiny_lora_cpu", *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], crashed)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(["run", "llama-tiny_lora_cpu", *args, "ckpt_path=last"], crashed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr
+
+    def final(outputs: Path) -> dict[str, torch.Tensor]:
+        status = json.loads((run_dirs(outputs, "llama-tiny_lora_cpu")[-1] / "run.json").read_text())
+        assert status["status"] == "completed" and status["global_step"] == 8, status
+        return torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
+
+    want, got = final(tmp_path / "ref"), final(tmp_path / "crashed")
+    assert got.keys() == want.keys() and all(".lora_" in k for k in want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def _fake_run(run_dir: Path, recipe: str, checkpoint: bool, overrides: list[str] | None = None) -> Path:
+    from lightning_accel.config.compose import compose_recipe
+
+    (run_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_recipe(recipe, overrides or []), run_dir / ".hydra" / "config.yaml")
+    status = {"status": "killed"}
+    if checkpoint:
+        (run_dir / "checkpoints").mkdir()
+        torch.save({"state_dict": {}}, run_dir / "checkpoints" / "last.ckpt")
+        status = {"status": "completed", "checkpoint": str(run_dir / "checkpoints" / "last.ckpt")}
+    (run_dir / "run.json").write_text(json.dumps(status))
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d.mkdir(), r"'.*/run' has no run\.json: not a run directory; pass one that `lightning-accel run` made"),
+        (lambda d: _fake_run(d, "llama-tiny_lora_cpu", checkpoint=False),
+         r"'.*/run' has no checkpoint \(its run killed before saving one\); export a run that saved one"),
+        (lambda d: _fake_run(d, "llama-tiny_cpu", checkpoint=True),
+         r"'.*/run' trained without an adapter \(model\.adapter is null\): its checkpoint holds the whole model, no adapters to export"),
+        (lambda d: _fake_run(d, "llama-tiny_lora_cpu", checkpoint=True),
+         r"'.*/last\.ckpt' has no record of a frozen base"),
+    ],
+    ids=["not-a-run", "no-checkpoint", "no-adapter", "not-a-finetune-checkpoint"],
+)
+def test_export_refuses_a_run_without_adapters_to_export_in_one_line(make, message: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    make(tmp_path / "run")
+    assert cli.main(["export", str(tmp_path / "run")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, line), line
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_validate_of_a_qlora_recipe_prints_only_its_verdict(cli_env: dict[str, str]) -> None:
+    # a fresh process: torchao (imported by transformers and peft) logs its import lines once per process
+    checked = run_cli(["validate", "llama-tiny_qlora_cpu"], cli_env)
+    assert checked.returncode == 0, checked.stderr
+    assert (checked.stdout, checked.stderr) == ("ok  llama-tiny_qlora_cpu\n", "")
+
+
+def test_only_the_known_import_lines_are_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_accel.models.import_noise import drop_import_noise
+
+    drop_import_noise()
+    drop_import_noise()  # idempotent
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load")
+        logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass and is now natively supported by torch.compile as an opaque "
+                                                         "value type.", "<enum 'KernelPreference'>")
+        logging.getLogger("torchao").warning("Failed to load /data/my_weights.pt: truncated")  # a real one stays
+        logging.getLogger("torch.utils._pytree").warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load /data/my_weights.pt: truncated", "something else"]
