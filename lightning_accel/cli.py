@@ -195,6 +195,26 @@ def cmd_export(run_dir: str, out: str | None) -> int:
     return 0
 
 
+# Hydra's flags that take no value: a Hydra user writes them before the config's name too
+# (``run -m RECIPE a=1,2``); argparse would take them for ours, so they move after the recipe.
+_HYDRA_FLAGS = ("-m", "--multirun")
+
+
+def _recipe_first(args: list[str]) -> list[str]:
+    """``run``'s arguments with Hydra's value-less flags that precede the recipe moved after it."""
+    lead = 0
+    while lead < len(args) and args[lead] in _HYDRA_FLAGS:
+        lead += 1
+    if lead == 0 or lead == len(args):
+        return args
+    return [args[lead], *args[:lead], *args[lead + 1 :]]
+
+
+def _is_override(arg: str) -> bool:
+    """A Hydra override (``key=value``, ``+key=value``, ``~key``), not a recipe name."""
+    return "=" in arg or arg.startswith("~")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-accel",
@@ -211,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("dest")
     val = sub.add_parser("validate", help="compose recipes and check every _target_ without training")
     val.add_argument("recipe", nargs="?", help="recipe name or path")
-    val.add_argument("--all", action="store_true", help="validate every shipped recipe")
+    val.add_argument("--all", action="store_true", help="validate every shipped recipe, each with the overrides given")
     val.add_argument("overrides", nargs="*", help="Hydra overrides to validate with")
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", nargs="?")
@@ -229,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if not argv:
         argv = ["run", DEFAULT_RECIPE]
+    if argv[0] == "run":
+        argv = ["run", *_recipe_first(argv[1:])]
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
@@ -248,9 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "validate":
             from lightning_accel.config.compose import recipe_names
 
-            if ns.all == (ns.recipe is not None):
-                return _fail("validate takes one recipe or --all; e.g. lightning-accel validate --all")
-            return cmd_validate(recipe_names() if ns.all else [ns.recipe], ns.overrides)
+            # with --all every argument is an override (argparse puts the first in ``recipe``)
+            given = [*([ns.recipe] if ns.recipe is not None else []), *ns.overrides]
+            if ns.all and all(_is_override(a) for a in given):
+                return cmd_validate(recipe_names(), given)
+            if ns.all or ns.recipe is None:
+                return _fail("validate takes one recipe or --all, then overrides; e.g. lightning-accel validate --all trainer.max_steps=10")
+            return cmd_validate([ns.recipe], ns.overrides)
         if ns.command == "export":
             return cmd_export(ns.run_dir, ns.out)
         return cmd_bench(ns.name, ns.args)

@@ -48,9 +48,27 @@ def test_run_trains_and_reports(cli_env: dict[str, str], tmp_path: Path) -> None
     assert status["metrics"]["val/ppl"] == pytest.approx(2.718281828 ** status["metrics"]["val/loss"], rel=1e-3)
 
 
+@pytest.mark.parametrize("args", [
+    ["run", "-m", "gpt-tiny_cpu", "trainer.max_steps=1,2"],
+    ["run", "--multirun", "gpt-tiny_cpu", "trainer.max_steps=1,2"],
+    ["run", "gpt-tiny_cpu", "-m", "trainer.max_steps=1,2"],
+    ["run", "gpt-tiny_cpu", "trainer.max_steps=1,2", "--multirun"],
+], ids=lambda a: " ".join(a))
+def test_multirun_flag_before_or_after_the_recipe(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hydra users write ``-m`` before the config's name too: the recipe and the flag reach Hydra either way
+    (before, ``run -m RECIPE`` ended in "unrecognized arguments: -m")."""
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_run", lambda recipe, args: seen.setdefault("run", (recipe, list(args))) and 0)
+    assert cli.main(args) == 0
+    recipe, overrides = seen["run"]
+    assert recipe == "gpt-tiny_cpu"
+    assert sorted(overrides) == sorted(a for a in args[1:] if a != recipe)
+
+
 @pytest.mark.slow
 def test_multirun_sweeps(cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = _run(["run", "resnet-tiny_cpu", "-m", "model.optimizer.lr=1e-3,3e-3", "trainer.max_steps=4",
+    # -m before the recipe, as Hydra users write it (test_multirun_flag_before_or_after_the_recipe: both places)
+    proc = _run(["run", "-m", "resnet-tiny_cpu", "model.optimizer.lr=1e-3,3e-3", "trainer.max_steps=4",
                  "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
                  "data.val_samples=64", "trainer.enable_progress_bar=false"], cli_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -140,6 +158,25 @@ def test_validate_all(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert cli.main(["validate", "--all"]) == 0
     assert capsys.readouterr().out.count("ok  ") == len(recipe_names())
+
+
+def test_validate_all_applies_the_overrides_to_every_recipe(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``validate --all OVERRIDES``: each recipe checked with them, a recipe they break reported on its own line,
+    the others still checked, exit status 2 (before: "validate takes one recipe or --all")."""
+    import lightning_accel.config.compose as compose
+
+    # three recipes keep it cheap; batch_size=6 is no multiple of the 2-process pipeline's chunks=4
+    monkeypatch.setattr(compose, "recipe_names", lambda: ["gpt-tiny_cpu", "gpt-tiny_gpipe-2proc_cpu", "resnet-tiny_cpu"])
+    assert cli.main(["validate", "--all", "data.batch_size=6", "trainer.max_steps=3"]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ok  gpt-tiny_cpu" and out[2] == "ok  resnet-tiny_cpu"
+    assert out[1].startswith("FAIL  gpt-tiny_gpipe-2proc_cpu  data.batch_size=6: ") and "not a multiple of chunks" in out[1]
+    assert cli.main(["validate", "--all", "data.batch_size=8"]) == 0
+    assert capsys.readouterr().out.count("ok  ") == 3
+    # a recipe name beside --all is neither: refused, with the usage
+    assert cli.main(["validate", "--all", "gpt-tiny_cpu"]) == 2
+    assert "validate takes one recipe or --all, then overrides" in capsys.readouterr().err
 
 
 # Bad input caught by preflight, in process (no interpreter start-up per case): run and
