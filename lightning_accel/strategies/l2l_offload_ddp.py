@@ -45,6 +45,11 @@ the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
 beside step t+1's compute as on one device; the updated weights go to every rank once it has
 landed (after step t+1's backward, or before validation, a checkpoint, the end of fit).
 
+The user's ``on_after_backward`` and ``on_before_optimizer_step`` see DDP's gradients: averaged after the backward
+that ends an accumulation (with ``on_after_backward`` overridden the averaging is joined before that hook instead of
+at the step), the rank's own inside one; partitioned, a rank holds only its own blocks' averages, says so once, and
+:meth:`L2LOffloadDDPStrategy.grad_norm` gives the whole model's norm.
+
 Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
 no wrapper). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
 work as on one device; with ``OffloadPrecision("16-mixed")`` each rank's ``GradScaler`` checks the
@@ -102,7 +107,6 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
     """
 
     strategy_name = "l2l_offload_ddp"
-    _shows_backward_gradients = False  # the block gradients are averaged after the backward: said at set-up
 
     def __init__(
         self,
@@ -144,6 +148,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         self._units: list[list[nn.Parameter]] = []  # host parameters (requiring grad) per unit
         self._resident: list[nn.Parameter] = []  # parameters kept on the device, all-reduced after backward
         self._resident_pending: PendingMean | None = None
+        self._resident_bytes = 0  # the device parameters' share of reduced_bytes
+        self._ended_for_hooks = False  # this backward was ended (and averaged) before on_after_backward
         self.reduced_bytes = 0  # gradient payload averaged for the last optimizer step (blocks and device parameters)
         self.gathered_bytes = 0  # weights broadcast after the last step (partitioned)
         self.reduced_in_backward = 0  # blocks whose averaging the last step launched before its backward had ended
@@ -179,19 +185,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     def _refuse(self, trainer: Trainer, fitting: bool) -> None:
         module = trainer.lightning_module
-        if fitting and self._reads_gradients("on_after_backward"):
-            rank_zero_warn(
-                "L2LOffloadDDPStrategy: on_after_backward sees no gradient of the offloaded blocks (they go to the host "
-                "and are averaged across ranks after the backward); read them in on_before_optimizer_step, where "
-                "they are averaged" + (" (each rank holds its own blocks' share with host_step='partitioned'; "
-                "trainer.strategy.grad_norm(2), called on every rank, is the whole model's norm)" if self.host_step == "partitioned" else "")
-            )
-        elif fitting and self.host_step == "partitioned" and self._reads_gradients("on_before_optimizer_step"):
-            rank_zero_warn(
-                "L2LOffloadDDPStrategy(host_step='partitioned'): in on_before_optimizer_step each rank holds the averaged "
-                "gradients of its own blocks only; trainer.strategy.grad_norm(2), called on every rank, is the whole "
-                "model's norm"
-            )
+        if fitting and self.host_step == "partitioned" and self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
+            rank_zero_warn(PARTITIONED_HOOKS_NOTICE)
         if fitting and not module.automatic_optimization:
             raise ValueError(
                 f"L2LOffloadDDPStrategy needs automatic optimization ({type(module).__name__} sets "
@@ -255,6 +250,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         assert self._executor is not None
+        self._ended_for_hooks = False
         if self._sync and self._grad_sync is not None:
             self._grad_sync.begin()
             self._executor.grads_landed = self._grad_sync.ready
@@ -262,6 +258,26 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._ended_for_hooks:  # ended before on_after_backward (:meth:`_gradients_for_hooks`)
+            self._ended_for_hooks = False
+            return
+        self._end_backward(closure_loss)
+
+    @override
+    def _gradients_for_hooks(self, closure_loss: torch.Tensor) -> None:
+        # What DDP shows in on_after_backward: after the backward that ends an accumulation, the gradients averaged
+        # over the ranks (the backward is ended and the averaging joined here, right before the hooks, instead of at
+        # the optimizer step right after them: partitioned, a rank receives the means of its own blocks only); after
+        # the backwards inside an accumulation, this rank's own sums.
+        assert self._executor is not None
+        if self._executor.grads_landed is not None:
+            self._end_backward(closure_loss)
+            self._ended_for_hooks = True
+            self._gradients_ready()
+        super()._gradients_for_hooks(closure_loss)
+
+    def _end_backward(self, closure_loss: torch.Tensor) -> None:
+        """Land the host gradients and launch the averaging of the ones not launched during the backward."""
         assert self._executor is not None
         syncing = self._executor.grads_landed is not None
         if syncing:
@@ -272,21 +288,22 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         if syncing:
             assert self._grad_sync is not None
             self._grad_sync.flush()
+            self._resident_bytes = 0
             if self._resident:
                 self._resident_pending = launch_mean(self._resident, [p.grad for p in self._resident], None)
 
     @override
     def _gradients_ready(self) -> None:
-        self.reduced_bytes = 0
+        # (twice per step when on_after_backward was shown the means: the second call finds everything joined)
         if self._grad_sync is not None:
             self.reduced_in_backward = self._grad_sync.launched_in_backward
             self._grad_sync.wait()
-            self.reduced_bytes += self._grad_sync.bytes_reduced
         if self._resident_pending is not None:
-            self.reduced_bytes += self._resident_pending.nbytes
+            self._resident_bytes = self._resident_pending.nbytes
             for param, grad in self._resident_pending.result():
                 param.grad = grad
             self._resident_pending = None
+        self.reduced_bytes = (self._grad_sync.bytes_reduced if self._grad_sync is not None else 0) + self._resident_bytes
 
     @override
     def _cpu_budget(self) -> CpuBudget | None:
@@ -316,17 +333,18 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """The whole model's gradient norm after the averaging (in ``on_before_optimizer_step``): what
-        ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` reports as its total under DDP. With the host step
-        partitioned each rank holds only its own blocks' gradients, so the norm is taken across the ranks: a collective,
-        call it on every rank."""
+        """The whole model's gradient norm (in ``on_after_backward`` or ``on_before_optimizer_step``): what
+        ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` reports as its total under DDP: of the averaged
+        gradients, or inside an accumulation (where DDP has not averaged yet) of this rank's own. With the host step
+        partitioned each rank holds only its own blocks' averaged gradients, so the norm is taken across the ranks: a
+        collective, call it on every rank."""
         assert self._executor is not None
         host = self._executor.store.master
         params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # a host gradient here is one this rank owns; the device parameters' are alike on every rank: counted on rank 0
         counted = [self._partition is None or p in host or self.global_rank == 0 for p in params]
-        group = self._host_group if self._partition is not None else None
-        if group is None:  # replicated: every rank holds every averaged gradient
+        group = self._host_group if self._partition is not None and self._sync else None
+        if group is None:  # replicated, or inside an accumulation: this rank holds every gradient it is to show
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().double(), norm_type).cpu() for p in params]), norm_type)
         return grad_norm_over([p.grad for p in params], counted, float(norm_type), group, torch.device("cpu"))
 
@@ -416,6 +434,14 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         self._resident_pending = None
         super().teardown()
 
+
+# Said once (rank 0) when the user's code reads gradients and the host step is partitioned.
+PARTITIONED_HOOKS_NOTICE = (
+    "L2LOffloadDDPStrategy(host_step='partitioned'): in on_after_backward and on_before_optimizer_step each rank holds "
+    "the averaged gradients of its own blocks and of the parameters kept on the device; the other ranks' blocks have "
+    "no .grad there. trainer.strategy.grad_norm(2), called on every rank, is the whole model's norm (host_step="
+    "'replicated' shows every averaged gradient, as DDP)"
+)
 
 _DDP_KEYS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
              "process_group_backend", "start_method", *_DDP_ONLY}

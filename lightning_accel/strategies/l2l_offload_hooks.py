@@ -87,9 +87,6 @@ class L2LOffloadHooks(Strategy):
     ``SingleDeviceStrategy`` or ``DDPStrategy``, never used alone. The data-parallel strategy
     fills in :meth:`_base_setup`, :meth:`_gradients_ready` and :meth:`_after_update`."""
 
-    # on_after_backward sees the host gradients (one device); data parallel averages them only after the backward
-    _shows_backward_gradients = True
-
     def _init_offload(
         self,
         blocks: BlockPolicy,
@@ -327,7 +324,7 @@ class L2LOffloadHooks(Strategy):
         # post_backward; the block gradients went to the host as they arrived, so they are landed and shown as
         # ``param.grad`` (host tensors) for the hooks, as plain Lightning shows them, and taken off again after
         # (the next backward of an accumulation must not add into them twice).
-        if not self._shows_backward_gradients or not self._reads_gradients("on_after_backward"):
+        if not self._reads_gradients("on_after_backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         plugin = self.precision_plugin
         post_backward = plugin.post_backward
@@ -335,8 +332,7 @@ class L2LOffloadHooks(Strategy):
         def landed_for_hooks(tensor: torch.Tensor, module: Any) -> torch.Tensor:
             executor = self._executor
             assert executor is not None
-            executor.streamer.finish_grads()
-            executor.install_grads()
+            self._gradients_for_hooks(tensor)
             try:
                 return post_backward(tensor, module)
             finally:
@@ -345,6 +341,12 @@ class L2LOffloadHooks(Strategy):
 
         with swapped(plugin, "post_backward", landed_for_hooks):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _gradients_for_hooks(self, closure_loss: torch.Tensor) -> None:
+        """Before ``on_after_backward``: the host gradients landed and shown as ``param.grad``."""
+        assert self._executor is not None
+        self._executor.streamer.finish_grads()
+        self._executor.install_grads()
 
     def _reads_gradients(self, *hooks: str) -> bool:
         """Whether the user's LightningModule or a callback overrides one of ``hooks`` (where Lightning shows gradients)."""

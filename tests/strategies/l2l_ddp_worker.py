@@ -12,7 +12,8 @@ Case names: ``{model}-{how}[-{extra}]``; model ``gpt64`` (zoo GPT, float64), ``g
 (accumulate 2 batches, clip the norm at 0.05), ``act`` (offload_activations), ``resident`` (offload_resident:
 the embeddings and head stream from the host too, a fifth unit of the partition), ``delayed``
 (delayed_update after 1 warm-up step), ``2ep`` (two epochs),
-``resumed`` (two epochs from ``gpt64-part.ckpt``).
+``resumed`` (two epochs from ``gpt64-part.ckpt``), ``hooks`` (a callback records what ``on_after_backward`` shows:
+every parameter's gradient and the whole model's norm), ``acc`` (accumulate 2 batches).
 """
 
 from __future__ import annotations
@@ -108,6 +109,22 @@ class Losses(pl.Callback):
             self.norms.append(float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]))
 
 
+class AfterBackward(pl.Callback):
+    """What ``on_after_backward`` shows, per call: every parameter's gradient (a copy, or None) and the whole model's
+    norm (Lightning's ``grad_norm`` under DDP; ``strategy.grad_norm``, a collective, under the offload strategy)."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor | None]] = []
+        self.norms: list[float] = []
+
+    def on_after_backward(self, trainer, pl_module):
+        self.grads.append({n: None if p.grad is None else p.grad.detach().cpu().clone() for n, p in pl_module.named_parameters()})
+        if isinstance(trainer.strategy, L2LOffloadDDPStrategy):
+            self.norms.append(float(trainer.strategy.grad_norm(2)))
+        else:
+            self.norms.append(float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]))
+
+
 def fit(out: str, devices: int, case: str) -> None:
     model, how, *extras = case.split("-")
     task = llama_task() if model == "llama64" else gpt_task(torch.float32 if model in ("gpt32", "gptbf16", "gpt16") else torch.float64)
@@ -115,6 +132,8 @@ def fit(out: str, devices: int, case: str) -> None:
     kwargs: dict[str, Any] = {}
     if "accclip" in extras:
         kwargs.update(accumulate_grad_batches=2, gradient_clip_val=CLIP)
+    if "acc" in extras:
+        kwargs.update(accumulate_grad_batches=2)
     plugins = []
     if how == "ddp":
         strategy: Any = "ddp"
@@ -131,10 +150,11 @@ def fit(out: str, devices: int, case: str) -> None:
         if model == "gpt16":
             plugins.append(OffloadPrecision("16-mixed", init_scale=FP16_SCALE))
     epochs = 2 if {"2ep", "resumed"} & set(extras) else 1
-    losses = Losses()
+    losses, after_backward = Losses(), AfterBackward()
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses], **kwargs,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[losses, *([after_backward] if "hooks" in extras else [])], **kwargs,
     )
     ckpt = os.path.join(out, f"{model}-{how}.ckpt") if "resumed" in extras else None
     if "resumed" in extras and how == "ddp":
@@ -145,6 +165,8 @@ def fit(out: str, devices: int, case: str) -> None:
         "weights": {k: v.detach().cpu().clone() for k, v in task.state_dict().items()},
         "losses": losses.returned,
         "norms": losses.norms,
+        "after_backward": after_backward.grads,
+        "after_backward_norms": after_backward.norms,
         "scale": float(trainer.precision_plugin.scaler.get_scale()) if getattr(trainer.precision_plugin, "scaler", None) else None,
         "optimizer_bytes": sum(
             v.numel() * v.element_size() for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)

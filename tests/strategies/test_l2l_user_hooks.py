@@ -21,7 +21,9 @@ from lightning.pytorch.utilities import grad_norm
 from lightning_accel import L2LOffloadStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
 from real_models import CausalLM, fit, real_task  # noqa: E402
+from user_script import run_user_script  # noqa: E402
 
 
 class Watched(CausalLM):
@@ -71,3 +73,60 @@ def test_the_gradients_shown_do_not_change_training() -> None:
     fit(offload, L2LOffloadStrategy(), steps=2, accumulate_grad_batches=2)
     for (name, a), b in zip(plain.state_dict().items(), offload.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# -- l2l_offload_ddp on 2 gloo ranks against Lightning's DDP ------------------------------------------------------------
+
+HOOK_CASES = [f"gpt64-{how}-hooks{acc}" for acc in ("", "-acc") for how in ("ddp", "part", "repl")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks_hooks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("l2l_ddp_hooks")
+    here = Path(__file__).resolve().parent
+    result = run_user_script(here / "l2l_ddp_worker.py", [str(out), "2", ",".join(HOOK_CASES)], 600, "2-process hooks")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return out, result.stdout
+
+
+def _ranks(out: Path, case: str) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{case}-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("acc", ["", "-acc"], ids=["each-batch", "accumulate-2"])
+@pytest.mark.parametrize("how", ["part", "repl"])
+def test_data_parallel_hooks_see_what_ddp_shows(two_ranks_hooks: tuple[Path, str], how: str, acc: str) -> None:
+    """on_after_backward under l2l_offload_ddp shows DDP's gradients: averaged over the ranks after the backward that
+    ends an accumulation (replicated: every one; partitioned: the rank's own blocks and the device parameters, the
+    other rank's blocks None), the rank's own sums inside an accumulation; strategy.grad_norm(2) there equals
+    Lightning's grad_norm under DDP. Before: None for every block, the device parameters' not yet averaged."""
+    out, _ = two_ranks_hooks
+    ddp, mine = _ranks(out, f"gpt64-ddp-hooks{acc}"), _ranks(out, f"gpt64-{how}-hooks{acc}")
+    host = set(mine[0]["owned"]) | set(mine[1]["owned"])
+    for rank in range(2):
+        theirs, got = ddp[rank]["after_backward"], mine[rank]["after_backward"]
+        assert len(got) == len(theirs) == 4  # one call per batch
+        for call, (want, seen) in enumerate(zip(theirs, got)):
+            averaged = not acc or call % 2 == 1
+            assert seen.keys() == want.keys()
+            for name, grad in want.items():
+                assert grad is not None, name
+                if how == "part" and averaged and name in host and name not in mine[rank]["owned"]:
+                    assert seen[name] is None, f"call {call}: {name} is rank {1 - rank}'s"
+                else:
+                    assert seen[name] is not None, f"call {call}: {name}"
+                    torch.testing.assert_close(seen[name], grad, rtol=0, atol=1e-12, msg=f"rank {rank} call {call}: {name}")
+        torch.testing.assert_close(mine[rank]["after_backward_norms"], ddp[rank]["after_backward_norms"], rtol=1e-10, atol=0)
+        # shown, not changed: the step's gradient norm and the weights after fit are DDP's
+        torch.testing.assert_close(mine[rank]["norms"], ddp[rank]["norms"], rtol=1e-10, atol=0)
+        for name, weight in ddp[0]["weights"].items():
+            torch.testing.assert_close(mine[rank]["weights"][name], weight, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.slow
+def test_partitioned_step_says_once_what_a_rank_holds(two_ranks_hooks: tuple[Path, str]) -> None:
+    from lightning_accel.strategies.l2l_offload_ddp import PARTITIONED_HOOKS_NOTICE
+
+    _, said = two_ranks_hooks
+    assert said.count(PARTITIONED_HOOKS_NOTICE) == 1  # rank 0 only, once
