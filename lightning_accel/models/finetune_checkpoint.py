@@ -8,10 +8,15 @@ per save). :class:`FrozenBase` serves the task's checkpoint hooks:
   adapters stay; the optimizer, loop, loader and RNG state are Lightning's as always), and
   ``checkpoint["finetune"]`` records the base: its ``pretrained_path``, its config, the
   adapter's keys, the state-dict keys left out, and the sha256 of the frozen tensors as
-  loaded (their stored bytes: an NF4 weight's codes and scalers), hashed once per fit;
+  loaded (their stored bytes: an NF4 weight's codes and scalers), hashed once per fit, in the task's
+  ``setup("fit")``: before a strategy splits the model over ranks (``gpipe_distributed``),
+  so every rank knows the whole base's hash;
 - on load, a checkpoint of another base is refused in one line, and the frozen entries are
   put back from the model's own tensors, so Lightning's strict loading sees every key
   (copying a tensor onto itself costs nothing).
+
+A strategy that gathers the checkpoint from several ranks asks :func:`left_out_of_checkpoint`
+first, so the frozen base does not cross the wire at every save.
 
 :func:`base_keys` tells the pre-run checkpoint check which absent keys are the base's.
 """
@@ -62,6 +67,12 @@ def _bytes(tensor: Tensor) -> Tensor:
     return flat.view(torch.uint8)
 
 
+def left_out_of_checkpoint(module: nn.Module) -> set[str]:
+    """The state-dict keys ``module``'s checkpoints leave out (its frozen base's, when it is a fine-tune with a
+    :class:`FrozenBase` as ``module.frozen_base``): a strategy that gathers a checkpoint from several ranks skips them."""
+    return set(frozen_entries(module)) if isinstance(getattr(module, "frozen_base", None), FrozenBase) else set()
+
+
 def base_keys(checkpoint: Mapping[str, Any]) -> set[str]:
     """The state-dict keys a fine-tune checkpoint left out because they are the frozen base's."""
     record = checkpoint.get(FINETUNE_KEY)
@@ -109,9 +120,9 @@ class FrozenBase:
     def save(self, module: nn.Module, checkpoint: dict[str, Any]) -> None:
         """Drop the frozen entries from ``checkpoint["state_dict"]`` and record the base."""
         state = checkpoint["state_dict"]
-        dropped = sorted(k for k in frozen_entries(module) if k in state)
+        dropped = sorted(frozen_entries(module))  # a pipeline's strategy may not have gathered them at all
         for key in dropped:
-            del state[key]
+            state.pop(key, None)
         checkpoint[FINETUNE_KEY] = {
             "pretrained_path": self.pretrained_path,
             "config": self.config,

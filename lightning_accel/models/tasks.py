@@ -160,6 +160,11 @@ class LanguageModelTask(_Task):
             raise UserError(f"the checkpoint holds a fine-tune's adapters, not a whole model; resume with its adapter: {option}")
 
     @override
+    def setup(self, stage: str) -> None:
+        if self.frozen_base is not None and stage == "fit":
+            self.frozen_base.sha256(self)  # now, while every rank holds the whole base (before a pipeline splits it)
+
+    @override
     def on_fit_end(self) -> None:
         if self.frozen_base is not None:
             self.frozen_base.forget()  # the next fit hashes its base again

@@ -83,6 +83,7 @@ from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.patching import swapped
 from lightning_accel.host_memory import available_host_bytes
+from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
 from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
@@ -537,13 +538,16 @@ class DistributedGPipeStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part)."""
+        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part);
+        a fine-tune's frozen base is left out (:func:`~lightning_accel.models.finetune_checkpoint.left_out_of_checkpoint`):
+        its checkpoint does not hold it, so it is not gathered."""
         assert self.lightning_module is not None
         self.sync_weights()
         state = self.lightning_module.state_dict()
         if self._split_state is None or not dist.is_initialized():
             return state
-        return gather_model_state(state, self._layout, self.global_rank)
+        left_out = left_out_of_checkpoint(self.lightning_module)
+        return gather_model_state({n: t for n, t in state.items() if n not in left_out}, self._layout, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

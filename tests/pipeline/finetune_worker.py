@@ -2,7 +2,10 @@
 processes, Lightning's defaults otherwise (its distributed sampler left on, the user's plain DataLoader).
 
 Run as ``python finetune_worker.py OUT_DIR``: for ``bf16`` and ``nf4`` one ``Trainer.fit`` of STEPS steps, 1F1B x
-CHUNKS micro-batches, ``bf16-mixed``; rank 0 saves ``{kind}.ckpt`` (the gathered checkpoint).
+CHUNKS micro-batches, ``bf16-mixed``; rank 0 saves ``{kind}.ckpt`` (the gathered checkpoint). Then our own QLoRA
+task (``model/adapter=qlora``), whose checkpoints leave the base out: STEPS steps (``qlora_full.ckpt``; its
+``ModelCheckpoint`` writes ``qlora_step2.ckpt`` half-way), and a fit resumed from ``qlora_step2.ckpt`` to STEPS
+(``qlora_resumed.ckpt``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import torch
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-from finetune_models import lora_llama  # noqa: E402
+from finetune_models import lora_llama, qlora_task  # noqa: E402
 from real_models import CausalLM, lm_loader  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 STEPS, CHUNKS = 4, 2
 
@@ -34,6 +40,18 @@ def main() -> None:
         )
         trainer.fit(CausalLM(lora_llama(nf4=kind == "nf4"), lr=1e-3), lm_loader())
         trainer.save_checkpoint(out / f"{kind}.ckpt")
+    tokens, targets, _ = lm_loader().dataset.tensors
+    for name, resume in (("qlora_full", None), ("qlora_resumed", out / f"qlora_step{STEPS // 2}.ckpt")):
+        every = ModelCheckpoint(dirpath=out, filename="qlora_step{step}", auto_insert_metric_name=False,
+                                every_n_train_steps=STEPS // 2, save_top_k=-1)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, schedule="1f1b", timeout=60),
+            max_steps=STEPS, precision="bf16-mixed", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[every] if resume is None else [], enable_checkpointing=resume is None,
+        )
+        # LanguageModelTask's (x, y) batches, from a loader that resumes where it stopped (as the recipes' loaders do)
+        trainer.fit(qlora_task(), StatefulDataLoader(TensorDataset(tokens, targets), batch_size=8), ckpt_path=resume)
+        trainer.save_checkpoint(out / f"{name}.ckpt")
     print(f"rank {os.environ.get('LOCAL_RANK', '0')} done", flush=True)
 
 

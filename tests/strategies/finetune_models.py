@@ -73,3 +73,16 @@ def relative_update_difference(start: dict[str, Tensor], reference: dict[str, Te
 def state_entries(state: dict[str, Any], prefix: str = "net.") -> dict[str, Any]:
     """A LightningModule checkpoint's state dict by the net's own names."""
     return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def qlora_task(layers: int = 4, vocab: int = 128) -> Any:
+    """Our own fine-tune, as ``model/adapter=qlora`` builds it: a bf16 Llama (seed 0) in a ``LanguageModelTask`` whose
+    ``QLoRA`` adapter quantizes the block Linears to NF4 and adds LoRA on q/v; its checkpoints leave the base out."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_accel.models.adapters import QLoRA
+    from lightning_accel.models.tasks import LanguageModelTask
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64, **SMALL)
+    net = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return LanguageModelTask(net, adapter=QLoRA(target_modules=["q_proj", "v_proj"]))

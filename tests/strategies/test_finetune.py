@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-# peft and torchao come with the fine-tuning extra (not yet in the test extra): without them nothing here can run,
-# the multi-process workers included
+# peft and torchao come with the finetune extra (and the test extra): without them nothing here can run, the
+# multi-process workers included
 pytest.importorskip("peft")
 pytest.importorskip("torchao")
 
@@ -29,7 +29,8 @@ from lightning_accel import GPipeStrategy, L2LOffloadStrategy, OffloadPrecision 
 from lightning_accel.offload import L2LExecutor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_models import WIDE, adapters, assert_frozen_unchanged, frozen, lora_llama, relative_update_difference, state_entries  # noqa: E402
+from finetune_models import WIDE, adapters, assert_frozen_unchanged, frozen, lora_llama, qlora_task, relative_update_difference  # noqa: E402
+from finetune_models import state_entries  # noqa: E402
 from real_models import CausalLM, fit, lm_loader  # noqa: E402
 
 KINDS = ("bf16", "nf4")
@@ -139,6 +140,26 @@ def test_gpipe_distributed_trains_adapters_like_plain_lightning(two_ranks: Path,
     state = state_entries(torch.load(two_ranks / f"{kind}.ckpt", weights_only=False)["state_dict"])
     gathered = {type(state[n]).__name__ for n in base}  # as stored: an NF4 weight is not dequantized on the way
     assert gathered == ({"Tensor", "NF4Tensor"} if kind == "nf4" else {"Tensor"})
+
+
+@pytest.mark.slow
+def test_gpipe_distributed_checkpoints_of_a_finetune_gather_the_adapters_only_and_resume_exactly(two_ranks: Path) -> None:
+    """Our QLoRA task under 2 gloo ranks: the checkpoint rank 0 gathers holds every stage's adapters and none of the
+    base (not gathered: the ranks send their adapters only), records the whole base's hash (each rank hashed it before
+    the split), and a fit resumed from half-way ends on the uninterrupted fit's adapters, bit for bit."""
+    from lightning_accel.models.finetune_checkpoint import fingerprint, frozen_entries
+
+    full, resumed = (torch.load(two_ranks / f"qlora_{n}.ckpt", weights_only=False) for n in ("full", "resumed"))
+    task = qlora_task()
+    trainable = {n for n, p in task.named_parameters() if p.requires_grad}
+    assert len(trainable) == 16  # q_proj and v_proj of 4 layers, A and B: both stages' adapters
+    assert set(full["state_dict"]) == trainable
+    assert full["finetune"]["keys"] == sorted(frozen_entries(task))
+    assert full["finetune"]["sha256"] == fingerprint(task) is not None
+    assert resumed["global_step"] == full["global_step"] == 4
+    assert all(torch.equal(resumed["state_dict"][n], full["state_dict"][n]) for n in trainable)
+    half = torch.load(two_ranks / "qlora_step2.ckpt", weights_only=False)
+    assert not all(torch.equal(half["state_dict"][n], full["state_dict"][n]) for n in trainable)  # it trained past it
 
 
 @pytest.mark.slow
