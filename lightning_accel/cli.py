@@ -21,7 +21,7 @@ EXIT_USAGE = 2
 # Lightning starts each extra DDP rank by re-running this command with the overrides
 # only (plus hydra.run.dir=...); the recipe travels to those ranks in this variable.
 RECIPE_ENV = "LIGHTNING_ACCEL_RECIPE"
-_COMMANDS = ("run", "ls", "cp", "validate", "bench", "export", "-h", "--help")
+_COMMANDS = ("run", "ls", "cp", "validate", "bench", "export", "estimate", "-h", "--help")
 
 
 def _fail(message: str) -> int:
@@ -215,6 +215,22 @@ def _is_override(arg: str) -> bool:
     return "=" in arg or arg.startswith("~")
 
 
+def cmd_estimate(recipe: str, overrides: Sequence[str], device_memory: str | None, host_memory: str | None, as_json: bool) -> int:
+    """Print the recipe's memory by rank and component, and whether it fits (:mod:`lightning_accel.estimate`)."""
+    import json
+
+    from lightning_accel.config.errors import UserError
+    from lightning_accel.estimate import estimate_recipe, parse_size
+
+    try:
+        sizes = [parse_size(s) if s is not None else None for s in (device_memory, host_memory)]
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    estimate = estimate_recipe(recipe, list(overrides), *sizes)
+    print(json.dumps(estimate.as_json(), indent=2) if as_json else estimate.format())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-accel",
@@ -239,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a fine-tune run's adapters in peft's format")
     export.add_argument("run_dir", help="a run directory (outputs/<recipe>/<date_time>) of a recipe with model.adapter")
     export.add_argument("--out", help="where to write them (default: RUN_DIR/adapter)")
+    est = sub.add_parser("estimate", help="device and host memory of a recipe by rank and component, and whether it fits")
+    est.add_argument("recipe", help="recipe name or path")
+    est.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.batch_size=2")
+    est.add_argument("--device-memory", help="device size to judge against, e.g. 24GB (default: the size the recipe states)")
+    est.add_argument("--host-memory", help="host size to judge against, e.g. 256GB (default: this machine's available memory)")
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
 
 
@@ -279,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_validate([ns.recipe], ns.overrides)
         if ns.command == "export":
             return cmd_export(ns.run_dir, ns.out)
+        if ns.command == "estimate":
+            return cmd_estimate(ns.recipe, ns.overrides, ns.device_memory, ns.host_memory, ns.json)
         return cmd_bench(ns.name, ns.args)
     except Exception as err:  # bad input becomes one line; anything else keeps its traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -1,0 +1,220 @@
+"""Each rank's device and host bytes by component, per strategy: the arithmetic, in one place.
+
+The inputs are plain data: what the model holds (:class:`~.params.Inventory`, optimizer state
+measured), what a step's activations take (:class:`~.activations.StepActivations`, measured at
+the micro-batch the strategy runs) and the strategy's settings (:class:`Plan`). The rules are
+the strategies' own:
+
+- plain / DDP (and XLA): parameters, gradients and optimizer state on every device in the
+  parameters' dtype; a frozen base as stored; DDP's gradient buckets are one more copy of the
+  gradients (Lightning's ``gradient_as_bucket_view=False``);
+- L2L offload (:class:`~lightning_accel.offload.host_store.HostStore`): the host keeps fp32
+  masters, a low-precision shadow of each trainable matrix when the device computes in
+  bf16/fp16, fp32 gradients, frozen weights as stored, pinned gradient staging on CUDA
+  (matrices in the compute dtype), the optimizer state and, with ``delayed_update``, a
+  shadow of every fp32 parameter too; the device holds ``prefetch_blocks + 1`` blocks, the
+  resident unit (fp32 with its gradients and optimizer state, or streamed in the compute dtype
+  with ``offload_resident``) and the activations; ``l2l_offload_ddp`` partitions the optimizer
+  state by block over the ranks (:func:`~lightning_accel.offload.partition.partition_units`);
+- GPipe, per stage: its blocks' parameters, gradients and optimizer state (the first stage
+  also the embeddings, the last the head); activations per micro-batch times the micro-batches
+  in flight (GPipe: all ``chunks``; 1F1B: ``stages - s`` on stage ``s``), a checkpointed one
+  keeping only its stage input, plus one micro-batch's backward.
+
+Nothing here imports Lightning or allocates a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lightning_accel.estimate.activations import StepActivations
+from lightning_accel.estimate.params import Inventory, Tensors
+
+FP32 = 4
+
+# strategy kinds the estimate knows
+PLAIN, DDP, L2L, L2L_DDP, GPIPE, GPIPE_DIST = "plain", "ddp", "l2l_offload", "l2l_offload_ddp", "gpipe", "gpipe_distributed"
+KINDS = (PLAIN, DDP, L2L, L2L_DDP, GPIPE, GPIPE_DIST)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A strategy's settings, as the estimate needs them (decided once from the recipe)."""
+
+    strategy: str
+    world: int = 1  # processes
+    on_cpu: bool = False  # the device is the host: device bytes are host bytes
+    param_size: int = FP32  # bytes an element of the trainable parameters on the device (plain, GPipe)
+    compute_size: int = FP32  # bytes an element of L2L's device copies of matrices
+    pin: bool = False  # page-locked host buffers (CUDA)
+    prefetch_blocks: int = 1
+    offload_resident: bool = False
+    checkpoint_blocks: bool = True
+    offload_activations: bool = False
+    delayed_update: bool = False
+    partitioned: bool = True  # l2l_offload_ddp's host_step
+    chunks: int = 1
+    schedule: str = "gpipe"
+    checkpoint: str = "never"  # pipeline: always | except_last | never
+    balance: tuple[int, ...] = ()  # blocks per stage, in stage order
+    stages_per_rank: int = 1
+    loader_bytes: int = 0  # bytes of the batches a rank's loader holds at once
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class RankEstimate:
+    """One kind of rank (every rank of DDP; each pipeline stage): bytes by component."""
+
+    kind: str
+    count: int
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device_peak_bytes(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+
+def _put(target: dict[str, int], name: str, value: int) -> None:
+    if value:
+        target[name] = target.get(name, 0) + int(value)
+
+
+def _loader(plan: Plan, host: dict[str, int]) -> None:
+    _put(host, "loader batches (workers x prefetch)", plan.loader_bytes)
+
+
+def _on_cpu(plan: Plan, rank: RankEstimate) -> RankEstimate:
+    """On the CPU the device is the host: every device component moves to the host column."""
+    if plan.on_cpu:
+        for name, value in rank.device.items():
+            _put(rank.host, name, value)
+        rank.device = {}
+    return rank
+
+
+def plain(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
+    total = inv.total
+    rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
+    _put(rank.device, "parameters", total.trainable * plan.param_size)
+    _put(rank.device, "frozen/quantized weights", total.frozen_bytes)
+    _put(rank.device, "buffers", total.buffer_bytes)
+    _put(rank.device, "gradients", total.trainable * plan.param_size)
+    if plan.strategy == DDP and plan.world > 1:
+        _put(rank.device, "DDP gradient buckets", total.trainable * plan.param_size)
+    _put(rank.device, "optimizer state", total.optimizer_bytes)
+    _put(rank.device, "activations", acts.peak)
+    _loader(plan, rank.host)
+    return [_on_cpu(plan, rank)]
+
+
+def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_bytes: int) -> None:
+    low = plan.compute_size != FP32 and not plan.on_cpu  # shadows only where the device computes in bf16/fp16
+    _put(host, "masters (fp32)", offloaded.trainable * FP32)
+    if low:
+        _put(host, "low-precision shadows", offloaded.matrices * plan.compute_size)
+    if plan.delayed_update:  # every parameter without a shadow of its own gets one
+        _put(host, "delayed-update copies", (offloaded.trainable - (offloaded.matrices if low else 0)) * FP32)
+    _put(host, "gradients (fp32)", offloaded.trainable * FP32)
+    _put(host, "frozen/quantized weights", offloaded.frozen_bytes)
+    _put(host, "buffers", offloaded.buffer_bytes)
+    if plan.pin and not plan.on_cpu:  # gradients land in page-locked buffers, one per parameter, in their device dtype
+        _put(host, "pinned gradient staging", offloaded.matrices * plan.compute_size + (offloaded.trainable - offloaded.matrices) * FP32)
+    _put(host, "optimizer state", optimizer_bytes)
+
+
+def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
+    from lightning_accel.offload.partition import partition_units
+
+    units = list(inv.blocks) + ([inv.rest] if plan.offload_resident else [])
+    offloaded = sum(units, Tensors())
+    state = offloaded.optimizer_bytes
+    if plan.strategy == L2L_DDP and plan.partitioned and plan.world > 1:
+        owners = partition_units([u.trainable for u in units], plan.world)
+        state = max(sum(units[i].optimizer_bytes for i in owners.owned(r)) for r in range(plan.world))
+    rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
+    _l2l_host(offloaded, plan, rank.host, state)
+    alias = plan.on_cpu and plan.compute_size == FP32  # blocks compute on their host masters: no copies
+    if not alias:
+        biggest = max(b.weight_bytes(FP32, plan.compute_size) for b in inv.blocks)
+        _put(rank.device, f"blocks in flight ({plan.prefetch_blocks + 1})", (plan.prefetch_blocks + 1) * biggest)
+    rest = inv.rest
+    if plan.offload_resident:
+        if not alias:
+            _put(rank.device, "resident unit streamed in", rest.weight_bytes(FP32, plan.compute_size))
+            _put(rank.device, "resident gradients", rest.matrices * plan.compute_size + (rest.trainable - rest.matrices) * FP32)
+    else:
+        _put(rank.device, "resident parameters (fp32)", rest.weight_bytes(FP32))
+        _put(rank.device, "resident gradients", rest.trainable * FP32)
+        _put(rank.device, "resident optimizer state", rest.optimizer_bytes)
+    activations = acts.peak
+    if plan.offload_activations:  # block inputs wait on the host; two on the device (one arriving, one used)
+        parked = sum(acts.inputs)
+        _put(rank.host, "parked block inputs", parked)
+        activations = max(activations - parked + 2 * max(acts.inputs, default=0), 0)
+    _put(rank.device, "activations (incl. one block's gradients)", activations)
+    _loader(plan, rank.host)
+    return [_on_cpu(plan, rank)]
+
+
+def _in_flight(plan: Plan, stage: int, stages: int) -> int:
+    if plan.schedule == "1f1b":
+        return min(plan.chunks, stages - stage)
+    return plan.chunks  # gpipe; interleaved 1F1B counted as GPipe (an upper bound)
+
+
+def _stage_activations(acts: StepActivations, blocks: range, first: bool, last: bool, plan: Plan, stage: int, stages: int) -> int:
+    full = sum(acts.kept[i] for i in blocks) + (acts.before if first else 0) + (acts.after if last else 0)
+    kept_input = acts.inputs[blocks.start] if not first else acts.before
+    m = _in_flight(plan, stage, stages)
+    if plan.checkpoint == "always":
+        stored, recompute = m * kept_input, full
+    elif plan.checkpoint == "except_last":
+        stored, recompute = (m - 1) * kept_input + full, full if m > 1 else 0
+    else:
+        stored, recompute = m * full, 0
+    transient = max([acts.backward[i] for i in blocks] + ([acts.head_backward] if last else []))
+    return stored + recompute + transient
+
+
+def pipeline(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
+    """One row per pipeline rank (``gpipe_distributed``: ``count`` replicas of it; ``gpipe``: its stage device)."""
+    stages = len(plan.balance)
+    ranks = stages // plan.stages_per_rank
+    replicas = max(plan.world // ranks, 1) if plan.strategy == GPIPE_DIST else 1
+    starts = [sum(plan.balance[:s]) for s in range(stages)]
+    out = []
+    for r in range(ranks):
+        rank = RankEstimate(f"stage {r}" if plan.stages_per_rank == 1 else f"rank {r} (stages {', '.join(str(r + k * ranks) for k in range(plan.stages_per_rank))})", replicas)
+        for s in range(r, stages, ranks):
+            blocks = range(starts[s], starts[s] + plan.balance[s])
+            first, last = s == 0, s == stages - 1
+            held = sum((inv.blocks[i] for i in blocks), (inv.before if first else Tensors()) + (inv.after if last else Tensors()))
+            _put(rank.device, "parameters", held.trainable * plan.param_size)
+            _put(rank.device, "frozen/quantized weights", held.frozen_bytes)
+            _put(rank.device, "buffers", held.buffer_bytes)
+            _put(rank.device, "gradients", held.trainable * plan.param_size)
+            _put(rank.device, "optimizer state", held.optimizer_bytes)
+            what = f"activations ({plan.chunks} micro-batches, {plan.schedule}, checkpoint {plan.checkpoint})"
+            _put(rank.device, what, _stage_activations(acts, blocks, first, last, plan, s, stages))
+        if plan.strategy == GPIPE_DIST or r == 0:  # every process loads the batch; gpipe is one process
+            _loader(plan, rank.host)
+        out.append(_on_cpu(plan, rank))
+    return out
+
+
+def estimate_ranks(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
+    """The rank kinds of ``plan``'s strategy with their bytes by component."""
+    if plan.strategy in (PLAIN, DDP):
+        return plain(inv, acts, plan)
+    if plan.strategy in (L2L, L2L_DDP):
+        return l2l(inv, acts, plan)
+    if plan.strategy in (GPIPE, GPIPE_DIST):
+        return pipeline(inv, acts, plan)
+    raise ValueError(f"no estimate for strategy kind {plan.strategy!r}; one of {', '.join(KINDS)}")

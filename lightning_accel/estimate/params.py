@@ -1,0 +1,160 @@
+"""The model's tensors as training keeps them: per block and outside the blocks, trainable or
+frozen, their stored bytes (a torchao NF4 base included) and their optimizer state.
+
+Two things are measured rather than assumed. The optimizer state is what the recipe's own
+optimizer creates: ``configure_optimizers`` builds it over the fake parameters and one step
+runs on fake gradients (AdamW: two moments per trainable parameter and a step count; SGD
+without momentum: nothing). A QLoRA base's NF4 bytes are torchao's own layout, read from two
+tiny weights quantized for real (:func:`nf4_nbytes`), since on the meta device the base is
+left unquantized. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_accel.models.block_policy import Block
+from lightning_accel.stored import stored_nbytes
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """What one unit holds (a block, or the parameters before or after the blocks)."""
+
+    trainable: int = 0  # elements that get gradients
+    matrices: int = 0  # of those, elements in tensors of 2+ dims (offload's low-precision shadows)
+    frozen_bytes: int = 0  # frozen parameters as stored (NF4: codes and scalers)
+    buffer_bytes: int = 0
+    optimizer_bytes: int = 0  # the optimizer state of the trainable ones, as measured
+
+    def __add__(self, other: Tensors) -> Tensors:
+        return Tensors(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[int, ...]:
+        return (self.trainable, self.matrices, self.frozen_bytes, self.buffer_bytes, self.optimizer_bytes)
+
+    def weight_bytes(self, trainable_size: int, matrix_size: int | None = None) -> int:
+        """Bytes of the weights with trainable vectors at ``trainable_size`` bytes an element and trainable
+        matrices at ``matrix_size`` (default: the same), frozen ones and buffers as stored."""
+        matrix = trainable_size if matrix_size is None else matrix_size
+        return self.matrices * matrix + (self.trainable - self.matrices) * trainable_size + self.frozen_bytes + self.buffer_bytes
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """``blocks[i]``, and the parameters outside the blocks registered before (embeddings) and after them (norm, head)."""
+
+    blocks: list[Tensors]
+    before: Tensors
+    after: Tensors
+
+    @property
+    def rest(self) -> Tensors:
+        return self.before + self.after
+
+    @property
+    def total(self) -> Tensors:
+        return functools.reduce(Tensors.__add__, self.blocks, self.rest)
+
+
+@functools.cache
+def _nf4_fit(block_size: int, scaler_block_size: int) -> tuple[float, float]:
+    from lightning_accel.models.quantize import load_to_nf4
+
+    to_nf4 = load_to_nf4()
+    group = block_size * scaler_block_size
+    sizes = [stored_nbytes(to_nf4(torch.zeros(k, group), block_size, scaler_block_size)) for k in (1, 2)]
+    per_group = sizes[1] - sizes[0]
+    return per_group / group, sizes[0] - per_group  # bytes an element, and the constant (lookup table, mean)
+
+
+def nf4_nbytes(numel: int, block_size: int = 64, scaler_block_size: int = 256) -> int:
+    """Bytes torchao's ``to_nf4`` stores for a weight of ``numel`` elements."""
+    per_element, constant = _nf4_fit(block_size, scaler_block_size)
+    return round(numel * per_element + constant)
+
+
+def nf4_weights(net: nn.Module, adapter: Mapping[str, Any] | None) -> dict[str, int]:
+    """``qualified weight name -> stored bytes`` of the weights a QLoRA adapter turns into NF4 (left unquantized on meta)."""
+    if not adapter or "block_size" not in adapter:
+        return {}
+    from lightning_accel.models.quantize import block_linears
+
+    block, scaler = int(adapter["block_size"]), int(adapter["scaler_block_size"])
+    linears = block_linears(net, adapter.get("quantize_modules"))
+    return {
+        f"{name}.weight": nf4_nbytes(m.weight.numel(), block, scaler)
+        for name, m in linears
+        if not m.weight.requires_grad and ".lora_" not in f".{name}"  # peft's adapters are Linears too
+    }
+
+
+def measure_optimizer_state(module: Any, net: nn.Module, mode: FakeTensorMode) -> dict[str, int]:
+    """``name in net -> bytes`` of the state ``module``'s optimizer keeps for each parameter of ``net`` (fake)."""
+    from lightning_accel.offload.optimizer_state import state_bytes
+
+    params = dict(net.named_parameters())
+    optimizers = _optimizers(module.configure_optimizers())
+    with mode:
+        for p in params.values():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        for optimizer in optimizers:
+            optimizer.step()
+    out = {name: sum(state_bytes(o, [p]) for o in optimizers) for name, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    return out
+
+
+def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, Mapping):
+        return _optimizers(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        return [o for item in configured for o in _optimizers(item)]
+    return []
+
+
+def inventory(net: nn.Module, blocks: Sequence[Block], stored: Mapping[str, int], state: Mapping[str, int]) -> Inventory:
+    """The tensors of ``net`` by unit; ``stored``: stored bytes of frozen weights that differ from
+    ``numel x element_size`` (NF4), ``state``: optimizer bytes; both by name in ``net``."""
+    where: dict[int, int] = {}
+    for k, block in enumerate(blocks):
+        for p in block.module.parameters():
+            where.setdefault(id(p), k)
+        for b in block.module.buffers():
+            where.setdefault(id(b), k)
+    units: list[Tensors] = [Tensors() for _ in blocks]
+    before, after, seen_block = Tensors(), Tensors(), False
+
+    def unit_of(name: str, t: torch.Tensor) -> Tensors:
+        if t.requires_grad:
+            return Tensors(t.numel(), t.numel() if t.ndim >= 2 else 0, optimizer_bytes=state.get(name, 0))
+        return Tensors(frozen_bytes=stored.get(name, t.numel() * t.element_size()))
+
+    for name, p in net.named_parameters():
+        k = where.get(id(p))
+        if k is not None:
+            units[k] += unit_of(name, p)
+            seen_block = True
+        elif seen_block:
+            after += unit_of(name, p)
+        else:
+            before += unit_of(name, p)
+    for b in net.buffers():
+        size = Tensors(buffer_bytes=b.numel() * b.element_size())
+        k = where.get(id(b))
+        if k is not None:
+            units[k] += size
+        else:
+            before += size
+    return Inventory(units, before, after)

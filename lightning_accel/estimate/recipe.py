@@ -1,0 +1,194 @@
+"""From a recipe and its overrides to an :class:`~.report.Estimate`: compose, build, measure, add up.
+
+The recipe goes through the pre-run check (:func:`~lightning_accel.config.preflight.preflight`,
+as ``validate`` runs it) once; then the LightningModule is built on the meta device with the
+runner's own builder and the strategy from its config, the blocks are found by the policy the
+strategies share, and the measurements run on fake tensors: nothing is allocated, nothing
+downloaded. This module decides the :class:`~.components.Plan` from the recipe; the
+arithmetic lives in :mod:`~.components`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_accel.estimate.activations import measure_step
+from lightning_accel.estimate.batch import batch_nbytes, fake_batch
+from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, Plan, estimate_ranks
+from lightning_accel.estimate.fake import fake_parameters
+from lightning_accel.estimate.params import inventory, measure_optimizer_state, nf4_weights
+from lightning_accel.estimate.report import Estimate
+from lightning_accel.models.block_policy import Block, find_blocks
+
+_MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+_TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64, "64": torch.float64}
+
+
+def _strategy(cfg: DictConfig) -> Any:
+    """The recipe's strategy object (its constructor's checks and defaults), stages on the CPU
+    where this machine lacks the recipe's devices, or None for ``strategy=auto``."""
+    from lightning_accel.config.preflight import _strategy_node
+
+    node = cfg.get("strategy")
+    return instantiate(_strategy_node(cfg, launch=False)) if node is not None and "_target_" in node else None
+
+
+def _kind(strategy: Any, world: int) -> str:
+    from lightning_accel.strategies import GPipeStrategy, L2LOffloadDDPStrategy, L2LOffloadStrategy
+    from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+    for cls, kind in ((L2LOffloadDDPStrategy, L2L_DDP), (L2LOffloadStrategy, L2L), (DistributedGPipeStrategy, GPIPE_DIST), (GPipeStrategy, GPIPE)):
+        if isinstance(strategy, cls):
+            return kind
+    return DDP if world > 1 else PLAIN
+
+
+def _precision(cfg: DictConfig) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(dtype of the trainable parameters or L2L's device copies, autocast dtype or None)``."""
+    from lightning_accel.plugins.precision import OffloadPrecision
+
+    for node in cfg.get("plugins") or []:
+        plugin = instantiate(node)
+        if isinstance(plugin, OffloadPrecision):
+            low = plugin.compute_dtype
+            return low, (low if low != torch.float32 else None)
+    flag = str(cfg.trainer.get("precision") or "32-true")
+    if flag in _MIXED:
+        return _MIXED[flag], _MIXED[flag]
+    return _TRUE.get(flag, torch.float32), None
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _stated_device_memory(cfg: DictConfig) -> int | None:
+    """The device size a recipe states in its purpose (``one 24 GB GPU``), if any."""
+    match = re.search(r"(\d+)\s*GB", str(OmegaConf.select(cfg, "recipe.purpose", default="") or ""))
+    return int(match.group(1)) * 10**9 if match else None
+
+
+def _loader_bytes(cfg: DictConfig, datamodule: Any, batch_size: int) -> int:
+    """Batches a rank's loader holds at once: ``prefetch_factor`` (2) per worker, or the one being
+    made in the main process, plus the pinned copy with ``pin_memory``."""
+    data = cfg.data
+    workers = int(data.get("num_workers") or 0)
+    held = 2 * workers if workers else 1
+    return (held + (1 if data.get("pin_memory") else 0)) * batch_nbytes(datamodule, batch_size)
+
+
+def _balance(strategy: Any, kind: str, blocks: list[Block], world: int, notes: list[str]) -> tuple[tuple[int, ...], int]:
+    """Blocks per stage as the strategy would split them, and stages per rank."""
+    from lightning_accel.pipeline import balance_by_cost, block_bytes
+    from lightning_accel.pipeline.schedule import SCHEDULE_TABLE
+
+    per_rank = SCHEDULE_TABLE[strategy.schedule].stages_per_rank if kind == GPIPE_DIST else 1
+    if not isinstance(strategy.balance, str):
+        return tuple(strategy.balance), per_rank
+    if kind == GPIPE:
+        stages = min(len(strategy.devices), len(blocks))
+    else:
+        stages = (strategy._pp_size or world) * per_rank
+    if strategy.balance == "by_time":
+        notes.append("balance='by_time' is decided by timing the blocks at the start of a run; estimated with by_size's split")
+    return tuple(balance_by_cost(block_bytes([b.module for b in blocks]), stages)), per_rank
+
+
+def plan_of(cfg: DictConfig, strategy: Any, blocks: list[Block], datamodule: Any, notes: list[str]) -> Plan:
+    """The settings the estimate needs, read once from the composed recipe and its strategy."""
+    from lightning_accel.config.validate import devices_needed
+
+    world = max(devices_needed(cfg), 1) if strategy is None or not hasattr(strategy, "devices") or _kind(strategy, 2) != GPIPE else 1
+    kind = _kind(strategy, world)
+    if kind == GPIPE:
+        world = 1
+    low, _ = _precision(cfg)
+    on_cpu = str(cfg.trainer.accelerator) == "cpu"
+    settings: dict[str, Any] = {}
+    if kind in (L2L, L2L_DDP):
+        settings = dict(
+            prefetch_blocks=strategy.prefetch_blocks, offload_resident=strategy.offload_resident,
+            checkpoint_blocks=strategy.checkpoint_blocks, offload_activations=strategy.offload_activations,
+            delayed_update=bool(strategy.delayed_update), partitioned=getattr(strategy, "host_step", "replicated") == "partitioned",
+        )
+    if kind in (GPIPE, GPIPE_DIST):
+        balance, per_rank = _balance(strategy, kind, blocks, world, notes)
+        schedule = strategy.schedule if kind == GPIPE_DIST else "gpipe"
+        if schedule == "interleaved_1f1b":
+            notes.append("interleaved_1f1b: every micro-batch's activations counted as alive on each rank (GPipe's bound)")
+        settings = dict(chunks=strategy.chunks, schedule=schedule, checkpoint=strategy.checkpoint, balance=balance, stages_per_rank=per_rank)
+    batch_size = int(cfg.data.batch_size)
+    return Plan(
+        strategy=kind, world=world, on_cpu=on_cpu,
+        param_size=_size(low) if str(cfg.trainer.get("precision") or "") in _TRUE else FP32,
+        compute_size=_size(low), pin=not on_cpu, loader_bytes=_loader_bytes(cfg, datamodule, batch_size), **settings,
+    )
+
+
+def _device_dtype(plan: Plan, blocks: list[Block], low: torch.dtype) -> Any:
+    """What each parameter computes in on the device: L2L's copies (matrices in the compute dtype,
+    vectors fp32; the resident unit fp32 unless streamed), else the trainable parameters' dtype."""
+    prefixes = tuple(f"{b.name}." for b in blocks)
+
+    def dtype_of(name: str, param: nn.Parameter) -> torch.dtype:
+        if not param.requires_grad:
+            return param.dtype
+        if plan.strategy in (L2L, L2L_DDP):
+            streamed = name.startswith(prefixes) or plan.offload_resident
+            return low if streamed and param.ndim >= 2 else torch.float32
+        return low if plan.param_size != FP32 else torch.float32
+
+    return dtype_of
+
+
+def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None = None, host_memory: int | None = None) -> Estimate:
+    """The recipe's estimate (see the module doc); ``device_memory`` defaults to the size the
+    recipe states, ``host_memory`` to this machine's available memory."""
+    from lightning_accel.config.preflight import _quiet, preflight
+    from lightning_accel.host_memory import available_host_bytes
+    from lightning_accel.runner import build_model
+
+    cfg = preflight(recipe, overrides, launch=False)
+    notes: list[str] = []
+    with _quiet():
+        strategy = _strategy(cfg)
+        with torch.device("meta"):
+            module = build_model(cfg)
+    datamodule = instantiate(cfg.data)
+    net = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
+    try:
+        blocks = find_blocks(net, getattr(strategy, "blocks", "auto"))
+    except ValueError:
+        blocks = []  # plain training needs no blocks; the strategies that do refused the recipe in preflight
+    plan = plan_of(cfg, strategy, blocks, datamodule, notes)
+    low, autocast = _precision(cfg)
+
+    mode = FakeTensorMode()
+    stored = nf4_weights(net, getattr(getattr(module, "frozen_base", None), "adapter", None))
+    masters = plan.strategy in (L2L, L2L_DDP)  # the host optimizer steps fp32 masters
+    fake_parameters(net, mode, lambda _n, p: (torch.float32 if masters or plan.param_size == FP32 else low) if p.requires_grad else p.dtype)
+    state = measure_optimizer_state(module, net, mode)
+    inv = inventory(net, blocks, stored, state)
+
+    fake_parameters(net, mode, _device_dtype(plan, blocks, low))
+    micro = max(int(cfg.data.batch_size) // plan.chunks, 1)
+    batch = fake_batch(datamodule, micro, mode)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    checkpoint = plan.strategy in (L2L, L2L_DDP) and plan.checkpoint_blocks
+    with mode:  # tensors the step makes from Python values are fake too
+        acts = measure_step(lambda: module.training_step(batch, 0), [b.module for b in blocks], trainable, autocast, checkpoint)
+    ranks = estimate_ranks(inv, acts, plan)
+    stated = _stated_device_memory(cfg)
+    return Estimate(
+        recipe=str(recipe), strategy=plan.strategy, ranks=ranks,
+        device_memory=device_memory if device_memory is not None else stated,
+        host_memory=host_memory if host_memory is not None else available_host_bytes(),
+        on_cpu=plan.on_cpu, notes=notes,
+    )

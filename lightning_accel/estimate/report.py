@@ -1,0 +1,113 @@
+"""The estimate as people and scripts read it: a table per rank kind, a verdict, and JSON.
+
+The verdict compares each rank's device peak with the device size (``--device-memory``, or
+the size the recipe states) and the host bytes of every rank of one machine together with
+the host size (``--host-memory``, or this machine's available memory).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_accel.estimate.components import RankEstimate
+from lightning_accel.table import format_table
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"24GB"`` -> 24e9 bytes; ``"80GiB"``, ``"1.5TB"``, ``"512MB"``, plain bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"size {text!r} is not a number of bytes with a unit; write e.g. 24GB, 80GiB or 1.5TB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def gb(nbytes: int) -> str:
+    """Bytes in GB (10^9) with 2 decimals; under 0.1 GB in MB, under 0.1 MB in kB."""
+    if nbytes >= 1e8 or nbytes == 0:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+
+
+@dataclass
+class Estimate:
+    """Every rank kind's bytes, the sizes they are judged against and the verdict."""
+
+    recipe: str
+    strategy: str
+    ranks: list[RankEstimate]
+    device_memory: int | None
+    host_memory: int | None
+    on_cpu: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def host_total(self) -> int:
+        """Host bytes of every rank together (the ranks of one machine share its memory)."""
+        return sum(r.host_bytes * r.count for r in self.ranks)
+
+    @property
+    def device_peak(self) -> int:
+        return max((r.device_peak_bytes for r in self.ranks), default=0)
+
+    @property
+    def device_fits(self) -> bool | None:
+        if self.on_cpu:
+            return True
+        return None if self.device_memory is None else self.device_peak <= self.device_memory
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_memory is None else self.host_total <= self.host_memory
+
+    @property
+    def fits(self) -> bool:
+        """Every size that is known holds what it must."""
+        return self.device_fits is not False and self.host_fits is not False
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe,
+            "strategy": self.strategy,
+            "ranks": [
+                {"kind": r.kind, "count": r.count, "device_peak_bytes": r.device_peak_bytes, "host_bytes": r.host_bytes,
+                 "components": {"device": dict(r.device), "host": dict(r.host)}}
+                for r in self.ranks
+            ],
+            "device_memory_bytes": self.device_memory,
+            "host_memory_bytes": self.host_memory,
+            "host_total_bytes": self.host_total,
+            "fits": self.fits,
+            "notes": list(self.notes),
+        }
+
+    def format(self) -> str:
+        lines = []
+        for r in self.ranks:
+            names = list(dict.fromkeys([*r.device, *r.host]))
+            rows = [(n, gb(r.device[n]) if n in r.device else "", gb(r.host[n]) if n in r.host else "") for n in names]
+            rows.append(("total", gb(r.device_peak_bytes) if not self.on_cpu else "", gb(r.host_bytes)))
+            where = "host (the CPU is the device)" if self.on_cpu else "host"
+            lines += [f"{r.kind} (x{r.count}):", format_table(("component", "device peak", where), rows), ""]
+        lines.append(self.verdict())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def verdict(self) -> str:
+        if self.on_cpu:
+            device = "device: the CPU (every byte is host memory)"
+        elif self.device_memory is None:
+            device = f"device: peak {gb(self.device_peak)} per rank, no device size known (pass --device-memory 24GB)"
+        else:
+            device = (f"device: peak {gb(self.device_peak)} per rank of {gb(self.device_memory)}: "
+                      + ("fits" if self.device_fits else "DOES NOT FIT"))
+        if self.host_memory is None:
+            host = f"host: {gb(self.host_total)} for all ranks, no host size known (pass --host-memory 256GB)"
+        else:
+            host = f"host: {gb(self.host_total)} for all ranks of {gb(self.host_memory)}: " + ("fits" if self.host_fits else "DOES NOT FIT")
+        return f"{'fits' if self.fits else 'does not fit'}: {device}; {host}"
