@@ -53,7 +53,7 @@ class DeferredBatchNorm:
         original = bn.forward
 
         def forward(x: Tensor) -> Tensor:
-            if not bn.training:
+            if not bn.training or x.is_meta:  # evaluation, or a shadow run for shapes (meta statistics: no trace)
                 return original(x)
             bn._check_input_dim(x)  # type: ignore[attr-defined]
             forward_pass = self.accumulating()

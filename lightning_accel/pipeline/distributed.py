@@ -67,6 +67,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
+from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.boundaries import StageBoundaries
 from lightning_accel.pipeline.gradients import average_gradients, gradient_presence, sum_over_users
 from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
@@ -122,7 +123,11 @@ class StageModule(nn.Module):
             if received is None:
                 return torch.zeros(1, device=self.pipe.device, requires_grad=True)
             return (received * 0).sum().reshape(1)  # its gradient: dense zeros shaped like the input
-        out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+        self.pipe._forwarding = True  # a micro-batch's forward (a recomputation in backward runs outside it)
+        try:
+            out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+        finally:
+            self.pipe._forwarding = False
         if last:
             if not isinstance(out, Tensor) or out.numel() != 1:
                 raise ValueError(
@@ -172,6 +177,13 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
     return resident
 
 
+def _rng_kept(device: torch.device) -> Any:
+    """The CPU's (and ``device``'s) random generators restored on exit."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
+
+
 def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
     """Stages rank ``rank`` runs: one, or two for ``interleaved_1f1b`` (``rank`` and ``rank + world_size``)."""
     return [rank + k * world_size for k in range(SCHEDULE_TABLE[schedule].stages_per_rank)]
@@ -200,7 +212,12 @@ class RankPipeline:
     (its blocks, each under ``torch.utils.checkpoint``), ``"always"``, ``"except_last"``
     (the last one's backward follows its forward at once on the last stage, so keeping it
     costs little) or ``"never"`` (torch's schedules keep every micro-batch's activations in
-    flight: all M with ``gpipe``, up to S with ``1f1b``).
+    flight: all M with ``gpipe``, up to S with ``1f1b``). ``deferred_batch_norm``: BatchNorm
+    running statistics are updated once per step from the whole batch (each stage's own
+    BatchNorms, committed after the schedule); without it once per micro-batch, as plain
+    BatchNorm on each micro-batch would. Either way a re-materialization and torch's shape
+    inference leave every buffer untouched (:class:`lightning_accel.pipeline.batchnorm.DeferredBatchNorm`,
+    :meth:`_build_schedule`).
     """
 
     def __init__(
@@ -216,6 +233,7 @@ class RankPipeline:
         scale_grads: bool = True,
         checkpoint: str = "never",
         blocks: BlockPolicy | Sequence[Block] = "auto",
+        deferred_batch_norm: bool = False,
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
@@ -243,6 +261,11 @@ class RankPipeline:
             if not any(k in self._stage_range(s) for s in self.indices):
                 block.to("meta")
         net._apply(lambda t: t if t.is_meta else t.to(self.device))
+        # a training forward inside a stage's micro-batch counts; a recomputation in backward and torch's shape
+        # inference do not. Installed before the boundaries, so a BatchNorm that is a block of its own is recomputed
+        # through it too (the block's checkpoint calls what it wraps)
+        self._forwarding = self._inferring = False
+        self.batch_norm = DeferredBatchNorm(net, lambda: self._forwarding and not self._inferring, deferred_batch_norm)
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         stop = checkpoint_stop(checkpoint, chunks)
         self.modules = [StageModule(self, s, stop) for s in self.indices]
@@ -250,7 +273,6 @@ class RankPipeline:
         self._shapes: Any = None
         for m in self.modules:
             m.recorder = self.recorder
-        self._inferring = False
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
         self._schedule_kwargs = {"n_microbatches": chunks, "loss_fn": self._loss, "scale_grads": False}
@@ -264,6 +286,7 @@ class RankPipeline:
         model wraps the old boundaries once more (nested pass-throughs, one per fit).
         """
         self.boundaries.restore()
+        self.batch_norm.detach()
 
     def _stage_range(self, stage: int) -> range:
         start = sum(self.balance[:stage])
@@ -289,11 +312,19 @@ class RankPipeline:
         if initialize is not None:
 
             def inferring(*args: Any, **kwargs: Any) -> Any:
+                # a real forward and backward of micro-batch 0 (torch 2.13; later stages on uninitialized inputs): what
+                # it writes to buffers and draws from the random generators is put back, so the step runs as if it
+                # had not happened (BatchNorm statistics, dropout masks)
+                saved = [(b, b.detach().clone()) for b in self.net.buffers() if not b.is_meta]
                 self._inferring = True
                 try:
-                    return initialize(*args, **kwargs)
+                    with _rng_kept(self.device):
+                        return initialize(*args, **kwargs)
                 finally:
                     self._inferring = False
+                    with torch.no_grad():
+                        for b, value in saved:
+                            b.copy_(value)
                     self._restart_microbatches()  # the inference's forwards were not micro-batches of the step
 
             schedule._initialize_pp_stages = inferring
@@ -353,6 +384,7 @@ class RankPipeline:
             raise self._exchange_error("step", err) from err
         finally:
             self._forward = lambda i: None
+        self.batch_norm.commit()  # deferred: the whole batch's statistics, once
         self._sum_resident()
         losses = self._losses[-self.chunks :]
         return torch.stack(losses).mean() if self.holds_last and losses else None

@@ -166,6 +166,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
             materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
             built in ``__init__`` is (for a module that cannot be initialized again after building).
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics
+            (each micro-batch is still normalized by its own), as ``GPipeStrategy(deferred_batch_norm=True)``; without
+            it once per micro-batch. Recomputation and shape inference never update them.
     """
 
     strategy_name = "gpipe_distributed"
@@ -184,6 +187,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
         deferred_init: bool = True,
+        deferred_batch_norm: bool = False,
         **kwargs: Any,
     ) -> None:
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
@@ -198,6 +202,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._pp_size = pipeline_parallel_size
         self.blocks = blocks
         self.deferred_init = deferred_init
+        self.deferred_batch_norm = deferred_batch_norm
         self._deferred: bool | None = None  # this run's module was built on meta (decided once per run)
         self._cache_settings: CacheSettings | None = None
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
@@ -368,6 +373,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.pipeline, self._split_state = split_module(
             module, blocks, balance, self._layout, first=layout is None, chunks=self.chunks, schedule=self.schedule,
             scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,
+            deferred_batch_norm=self.deferred_batch_norm,
         )
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, interleaved, tuple(balance)))
