@@ -31,6 +31,7 @@ from lightning_accel.atomic import atomic_write_text
 from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
 from lightning_accel.callbacks.random_state import RandomState
 from lightning_accel.config.errors import UserError
+from lightning_accel.models import load_peak
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.run_dir import find_last_checkpoint, newest_checkpoint, this_process
 
@@ -111,6 +112,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data)
         model = build_model(cfg)
+        if (loaded := load_peak.find(model)) is not None:
+            rank_zero_info(f"lightning-accel: {loaded.describe()}")
         # RNG states ride in every checkpoint, so a resumed run draws what the original would have.
         callbacks = [*_named(cfg.get("callbacks")), RandomState(), interrupt]
         loggers = _named(cfg.get("logger"))

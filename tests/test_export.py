@@ -119,6 +119,7 @@ def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapter
     assert reference.returncode == 0, reference.stderr[-3000:]
     for noise in NOISE:
         assert noise not in reference.stdout + reference.stderr, noise
+    assert f"pretrained weights from {tmp_path / 'base'} loaded at a peak of +" in reference.stdout + reference.stderr
     reference_dir = completed(tmp_path / "ref", "llama-tiny_lora_cpu", 8)
     check_export(reference_dir, tmp_path / "base", tmp_path / "adapter", nf4=False, capsys=capsys)
 

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from lightning_accel.config.errors import UserError, close_matches
+from lightning_accel.host_memory import PeakRSS
+from lightning_accel.models import load_peak
 from lightning_accel.models.extras import import_extra, plain
 
 transformers = import_extra("transformers", "hf", "model=hf_causal_lm")
@@ -122,9 +124,10 @@ def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
         refuse(path, list(model.state_dict()), *unloaded(model, shapes))
         return model
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
-        )
+        with PeakRSS() as peak:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
     except OSError as err:
         raise UserError(f"{where(path)}: {str(err).strip().splitlines()[0]}") from None
     except RuntimeError as err:  # its report, logged above, names the tensors
@@ -133,6 +136,7 @@ def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
         raise UserError(f"{where(path)}: the weights do not convert into the model config.json builds (see the load report above); "
                         "keep config.json and the weights from the same save_pretrained") from None
     refuse(path, list(model.state_dict()), info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
+    load_peak.record(model, str(path), peak.added)  # the run prints it: the load's cost, not a guess
     # from_pretrained returns eval mode (for inference) and Lightning keeps the modes it finds,
     # so a fine-tune would run without its dropout; train mode, as from_config gives
     return model.train()
