@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issues #8 and #17: every CUDA path and the offload / prefetch / pipeline benchmarks on one GPU machine.
+# Issues #8, #17, #27 and #38: every CUDA path, the offload / fine-tune / prefetch / pipeline benchmarks and the
+# L2L recipes (full and LoRA fine-tunes) on one GPU machine.
 #
 #   scripts/gpu-verify.sh pack   # here (no GPU): copy the pure-Python packages the GPU image
 #                                # lacks (hydra-core, omegaconf, antlr4, litgpt, torchdata, ...) into .gpu-site/ (git-ignored)
@@ -7,12 +8,12 @@
 #
 # The device tool runs one command for at most 10 minutes, so call it once per part:
 #   run(command="scripts/gpu-verify.sh run tests", carry=[".gpu-site"])    # -m cuda, then the suite
-#   run(command="scripts/gpu-verify.sh run bench", carry=[".gpu-site"])    # offload, prefetch, pipeline tables
-#   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, measured
+#   run(command="scripts/gpu-verify.sh run bench", carry=[".gpu-site"])    # offload, finetune, prefetch, pipeline tables
+#   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, a 7B LoRA, measured
 # Each step is cut at $STEP_LIMIT seconds (default 540) and then reads FAILED (rc 124) in the
 # table instead of losing the part's results. Full logs land in $OUT (or ./gpu-results):
-# versions.txt, tests-cuda.log, tests-all.log, bench-offload.txt, bench-prefetch.txt,
-# bench-pipeline.txt, recipe-llama-1b.log, summary.txt.
+# versions.txt, tests-cuda.log, tests-all.log, bench-offload.txt, bench-finetune.txt, bench-prefetch.txt,
+# bench-pipeline.txt, recipe-llama-1b.log, recipe-qwen-7b-lora.log, summary.txt.
 # The package itself is used from the working tree (PYTHONPATH): the GPU image's torch
 # (2.11 + CUDA) stays, and nothing is fetched there.
 set -uo pipefail
@@ -25,9 +26,10 @@ pack() {
         echo "pack needs hydra-core importable here: activate the dev venv (.venv/bin/activate)" >&2; exit 2; }
     rm -rf .gpu-site && mkdir -p .gpu-site
     # hydra-core and omegaconf for the recipes; litgpt (and the pure-Python packages it imports that the
-    # image lacks) for the real-model tests; torchdata for the resumable loaders. The image has
-    # transformers, pillow and lightning of its own.
-    for pkg in hydra omegaconf antlr4 litgpt jsonargparse docstring_parser typeshed_client torchdata; do
+    # image lacks) for the real-model tests; torchdata for the resumable loaders; peft (and accelerate, which
+    # it imports) and torchao for model/adapter=lora|qlora (NF4 is plain PyTorch in torchao: its compiled
+    # kernels are not needed). The image has transformers, pillow and lightning of its own.
+    for pkg in hydra omegaconf antlr4 litgpt jsonargparse docstring_parser typeshed_client torchdata peft accelerate torchao; do
         [ -e "$site/$pkg" ] || { echo "pack: $pkg is not installed in $site; pip install -e '.[test]' there first" >&2; exit 2; }
         cp -r "$site/$pkg" .gpu-site/
     done
@@ -67,6 +69,8 @@ PY
     fi
     if [ "$part" = bench ] || [ "$part" = all ]; then
         step "bench offload" bench-offload.txt python3 -m lightning_accel.cli bench offload
+        # LoRA / QLoRA rows on the GPU, with the 70B-block bus-vs-compute arithmetic at the measured bus speed
+        step "bench finetune" bench-finetune.txt python3 -m lightning_accel.cli bench finetune --layers 8 --width 1024 --seq 512
         step "bench prefetch" bench-prefetch.txt python3 -m lightning_accel.cli bench prefetch --steps 60
         step "bench pipeline (memory vs M)" bench-pipeline.txt python3 -m lightning_accel.cli bench pipeline --memory-only
     fi
@@ -75,6 +79,9 @@ PY
         # summary line: peak device bytes) on 20 steps with the recipe's own settings
         step "recipe llama-3.2-1b l2l bf16" recipe-llama-1b.log python3 -m lightning_accel.cli run llama-3.2-1b_l2l-bf16_1gpu \
             trainer.max_steps=20 trainer.val_check_interval=20 trainer.limit_val_batches=2
+        # a 7B LoRA fine-tune on a random bf16 base (no download): 5 steps if the host has the ~16 GB for the base
+        step "recipe qwen2.5-7b lora l2l" recipe-qwen-7b-lora.log python3 -m lightning_accel.cli run qwen2.5-7b_lora-l2l_1gpu \
+            trainer.max_steps=5 trainer.val_check_interval=5 trainer.limit_val_batches=1
     fi
     {
         cat "$out/versions.txt"
