@@ -13,6 +13,7 @@ import copy
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -107,6 +108,44 @@ def test_gpipe_trains_adapters_like_plain_lightning_on_the_same_micro_batches(ki
     fit(task, GPipeStrategy(devices=2, chunks=2), steps=4, precision="bf16-mixed")
     assert_frozen_unchanged(base, task.net)
     assert relative_update_difference(start, _plain(kind, micro_batch=4), adapters(task.net)) == 0.0
+
+
+def _fit_qlora_task(strategy: Any, out: Path, resume: Path | None = None) -> pl.LightningModule:
+    """Our QLoRA task (``model/adapter=qlora``, 2 layers) for 2 bf16-mixed steps, a checkpoint after each (none when
+    resuming)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    every = ModelCheckpoint(dirpath=out, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=1, save_top_k=-1)
+    tokens, targets, _ = lm_loader().dataset.tensors
+    task = qlora_task(layers=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, precision="bf16-mixed", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[every] if resume is None else [],
+        enable_checkpointing=resume is None,
+    )
+    trainer.fit(task, StatefulDataLoader(TensorDataset(tokens, targets), batch_size=8), ckpt_path=resume)
+    return task
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "l2l_offload"])
+def test_a_finetune_checkpoint_under_one_process_strategies_holds_the_adapters_and_resumes_exactly(strategy: str, tmp_path: Path) -> None:
+    """``gpipe`` (2 CPU stages) and ``l2l_offload``: the checkpoint holds the adapters only and names the base by
+    its hash; a fit resumed from step 1 ends on the uninterrupted fit's adapters, bit for bit, the NF4 base as it was."""
+    from lightning_accel.models.finetune_checkpoint import fingerprint
+
+    make = {"gpipe": lambda: GPipeStrategy(devices=2, chunks=2), "l2l_offload": lambda: L2LOffloadStrategy()}[strategy]
+    full = _fit_qlora_task(make(), tmp_path)
+    half = torch.load(tmp_path / "step1.ckpt", weights_only=False)
+    trainable = {n for n, p in full.named_parameters() if p.requires_grad}
+    assert set(half["state_dict"]) == trainable and half["finetune"]["sha256"] == fingerprint(qlora_task(layers=2))
+    base = frozen(full)
+    resumed = _fit_qlora_task(make(), tmp_path / "resumed", resume=tmp_path / "step1.ckpt")
+    want, got = adapters(full), adapters(resumed)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert not all(torch.equal(half["state_dict"][n].float(), want[n]) for n in want)  # it trained past the checkpoint
+    assert_frozen_unchanged(base, resumed)
 
 
 @pytest.fixture(scope="module")
