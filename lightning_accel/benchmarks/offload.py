@@ -19,9 +19,10 @@ measured in the same run (absolute times on shared machines are noise).
   and gathered per step, with the host optimizer partitioned and replicated.
 - Everywhere: the host optimizer step (:mod:`.offload_host_step`): Mparam/s of
   ``l2l_offload``'s host step against torch's default and fused AdamW, DeepSpeedCPUAdam
-  where importable and a plain memory copy; one call per block against batched calls;
-  the bf16 shadow refresh folded into the update against a separate pass; and the time in
-  ``AdamW.step`` inside a fit against plain training with ``AdamW(fused=True)``.
+  where importable and a plain memory copy; one call per block against one call for all;
+  the bf16 shadows written in the update's pass against a separate pass; and the time in
+  ``AdamW.step`` inside a fit against plain training with ``AdamW(fused=True)``, in fp32
+  and in bf16-mixed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The host optimizer step of ``bench offload``: Mparam/s of L2L's host step against torch's
 kernels, DeepSpeed's CPU Adam (when importable) and a plain memory copy; the per-call cost
-of stepping block by block; the shadow refresh folded into the update or done after it;
-and the time spent in ``AdamW.step`` inside a Lightning fit, l2l_offload against plain
-training with ``AdamW(fused=True)``.
+of stepping block by block; the bf16 shadows written in the update's pass (:mod:`.shadow_fold`)
+or in a pass of their own after it; and the time spent in ``AdamW.step`` inside a Lightning
+fit, l2l_offload against plain training with ``AdamW(fused=True)``, in fp32 and in bf16.
 
 All contenders step the same tensors (one AdamW state, shared) in interleaved rounds
 (A B C A B C ...), so a noisy neighbour hits all of them alike; each figure is the median
@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from lightning_accel.bench import format_table
-from lightning_accel.offload.host_step import FOLD_MIN_NUMEL, group_units, host_update, step_params
+from lightning_accel.offload.host_step import host_update, step_params
 
 # bytes an AdamW step moves per parameter: reads param, grad, exp_avg, exp_avg_sq (16),
 # writes param, exp_avg, exp_avg_sq (12); a copy moving as much copies 14 bytes each way
 ADAMW_BYTES_PER_PARAM = 28
+
+_FOLDED = "l2l_offload host step, bf16 shadows folded (as on a GPU)"
 
 
 def _block(n_embd: int) -> list[nn.Parameter]:
@@ -85,24 +87,18 @@ def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tup
     fused.state = opt.state  # one state: the contenders differ only in how they step it
     shadows = {p: p.detach().to(torch.bfloat16) for p in params if p.ndim >= 2}
 
-    def refresh(batch: Any) -> None:
-        for p in batch:
-            if p in shadows:
-                shadows[p].copy_(p)
-
-    batches = [[p for i in g for p in blocks[i]] for g in group_units([sum(p.numel() for p in b) for b in blocks], FOLD_MIN_NUMEL)]
-
     def l2l_fp32() -> None:  # a CPU device in fp32: the shadows are the masters, nothing to refresh
         with host_update(opt, True):
             opt.step()
 
-    def l2l_bf16() -> None:  # bf16 compute: batches of blocks, each batch's shadows refreshed right after it
-        with host_update(opt, True, lambda: batches, refresh):
+    def l2l_bf16() -> None:  # bf16 compute: each matrix's shadow written in the update's pass
+        with host_update(opt, True, lambda: shadows):
             opt.step()
 
-    def fused_then_refresh() -> None:
+    def fused_then_refresh() -> None:  # what l2l_offload did before: the shadows in a second pass
         fused.step()
-        refresh(params)
+        for p, low in shadows.items():
+            low.copy_(p)
 
     def per_block() -> None:
         for b in blocks:
@@ -127,7 +123,7 @@ def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tup
         "l2l_offload host step (fp32, as on a CPU device)": l2l_fp32,
         "  same, one optimizer call per block": per_block,
         "fused step, then bf16 shadow refresh as a separate pass": fused_then_refresh,
-        "l2l_offload host step, bf16 shadows folded (as on a GPU)": l2l_bf16,
+        _FOLDED: l2l_bf16,
         f"host memory copy of {ADAMW_BYTES_PER_PARAM // 2} B/param (the limit)": lambda: dst.copy_(src),
         "in-place a += b moving the same bytes": lambda: a.add_(b),
     }
@@ -146,22 +142,18 @@ def per_call_table(total_params: float, rounds: int) -> str:
         blocks = _blocks(total_params, n_embd)
         params = [p for b in blocks for p in b]
         opt = torch.optim.AdamW(params, lr=1e-4)
-        batches = [[p for i in g for p in blocks[i]] for g in group_units([sum(p.numel() for p in b) for b in blocks], FOLD_MIN_NUMEL)]
         seconds = _rounds({
             "all": lambda: step_params(opt, params, fuse=True),
             "block": lambda: [step_params(opt, b, fuse=True) for b in blocks],
-            "batched": lambda: [step_params(opt, b, fuse=True) for b in batches],
         }, rounds)
         per_block = sum(p.numel() for p in blocks[0])
         overhead = (seconds["block"] - seconds["all"]) / len(blocks)
         rows.append([preset, f"{per_block / 1e6:.2f}M", str(len(blocks)), f"{seconds['all'] * 1e3:.1f}",
-                     f"{seconds['block'] * 1e3:.1f}", f"{overhead * 1e6:.0f}", f"{seconds['block'] / seconds['all']:.2f}",
-                     str(len(batches)), f"{seconds['batched'] / seconds['all']:.2f}"])
+                     f"{seconds['block'] * 1e3:.1f}", f"{overhead * 1e6:.0f}", f"{seconds['block'] / seconds['all']:.2f}"])
         del opt, params, blocks
-    header = ["block of", "params/block", "blocks", "one call ms", "per-block ms", "us/call extra", "per-block / one",
-              "batches", "batched / one"]
-    return (f"fused AdamW over {total_params / 1e6:.3g}M params: one call per block vs one call for all "
-            f"(batched: blocks grouped to >= {FOLD_MIN_NUMEL / 2**20:.0f}Mi params per call)\n" + format_table(header, rows))
+    header = ["block of", "params/block", "blocks", "one call ms", "per-block ms", "us/call extra", "per-block / one"]
+    return (f"fused AdamW over {total_params / 1e6:.3g}M params: one call per block vs one call for all\n"
+            + format_table(header, rows))
 
 
 class _OptimizerClock(pl.Callback):
@@ -202,39 +194,47 @@ class _OptimizerClock(pl.Callback):
         self._current = 0.0
 
 
-def in_fit_table(args: argparse.Namespace) -> tuple[str, float]:
-    """Time in AdamW.step inside a Lightning fit on an optimizer-dominated GPT (tiny batch)."""
+def in_fit_table(args: argparse.Namespace) -> tuple[str, float, float]:
+    """Time in AdamW.step inside a Lightning fit on an optimizer-dominated GPT (tiny batch), fp32
+    and bf16-mixed (under l2l_offload: the bf16 shadows written by the host step). Returns the
+    table and l2l's ratios to plain training with ``AdamW(fused=True)`` in fp32 and in bf16."""
     from lightning_accel.benchmarks.offload import _data
     from lightning_accel.models import GPT, LanguageModelTask
     from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
-    contenders: dict[str, tuple[Any, bool | None]] = {
-        "plain Lightning, AdamW(fused=True)": ("auto", True),
-        "plain Lightning, AdamW() (default)": ("auto", None),
-        "l2l_offload, AdamW() (default)": (L2LOffloadStrategy, None),
+    # name: (strategy, AdamW's fused flag, precision)
+    contenders: dict[str, tuple[Any, bool | None, str]] = {
+        "plain Lightning, AdamW(fused=True)": ("auto", True, "32-true"),
+        "plain Lightning, AdamW() (default)": ("auto", None, "32-true"),
+        "l2l_offload, AdamW() (default)": (L2LOffloadStrategy, None, "32-true"),
+        "plain Lightning bf16-mixed, AdamW(fused=True)": ("auto", True, "bf16-mixed"),
+        "l2l_offload bf16-mixed, AdamW() (default)": (L2LOffloadStrategy, None, "bf16-mixed"),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
     params = 0
     for _ in range(args.rounds):
-        for name, (strategy, fused) in contenders.items():
+        for name, (strategy, fused, precision) in contenders.items():
             torch.manual_seed(0)
             net = GPT(preset=args.fit_preset, n_layer=args.fit_layers, block_size=args.fit_seq)
             model = LanguageModelTask(net, optimizer=lambda p, fused=fused: torch.optim.AdamW(p, lr=1e-4, fused=fused))
             clock = _OptimizerClock(args.warmup)
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy() if callable(strategy) else strategy,
-                                 max_steps=args.fit_steps, logger=False, enable_checkpointing=False,
+                                 precision=precision, max_steps=args.fit_steps, logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
             trainer.fit(model, _data(1, args.fit_seq, args.fit_steps))
             times[name].append(_median(clock.per_step))
             params = sum(p.numel() for p in model.parameters())
     median = {name: _median(t) for name, t in times.items()}
-    base = median["plain Lightning, AdamW(fused=True)"]
-    rows = [[name, f"{median[name] * 1e3:.1f}", f"{median[name] / base:.2f}"] for name in contenders]
-    ratio = median["l2l_offload, AdamW() (default)"] / base
+    base = {"32-true": median["plain Lightning, AdamW(fused=True)"],
+            "bf16-mixed": median["plain Lightning bf16-mixed, AdamW(fused=True)"]}
+    rows = [[name, f"{median[name] * 1e3:.1f}", f"{median[name] / base[precision]:.2f}"]
+            for name, (_, _, precision) in contenders.items()]
+    ratio32 = median["l2l_offload, AdamW() (default)"] / base["32-true"]
+    ratio16 = median["l2l_offload bf16-mixed, AdamW() (default)"] / base["bf16-mixed"]
     title = (f"time in AdamW.step per training step (closure excluded), GPT {args.fit_preset}-width x{args.fit_layers} "
              f"({params / 1e6:.1f}M params), batch 1x{args.fit_seq}, CPU device, {args.rounds} interleaved rounds of "
-             f"{args.fit_steps} steps; target l2l <= 1.10x plain fused")
-    return title + "\n" + format_table(["run", "ms in step (median)", "x plain fused"], rows), ratio
+             f"{args.fit_steps} steps; target l2l <= 1.10x plain fused in the same precision")
+    return title + "\n" + format_table(["run", "ms in step (median)", "x plain fused (same precision)"], rows), ratio32, ratio16
 
 
 def host_step_report(args: argparse.Namespace) -> str:
@@ -255,11 +255,13 @@ def host_step_report(args: argparse.Namespace) -> str:
     if not any(n.startswith("DeepSpeed") for n in names):
         out.append(f"(no DeepSpeedCPUAdam row: {_deepspeed_adam([nn.Parameter(torch.zeros(1))])[1]})")
     out.append(per_call_table(args.host_params[0] * 1e6, args.host_rounds))
-    fit, ratio = in_fit_table(args)
+    fit, ratio32, ratio16 = in_fit_table(args)
     out.append(fit)
     last = columns[list(columns)[-1]]
     ours = last["l2l_offload host step (fp32, as on a CPU device)"]
+    folded = last[_FOLDED]
     copy = next(v for k, v in last.items() if k.startswith("host memory copy"))
     out.append(f"host step: {_num(ours)} Mparam/s = {ours / last[fused_name]:.2f} x fused AdamW, "
-               f"{100 * ours / copy:.0f}% of copy bandwidth; in a fit: {ratio:.2f}x plain AdamW(fused=True)'s time in step")
+               f"{100 * ours / copy:.0f}% of copy bandwidth; bf16 shadows folded: {folded / last[fused_name]:.2f} x fused AdamW; "
+               f"in a fit: {ratio32:.2f}x plain AdamW(fused=True)'s time in step, bf16: {ratio16:.2f}x")
     return "\n\n".join(out)

@@ -58,7 +58,6 @@ from torch.utils.checkpoint import checkpoint
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal
 from lightning_accel.offload.activations import ActivationOffload
 from lightning_accel.offload.delayed import DelayedUpdate
-from lightning_accel.offload.host_step import FOLD_MIN_NUMEL, group_units
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
@@ -66,6 +65,10 @@ from lightning_accel.offload.streamer import Streamer
 from lightning_accel.patching import Patch, patch
 
 RESIDENT = -1  # the resident unit's index in the streamer
+
+# a block's host step: updates the parameters, writes what it can of their shadows
+# (parameter -> low-precision shadow) in the same pass, returns the parameters it wrote them for
+BlockStep = Callable[[list[nn.Parameter], dict[nn.Parameter, torch.Tensor]], list[torch.Tensor]]
 
 
 class L2LExecutor:
@@ -116,14 +119,14 @@ class L2LExecutor:
         self._step_h2d = self._step_d2h = self._step_act = 0
         # Host optimizer steps that overlap the backward pass: set per backward by
         # ``step_blocks_during_backward``; one worker thread keeps them in block order.
-        self._block_step: Callable[[list[nn.Parameter]], None] | None = None
+        self._block_step: BlockStep | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._futures: list[Future[None]] = []
         # blocks whose gradients have all landed, waiting for the host-step thread, which
         # takes all of them in one optimizer call (see _step_ready)
         self._ready: list[int] = []
         self._ready_lock = threading.Lock()
-        # parameters whose shadows already hold this step's update (refreshed right after it)
+        # parameters whose shadows already hold this step's update (written by it)
         self._fresh: set[nn.Parameter] = set()
         # called with a block's index once its last gradient of a backward pass has gone to the
         # host (data parallel: launch that block's reduction, :mod:`.grad_sync`); None: nothing
@@ -276,8 +279,8 @@ class L2LExecutor:
                 self._futures.append(self._pool.submit(self._step_ready, self._block_step))
 
     # -- host optimizer overlapping the backward pass -----------------------------------
-    def step_blocks_during_backward(self, step: Callable[[list[nn.Parameter]], None] | None) -> None:
-        """For the next backward pass: run ``step(params)`` on the host for each block as
+    def step_blocks_during_backward(self, step: BlockStep | None) -> None:
+        """For the next backward pass: run ``step(params, shadows)`` on the host for each block as
         soon as its gradients have all arrived, while the backward of earlier blocks goes
         on. ``None`` turns it off (accumulation micro-batches, gradient clipping, loss
         scaling: all need every gradient before any parameter moves)."""
@@ -285,7 +288,7 @@ class L2LExecutor:
         if step is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step", initializer=self.init_worker)
 
-    def _step_ready(self, step: Callable[[list[nn.Parameter]], None]) -> None:
+    def _step_ready(self, step: BlockStep) -> None:
         """Step every block whose gradients have landed since the last call, in one call.
 
         One call per block costs the optimizer's fixed overhead (hooks, grouping, kernel
@@ -302,11 +305,13 @@ class L2LExecutor:
         stepped = [p for p in params if p in self.store.grads]
         for param in stepped:
             param.grad = self.store.grads.pop(param)
-        step(stepped)
+        shadows = {p: self.store.shadow[p] for p in stepped if self.store.shadow[p] is not self.store.master[p]}
+        written = set(step(stepped, shadows))  # the shadows written in the update's pass where it can
         for param in stepped:
             param.grad = None
         with record_function("l2l/host_step"):
-            self.refresh_shadows(stepped, wait=False)  # right after the update, while the tensors are warm
+            self.refresh_shadows([p for p in stepped if p not in written], wait=False)
+        self._fresh.update(stepped)
         self.stats.blocks_stepped_in_backward += len(indices)
         self.stats.host_step_calls += 1
 
@@ -344,17 +349,18 @@ class L2LExecutor:
         """Before clipping and the optimizer step: host gradients become ``param.grad``."""
         self.store.install_grads()
 
-    def shadow_batches(self) -> list[list[nn.Parameter]]:
-        """The host parameters whose shadows this step's update must refresh, in batches of
-        consecutive units of at least ``FOLD_MIN_NUMEL`` elements each, for an update that
-        refreshes each batch right after stepping it; ``[]`` where the shadows are the
-        masters themselves (nothing to refresh) or every shadow is already fresh."""
-        units = self.plan.blocks + ([self.plan.resident] if self.plan.offload_resident else [])
-        sizes = []
-        for unit in units:
-            params = [p for _, p in unit.params if p not in self._fresh and self.store.shadow[p] is not self.store.master[p]]
-            sizes.append((params, sum(p.numel() for p in params)))
-        return [[p for i in batch for p in sizes[i][0]] for batch in group_units([n for _, n in sizes], FOLD_MIN_NUMEL)]
+    def shadows_to_write(self) -> dict[nn.Parameter, torch.Tensor]:
+        """The low-precision shadows this step's update may write as it updates their masters
+        (:mod:`.shadow_fold`): every one not yet fresh; ``{}`` where the shadows are the masters
+        themselves. The copy stream has finished reading them when this returns."""
+        stale = {p: s for p, s in self.store.shadow.items() if s is not self.store.master[p] and p not in self._fresh}
+        if stale:
+            self.streamer.wait_copies()
+        return stale
+
+    def shadows_written(self, params: list[nn.Parameter]) -> None:
+        """The update wrote these parameters' shadows (:meth:`after_step` leaves them alone)."""
+        self._fresh.update(params)
 
     def refresh_shadows(self, params: list[nn.Parameter], wait: bool = True) -> None:
         """Bring ``params``' shadows up to their just-updated masters (``wait``: first let

@@ -17,14 +17,11 @@ fused kernel, and nothing else about the optimizer changes:
 - an explicit ``fused=False`` or ``foreach=...`` is honoured, as are ``differentiable``,
   complex parameters and sparse gradients (no fused kernel: those keep torch's choice).
 
-The step can run in *batches* of parameters (blocks), each followed by a callback: the
-strategy refreshes the batch's low-precision shadows there, right after its update, while
-they may still be in cache. Measured on the 2-core machine (32 MiB L3, blocks of 12.6M
-parameters, 11 interleaved rounds on one core): no gain over one step and a separate
-refresh pass (389 vs 417 Mparam/s, within the noise of a loaded machine): a block's
-working set (parameters, gradients, two moments: 200 MB) is far beyond the cache. Calls
-of at least ``FOLD_MIN_NUMEL`` parameters cost nothing measurable, so the batching stays
-for hosts with larger caches; ``bench offload`` reports both ways side by side.
+When the device computes in bf16/fp16, the update also writes each parameter's
+low-precision shadow in the same pass over its master (:mod:`.shadow_fold`), instead of a
+second pass that reads every master again: a block's working set (parameters, gradients,
+two moments: 200 MB at GPT-2 medium width) is far beyond the cache, so stepping block by
+block and refreshing each block's shadows right after it gained nothing measurable.
 
 Each update carries the profiler label ``l2l/host_step`` (``torch.profiler.record_function``),
 after the closure: the forward and backward it runs stay outside.
@@ -32,45 +29,23 @@ after the closure: the forward and backward it runs stay outside.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+import contextlib
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
+from lightning_accel.offload.shadow_fold import ShadowFold
 from lightning_accel.patching import swapped
 
 # torch.optim classes with a fused CPU kernel (torch >= 2.4; still these four in 2.13)
 FUSED_CPU: tuple[type[Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
-
-# Batches of at least this many elements when an update refreshes shadows batch by batch:
-# each optimizer call has a fixed cost (~0.1 ms), small blocks share one (see ``bench offload``)
-FOLD_MIN_NUMEL = 4 * 2**20
-
-
-def group_units(numels: list[int], min_numel: int) -> list[list[int]]:
-    """Consecutive unit indices grouped so each group holds at least ``min_numel`` elements
-    (the last one may hold fewer); units with none are left out."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for index, numel in enumerate(numels):
-        if numel == 0:
-            continue
-        current.append(index)
-        total += numel
-        if total >= min_numel:
-            groups.append(current)
-            current, total = [], 0
-    if current:
-        groups.append(current)
-    return groups
-
 
 @dataclass(frozen=True)
 class HostKernel:
@@ -148,32 +123,42 @@ def _groups(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Generator[Non
         optimizer.param_groups = saved
 
 
-def step_params(optimizer: Optimizer, params: Sequence[Tensor], fuse: bool) -> None:
+def _folding(fold: ShadowFold) -> contextlib.AbstractContextManager[Any]:
+    """``fold`` where it has shadows to write (a torch function mode costs a little on every op)."""
+    return fold if fold.shadows else contextlib.nullcontext()
+
+
+def step_params(optimizer: Optimizer, params: Sequence[Tensor], shadows: Mapping[Tensor, Tensor] | None = None, *,
+                fuse: bool) -> list[Tensor]:
     """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state),
-    the CPU ones on the fused kernel when ``fuse``. Not thread-safe against other users of
-    the optimizer: the caller keeps the main thread off it meanwhile."""
-    with record_function("l2l/host_step"), _groups(optimizer, update_groups(optimizer, params, fuse)):
+    the CPU ones on the fused kernel when ``fuse``, writing ``shadows`` in the same pass
+    where the kernel allows; returns the parameters whose shadows were written. Not
+    thread-safe against other users of the optimizer: the caller keeps the main thread off
+    it meanwhile."""
+    fold = ShadowFold(shadows or {})
+    with record_function("l2l/host_step"), _groups(optimizer, update_groups(optimizer, params, fuse)), _folding(fold):
         optimizer.step()
+    return fold.written
 
 
 @contextmanager
 def host_update(
     optimizer: Optimizer,
     fuse: bool,
-    batches: Callable[[], Sequence[Sequence[nn.Parameter]]] = tuple,
-    after_batch: Callable[[Sequence[nn.Parameter]], None] | None = None,
+    shadows: Callable[[], Mapping[Tensor, Tensor]] = dict,
+    written: Callable[[list[Tensor]], None] | None = None,
 ) -> Generator[None, None, None]:
-    """For the ``optimizer.step(closure)`` calls inside: run the closure, then update the
-    parameters of each of ``batches()`` (asked after the closure, when the gradients are
-    final) in turn, calling ``after_batch(batch)`` right after each batch's update while its
-    tensors are still warm, then everything else; the CPU parameters on the fused kernel.
-    Without ``fuse`` the step is the user's, untouched (their optimizer may keep counters
-    in its param groups, which the temporary groups would drop).
+    """For the ``optimizer.step(closure)`` calls inside: run the closure, then update every
+    parameter, the CPU ones on the fused kernel, writing the low-precision shadows of
+    ``shadows()`` (a parameter -> its shadow, asked after the closure, when the gradients are
+    final) in the same pass, and tell ``written`` which shadows were written (the others, of
+    parameters the kernel did not step, are the caller's to refresh). Without ``fuse`` the
+    step is the user's, untouched (their optimizer may keep counters in its param groups,
+    which the temporary groups would drop).
 
     The optimizer's step hooks (and an LR scheduler's step counter) run once per update
-    call, i.e. once per batch plus once for the rest, and after the closure. Calls from
-    other threads (the block steps overlapping the backward, :func:`step_params`) pass
-    straight through.
+    call, after the closure. Calls from other threads (the block steps overlapping the
+    backward, :func:`step_params`) pass straight through.
     """
     step = optimizer.step  # the instance's own wrapper if an LR scheduler put one there
     caller = threading.get_ident()
@@ -188,17 +173,11 @@ def host_update(
             with torch.enable_grad():
                 loss = closure()
         with record_function("l2l/host_step"):
-            todo = batches()
-            batched = {id(p) for batch in todo for p in batch}
-            for batch in todo:
-                with _groups(optimizer, update_groups(optimizer, batch, fuse)):
-                    step(**kwargs)
-                if after_batch is not None:
-                    after_batch(batch)
-            rest = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in batched]
-            if rest or not todo:
-                with _groups(optimizer, update_groups(optimizer, rest, fuse)):
-                    step(**kwargs)
+            fold = ShadowFold(shadows())
+            with _groups(optimizer, update_groups(optimizer, None, fuse)), _folding(fold):
+                step(**kwargs)
+            if written is not None and fold.written:
+                written(fold.written)
         return loss
 
     with swapped(optimizer, "step", update):

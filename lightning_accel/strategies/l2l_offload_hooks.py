@@ -20,8 +20,8 @@ What each hook adds to :class:`SingleDeviceStrategy`:
   backward of the blocks still running (blocks whose gradients landed together share one
   optimizer call); then expose the remaining host gradients as ``param.grad`` for
   clipping and the final step (resident parameters, and every block when the overlap is
-  off), which refreshes each batch of blocks' low-precision shadows right after its
-  update. Host parameters step on torch's fused CPU kernel when the user's optimizer has
+  off), which writes the low-precision shadows in the same pass as the update
+  (:mod:`lightning_accel.offload.shadow_fold`). Host parameters step on torch's fused CPU kernel when the user's optimizer has
   one (SGD, Adam, AdamW, Adagrad) and left ``foreach``/``fused`` unset
   (:mod:`lightning_accel.offload.host_step`: 5x torch's default loop for AdamW here);
 - ``load_optimizer_state_dict``: keep each state tensor on its parameter's device (host
@@ -386,8 +386,8 @@ class L2LOffloadHooks(Strategy):
             return result
 
         # The update (after the closure and clipping): the host parameters on the fused CPU
-        # kernel; batch by batch of blocks, each batch's shadows refreshed right after it.
-        with host_update(optimizer, fuse, executor.shadow_batches, executor.refresh_shadows):
+        # kernel, the low-precision shadows written in the same pass over the masters.
+        with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)

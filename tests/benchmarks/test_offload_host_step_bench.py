@@ -29,9 +29,12 @@ def test_host_step_tables(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(no DeepSpeedCPUAdam row: " in out or "DeepSpeedCPUAdam " in out
     assert _row(out, "tiny")[2] != "0"  # the per-call table
     assert _row(out, "l2l_offload, AdamW() (default)")
+    assert float(_row(out, "plain Lightning bf16-mixed, AdamW(fused=True)")[2]) == 1.0  # the bf16 rows' baseline
+    assert float(_row(out, "l2l_offload bf16-mixed, AdamW() (default)")[2]) > 0
     closing = out.rstrip().splitlines()[-2]
     assert re.fullmatch(r"host step: [\d.]+ Mparam/s = \d+\.\d\d x fused AdamW, \d+% of copy bandwidth; "
-                        r"in a fit: \d+\.\d\dx plain AdamW\(fused=True\)'s time in step", closing), closing
+                        r"bf16 shadows folded: \d+\.\d\d x fused AdamW; "
+                        r"in a fit: \d+\.\d\dx plain AdamW\(fused=True\)'s time in step, bf16: \d+\.\d\dx", closing), closing
     assert out.rstrip().splitlines()[-1].startswith("machine:")
 
 

@@ -1,4 +1,4 @@
-"""The host step mechanism: which kernel, which groups, batches of units."""
+"""The host step mechanism: which kernel, which groups, one update writing the shadows."""
 
 from __future__ import annotations
 
@@ -6,13 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_accel.offload.host_step import choose_host_kernel, group_units, host_update, step_params, update_groups
-
-
-def test_group_units_merges_consecutive_units_up_to_the_minimum() -> None:
-    assert group_units([3, 0, 2, 5, 1, 1, 1], 4) == [[0, 2], [3], [4, 5, 6]]
-    assert group_units([10, 10], 4) == [[0], [1]]
-    assert group_units([], 4) == []
+from lightning_accel.offload.host_step import choose_host_kernel, host_update, step_params, update_groups
 
 
 @pytest.mark.parametrize(("make", "fused", "says"), [
@@ -55,22 +49,31 @@ def test_sgd_momentum_with_a_parameter_that_has_no_buffer_yet() -> None:
     torch.testing.assert_close(b, ref_b, rtol=0, atol=1e-7)
 
 
-def test_host_update_steps_batches_then_the_rest_and_calls_back_after_each(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_update_steps_everything_in_one_call_and_says_which_shadows_it_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(8)) for _ in range(5)]
+    params = [nn.Parameter(torch.randn(8, 16)) for _ in range(3)] + [nn.Parameter(torch.randn(8))]
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     for p, t in zip(params, twins):
-        p.grad = t.grad = torch.randn(8)
-    opt, ref = torch.optim.AdamW(params, lr=0.1), torch.optim.AdamW(twins, lr=0.1, fused=True)
-    order: list[str] = []
-    real = torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda ps, *a, **k: (order.append(f"step {len(ps)}"), real(ps, *a, **k))[1])
+        p.grad = t.grad = torch.randn_like(p)
+    params[2].grad = twins[2].grad = None  # no gradient: not stepped, its shadow not written
+    # (amsgrad: torch's kernel then the cast, tests/offload/test_shadow_fold.py has the one-pass updates)
+    opt, ref = torch.optim.Adam(params, lr=0.1, amsgrad=True), torch.optim.Adam(twins, lr=0.1, amsgrad=True, fused=True)
+    shadows = {p: p.detach().to(torch.bfloat16) for p in params[:3]}
+    stale = shadows[params[2]].clone()
+    sizes: list[int] = []
+    real = torch._fused_adam_
+    monkeypatch.setattr(torch, "_fused_adam_", lambda ps, *a, **k: (sizes.append(len(ps)), real(ps, *a, **k))[1])
     closure_ran: list[bool] = []
-    with host_update(opt, True, lambda: [params[:2], params[2:3]], lambda batch: order.append(f"after {len(batch)}")):
+    written: list[list[torch.Tensor]] = []
+    with host_update(opt, True, lambda: shadows, written.append):
         opt.step(lambda: closure_ran.append(torch.is_grad_enabled()))
     assert "step" not in vars(opt)  # the instance is as it was
     assert closure_ran == [True]
-    assert order == ["step 2", "after 2", "step 1", "after 1", "step 2"]
+    assert sizes == [3]  # one kernel call for every stepped parameter
+    assert [set(w) for w in written] == [{params[0], params[1]}]
     ref.step()
     for p, t in zip(params, twins):
         torch.testing.assert_close(p, t, rtol=0, atol=0)
+    for p in params[:2]:
+        assert torch.equal(shadows[p], p.detach().to(torch.bfloat16))
+    assert torch.equal(shadows[params[2]], stale)

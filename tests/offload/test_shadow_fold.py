@@ -1,0 +1,154 @@
+"""The host step writing the low-precision shadows in its own pass: bit for bit what torch's fused
+kernel followed by a cast gives (masters, shadows, optimizer state), or that path itself."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_accel.offload import shadow_fold
+from lightning_accel.offload.host_step import host_update
+from lightning_accel.offload.partition import partition_units
+from lightning_accel.offload.shadow_fold import ShadowFold, fold_report
+
+Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+# shapes folded (at least FOLD_MIN_NUMEL = 256 x 256 elements; 300 x 257 with a remainder past the last
+# multiple of 64), a small matrix that takes torch's kernel and a cast, a vector (no shadow)
+_SHAPES = [(300, 257), (256, 256), (5,), (3, 200)]
+
+
+def _twins(dtype: torch.dtype) -> tuple[list[nn.Parameter], list[nn.Parameter], dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in _SHAPES]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    return (params, twins, {p: p.detach().to(dtype) for p in params if p.ndim >= 2},
+            {p: p.detach().to(dtype) for p in twins if p.ndim >= 2})
+
+
+def _step_both(make: Make, dtype: torch.dtype, steps: int = 3) -> tuple[list[list[Tensor]], dict[Tensor, Tensor]]:
+    """``steps`` updates in the fold and, on twins, by torch's fused kernel then a cast; asserts every bit
+    agrees and every shadow was written; returns what the fold wrote and its shadows."""
+    params, twins, shadows, ref_shadows = _twins(dtype)
+    opt, ref = make(params), make(twins)
+    written = []
+    for _ in range(steps):
+        for p, t in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            t.grad = p.grad.clone()
+        with ShadowFold(shadows) as fold:
+            opt.step()
+        written.append(fold.written)
+        ref.step()
+        for t, low in ref_shadows.items():
+            low.copy_(t)
+        for p, t in zip(params, twins):
+            assert torch.equal(p, t)
+            if p in shadows:
+                assert torch.equal(shadows[p], ref_shadows[t])
+            for key, value in ref.state[t].items():
+                assert torch.equal(opt.state[p][key], value), key
+    return written, shadows
+
+
+def _folded(kind: str) -> None:
+    """The compiled update was used for ``kind`` (skips where this machine cannot compile)."""
+    report = {k: v for k, v in fold_report().items() if k.startswith(kind + ",")}
+    if any(v.startswith("torch.compile failed") for v in report.values()):
+        pytest.skip(f"torch.compile cannot build kernels here: {report}")
+    assert report and all(v == "folded" for v in report.values()), report
+
+
+@pytest.mark.parametrize(("make", "kind", "dtype"), [
+    (functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, fused=True), "sgd", torch.bfloat16),
+    (functools.partial(torch.optim.Adam, lr=3e-3, weight_decay=0.01, fused=True), "adam", torch.float16),
+    (functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True), "adamw", torch.bfloat16),
+    (functools.partial(torch.optim.Adagrad, lr=0.05, lr_decay=0.01, weight_decay=0.01, fused=True), "adagrad", torch.bfloat16),
+], ids=["SGD-nesterov", "Adam-fp16", "AdamW", "Adagrad"])
+def test_one_pass_equals_the_fused_kernel_then_a_cast(make: Make, kind: str, dtype: torch.dtype) -> None:
+    written, shadows = _step_both(make, dtype)
+    assert all(set(w) == set(shadows) for w in written)
+    _folded(kind)
+
+
+def test_what_the_fold_does_not_cover_goes_through_torchs_kernel_and_a_cast() -> None:
+    # amsgrad has no compiled update: the kernel, then the cast, for every shadow all the same
+    written, shadows = _step_both(functools.partial(torch.optim.Adam, lr=3e-3, amsgrad=True, fused=True), torch.bfloat16, steps=2)
+    assert all(set(w) == set(shadows) for w in written)
+    assert not any(k.startswith("adam,") and "amsgrad" in k for k in fold_report())
+
+
+def _no_update(update: object, **options: object) -> Callable[..., object]:
+    return lambda stepped, shadow, sc, **flags: shadow.copy_(stepped[0])  # casts, updates nothing
+
+
+def _no_compiler(update: object, **options: object) -> Callable[..., object]:
+    raise RuntimeError("no C++ compiler")
+
+
+@pytest.mark.parametrize(("compiled", "says"), [
+    (_no_update, "the compiled adamw update differs from torch"),
+    (_no_compiler, "torch.compile failed here (RuntimeError: no C++ compiler)"),
+], ids=["differs", "cannot-compile"])
+def test_a_fold_that_is_not_torchs_kernel_bit_for_bit_is_not_used(compiled: Callable[..., object], says: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shadow_fold, "_FOLDS", shadow_fold._Folds())
+    monkeypatch.setattr(torch, "compile", compiled)
+    _step_both(functools.partial(torch.optim.AdamW, lr=3e-3, fused=True), torch.bfloat16, steps=2)
+    (why,) = fold_report().values()
+    assert why.startswith(says) and why.endswith("two passes")
+
+
+def test_partitioned_owners_write_the_shadows_of_the_units_they_step() -> None:
+    # l2l_offload_ddp's partitioned step on two simulated ranks: each steps the units it owns (only
+    # those have gradients), the masters go from owner to the other rank, which re-derives its shadows.
+    # Every rank ends with what the two-pass path gives, and the fold wrote exactly the owners' shadows.
+    torch.manual_seed(0)
+    units = [[torch.randn(256, 260), torch.randn(256)] for _ in range(4)]
+    grads = [[torch.randn_like(t) for t in unit] for unit in units]
+    owners = partition_units([sum(t.numel() for t in u) for u in units], 2).owners
+    make = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+
+    def rank(r: int, fold: bool) -> tuple[list[list[nn.Parameter]], dict[Tensor, Tensor], torch.optim.Optimizer, list[Tensor]]:
+        params = [[nn.Parameter(t.clone()) for t in unit] for unit in units]
+        shadows = {p: p.detach().to(torch.bfloat16) for unit in params for p in unit if p.ndim >= 2}
+        opt = make([p for unit in params for p in unit], fused=None if fold else True)
+        for i, unit in enumerate(params):
+            for p, g in zip(unit, grads[i]):
+                p.grad = g.clone() if owners[i] == r else None
+        written: list[Tensor] = []
+        if fold:
+            with host_update(opt, True, lambda: shadows, written.extend):
+                opt.step()
+        else:
+            opt.step()
+        return params, shadows, opt, written
+
+    for fold in (True, False):
+        ranks = [rank(r, fold) for r in (0, 1)]
+        for i in range(len(units)):  # the broadcast from each unit's owner, the receivers' shadow refresh
+            for r, (params, shadows, _, _) in enumerate(ranks):
+                for p, q in zip(params[i], ranks[owners[i]][0][i]):
+                    p.data.copy_(q.data)
+                    if p in shadows and (r != owners[i] or not fold):
+                        shadows[p].copy_(p)
+        if fold:
+            folded = ranks
+        else:
+            plain = ranks
+    for r in (0, 1):
+        params, shadows, opt, written = folded[r]
+        ref_params, ref_shadows, ref_opt, _ = plain[r]
+        assert {id(p) for p in written} == {id(p) for i, u in enumerate(params) if owners[i] == r for p in u if p.ndim >= 2}
+        for unit, ref_unit in zip(params, ref_params):
+            for p, q in zip(unit, ref_unit):
+                assert torch.equal(p, q)
+                if p in shadows:
+                    assert torch.equal(shadows[p], ref_shadows[q])
+                for key, value in ref_opt.state[q].items():
+                    assert torch.equal(opt.state[p][key], value), key
+    _folded("adamw")
