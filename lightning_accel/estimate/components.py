@@ -93,7 +93,8 @@ def _loader(plan: Plan, host: dict[str, int]) -> None:
 def _on_cpu(plan: Plan, rank: RankEstimate) -> RankEstimate:
     """On the CPU the device is the host: every device component moves to the host column."""
     if plan.on_cpu:
-        for name, value in rank.device.items():
+        host, rank.host = rank.host, dict(rank.device)
+        for name, value in host.items():
             _put(rank.host, name, value)
         rank.device = {}
     return rank

@@ -44,3 +44,22 @@ def fake_parameters(module: nn.Module, mode: FakeTensorMode, dtype_of: DtypeOf =
                 if id(buffer) not in made:
                     made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
                 owner._buffers[key] = made[id(buffer)]
+
+
+def fake_attributes(module: nn.Module, mode: FakeTensorMode) -> None:
+    """Replace the meta tensors ``module``'s submodules hold as plain attributes or in a dict
+    attribute (torchmetrics' metric states and their ``_defaults``, neither parameters nor
+    buffers) by fake CPU tensors, in place."""
+
+    def meta(value: object) -> bool:
+        return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.is_meta
+
+    with mode:
+        for owner in module.modules():
+            for key, value in list(vars(owner).items()):
+                if meta(value):
+                    setattr(owner, key, torch.empty(value.shape, dtype=value.dtype, device="cpu"))
+                elif isinstance(value, dict) and not key.startswith("_modules"):
+                    for k, v in list(value.items()):
+                        if meta(v):
+                            value[k] = torch.empty(v.shape, dtype=v.dtype, device="cpu")

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lightning_accel.estimate.activations import measure_step
 from lightning_accel.estimate.batch import batch_nbytes, fake_batch
 from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, Plan, estimate_ranks
-from lightning_accel.estimate.fake import fake_parameters
+from lightning_accel.estimate.fake import fake_attributes, fake_parameters
 from lightning_accel.estimate.params import inventory, measure_optimizer_state, nf4_weights
 from lightning_accel.estimate.report import Estimate
 from lightning_accel.models.block_policy import Block, find_blocks
@@ -174,6 +174,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     stored = nf4_weights(net, getattr(getattr(module, "frozen_base", None), "adapter", None))
     masters = plan.strategy in (L2L, L2L_DDP)  # the host optimizer steps fp32 masters
     fake_parameters(net, mode, lambda _n, p: (torch.float32 if masters or plan.param_size == FP32 else low) if p.requires_grad else p.dtype)
+    fake_attributes(module, mode)  # metric states the step updates
     state = measure_optimizer_state(module, net, mode)
     inv = inventory(net, blocks, stored, state)
 

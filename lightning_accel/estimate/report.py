@@ -29,7 +29,9 @@ def parse_size(text: str) -> int:
 
 def gb(nbytes: int) -> str:
     """Bytes in GB (10^9) with 2 decimals; under 0.1 GB in MB, under 0.1 MB in kB."""
-    if nbytes >= 1e8 or nbytes == 0:
+    if nbytes == 0:
+        return "0"
+    if nbytes >= 1e8:
         return f"{nbytes / 1e9:.2f} GB"
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
