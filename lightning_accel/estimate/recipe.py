@@ -105,9 +105,12 @@ def plan_of(cfg: DictConfig, strategy: Any, blocks: list[Block], datamodule: Any
     """The settings the estimate needs, read once from the composed recipe and its strategy."""
     from lightning_accel.config.validate import devices_needed
 
-    world = max(devices_needed(cfg), 1) if strategy is None or not hasattr(strategy, "devices") or _kind(strategy, 2) != GPIPE else 1
+    world = devices_needed(cfg)
+    if world < 1:  # trainer.devices=-1 on a machine without the recipe's GPUs
+        notes.append("trainer.devices=-1 means every GPU of the node; estimated for one rank, pass trainer.devices=N for N")
+        world = 1
     kind = _kind(strategy, world)
-    if kind == GPIPE:
+    if kind == GPIPE:  # one process, its stages on devices of their own
         world = 1
     low, _ = _precision(cfg)
     on_cpu = str(cfg.trainer.accelerator) == "cpu"

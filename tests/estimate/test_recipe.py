@@ -1,0 +1,32 @@
+"""Recipes through the whole estimate: the strategy's plan read from the recipe, per rank kind."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_accel.config.compose import compose_recipe
+from lightning_accel.estimate import estimate_recipe
+from lightning_accel.runner import build_model
+
+SMALL = ["data.batch_size=16", "data.block_size=32"]
+
+
+def test_pipeline_stages_split_the_model_as_the_recipe_balances_it() -> None:
+    recipe = "gpt-small_gpipe-1f1b_4gpu"
+    estimate = estimate_recipe(recipe, SMALL)
+    assert [(r.kind, r.count) for r in estimate.ranks] == [("stage 0", 1), ("stage 1", 1), ("stage 2", 1), ("stage 3", 1)]
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in build_model(compose_recipe(recipe, SMALL)).parameters())
+    params = [r.device["parameters"] for r in estimate.ranks]
+    assert sum(params) == 4 * numel  # fp32 parameters under bf16-mixed, each on exactly one stage
+    assert params[1] == params[2]  # balance [1, 2, 2, 1]: two equal blocks each
+    key = "activations (16 micro-batches, 1f1b, checkpoint never)"
+    assert all(key in r.device for r in estimate.ranks)
+
+
+def test_l2l_ddp_ranks_each_step_half_the_blocks() -> None:
+    single = estimate_recipe("gpt-tiny_l2l_cpu", SMALL).ranks[0]
+    (rank,) = estimate_recipe("gpt-tiny_l2l_cpu", [*SMALL, "strategy=l2l_offload_ddp", "trainer.devices=2"]).ranks
+    assert rank.count == 2
+    assert rank.host["masters (fp32)"] == single.host["masters (fp32)"]  # every process keeps the whole host store
+    assert rank.host["optimizer state"] * 2 == single.host["optimizer state"]  # 4 equal blocks, 2 owned by each rank
