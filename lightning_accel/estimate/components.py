@@ -151,7 +151,7 @@ def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]
             _put(rank.device, "resident unit streamed in", rest.weight_bytes(FP32, plan.compute_size))
             _put(rank.device, "resident gradients", rest.matrices * plan.compute_size + (rest.trainable - rest.matrices) * FP32)
     else:
-        _put(rank.device, "resident parameters (fp32)", rest.weight_bytes(FP32))
+        _put(rank.device, "resident parameters", rest.weight_bytes(FP32))  # trainable in fp32, frozen as stored
         _put(rank.device, "resident gradients", rest.trainable * FP32)
         _put(rank.device, "resident optimizer state", rest.optimizer_bytes)
     activations = acts.peak

@@ -31,7 +31,7 @@ def test_l2l_bf16_on_cuda_host_is_20_bytes_a_matrix_element_and_18_a_vector() ->
     assert rank.host["low-precision shadows"] == 4 * 2 * N
     # two bf16 blocks (prefetch 1), the fp32 resident unit with its grads and AdamW state, the measured peak
     assert rank.device["blocks in flight (2)"] == 2 * (2 * N + 4 * V)
-    assert rank.device["resident parameters (fp32)"] + rank.device["resident gradients"] + rank.device["resident optimizer state"] == 16 * 2 * N
+    assert rank.device["resident parameters"] + rank.device["resident gradients"] + rank.device["resident optimizer state"] == 16 * 2 * N
     assert rank.device["activations (incl. one block's gradients)"] == 999
 
 

@@ -10,15 +10,13 @@ from lightning_accel.cli import main
 
 
 def test_json_ranks_add_up_and_judge_the_given_sizes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", "gpt-tiny_l2l_cpu", "data.batch_size=4", "--json", "--host-memory", "1GB"]) == 0
+    assert main(["estimate", "gpt-tiny_l2l_cpu", "data.batch_size=4", "--json", "--host-memory", "1MB"]) == 0
     out = json.loads(capsys.readouterr().out)
     (rank,) = out["ranks"]
     assert rank["kind"] == "device" and rank["count"] == 1
     assert rank["device_peak_bytes"] == sum(rank["components"]["device"].values()) == 0  # the CPU is the device
     assert rank["host_bytes"] == sum(rank["components"]["host"].values()) == out["host_total_bytes"]
-    assert out["host_memory_bytes"] == 10**9 and out["fits"] is True
-    assert main(["estimate", "gpt-tiny_l2l_cpu", "data.batch_size=4", "--json", "--host-memory", "1MB"]) == 0
-    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert out["host_memory_bytes"] == 10**6 and out["host_total_bytes"] > 10**6 and out["fits"] is False
 
 
 def test_table_ends_with_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
