@@ -20,6 +20,15 @@ Policies:
   container that is itself a child of a mixed Sequential still wins, as it splits finer:
   ``Sequential(embed, Sequential(*blocks), head)`` gives the blocks, the model or not;
 - a callable ``model -> iterable of submodules``.
+
+``find_blocks(..., stacks="all")`` (what L2L offload and QLoRA ask for) adds, under
+``"auto"``, every other repeated stack of the model: a same-class container of two or more
+children, outside the chosen one and not inside another stack's block, whose children are at
+least half the size of the chosen container's (an encoder-decoder's encoder and decoder:
+T5's ``encoder.block`` and ``decoder.block``, BART's and Whisper's ``encoder.layers`` and
+``decoder.layers``; not a list of heads or per-codebook embeddings). They come in
+registration order, which is forward order for these models: the encoder's blocks, then
+the decoder's. A pipeline cuts one stack into stages (``stacks="one"``, the default).
 """
 
 from __future__ import annotations
@@ -83,7 +92,21 @@ def _inside_a_child(inner: str, outer: str) -> bool:
     return inner.startswith(prefix) and "." in inner[len(prefix):]
 
 
-def _auto(model: nn.Module) -> list[Block]:
+def _stacks(model: nn.Module, chosen: str, container: nn.Module) -> list[str]:
+    """The names of ``model``'s repeated stacks, ``chosen`` among them, in registration order (see the module doc)."""
+    per_child = _size(container) / len(container)
+    names = [chosen]
+    for name, other in _containers(model):
+        if len(other) < 2 or not _uniform(other) or _size(other) / len(other) < per_child / 2:
+            continue
+        if any(name == n or name.startswith(f"{n}.") or n.startswith(f"{name}.") for n in names):
+            continue  # the chosen stack itself, one inside a block of it, or one around it
+        names.append(name)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(names, key=order.__getitem__)
+
+
+def _auto(model: nn.Module, stacks: str = "one") -> list[Block]:
     candidates = [(n, m) for n, m in _containers(model) if len(m) >= 2]
     uniform = [(n, m) for n, m in candidates if _uniform(m)]
     mixed = [(n, m) for n, m in candidates if isinstance(m, nn.Sequential) and not _uniform(m)]
@@ -95,8 +118,9 @@ def _auto(model: nn.Module) -> list[Block]:
     chosen = outer if outer is not None else best
     if chosen is None:
         return []
-    prefix, container = chosen
-    return [Block(f"{prefix}.{i}" if prefix else str(i), child) for i, child in enumerate(container)]
+    prefixes = [chosen[0]] if stacks == "one" or chosen is not best else _stacks(model, *chosen)
+    modules = dict(model.named_modules())
+    return [Block(f"{prefix}.{i}" if prefix else str(i), child) for prefix in prefixes for i, child in enumerate(modules[prefix])]
 
 
 def _candidates_line(model: nn.Module) -> str:
@@ -112,14 +136,17 @@ def _candidates_line(model: nn.Module) -> str:
     return f"candidates: {', '.join(shown)}{more}"
 
 
-def find_blocks(model: nn.Module, policy: BlockPolicy = "auto") -> list[Block]:
-    """The blocks of ``model`` under ``policy``, in execution order.
+def find_blocks(model: nn.Module, policy: BlockPolicy = "auto", stacks: str = "one") -> list[Block]:
+    """The blocks of ``model`` under ``policy``, in execution order; with ``stacks="all"``, ``"auto"`` takes every
+    repeated stack (an encoder-decoder's both), ``"one"`` the largest.
 
     Raises ``ValueError`` naming the model, the policy and the fix when there are none.
     """
+    if stacks not in ("one", "all"):
+        raise ValueError(f"stacks={stacks!r}: use 'one' (a pipeline's single stack) or 'all' (every repeated stack)")
     names = {id(m): n for n, m in model.named_modules()}
     if isinstance(policy, str) and policy == "auto":
-        blocks = _auto(model)
+        blocks = _auto(model, stacks)
         described = "'auto' (the longest ModuleList/Sequential of one class, or a mixed nn.Sequential)"
     elif callable(policy) and not isinstance(policy, type):
         chosen = list(policy(model))  # type: ignore[operator]

@@ -36,7 +36,7 @@ def block_linears(net: nn.Module, names: Sequence[str] | None = None) -> list[tu
     if names is not None:
         return [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear) and any(_ends_with(n, x) for x in names)]
     try:
-        blocks = find_blocks(net, "auto")
+        blocks = find_blocks(net, "auto", stacks="all")  # an encoder-decoder: both stacks
     except ValueError as err:
         raise UserError(
             f"model/adapter=qlora quantizes the Linears of {type(net).__name__}'s repeated blocks, and it has none "

@@ -141,3 +141,39 @@ def test_no_blocks_is_a_clear_error() -> None:
         find_blocks(GPT("tiny"), ["GPTBlok"])
     with pytest.raises(ValueError, match=r"returned modules that are not in the model"):
         find_blocks(GPT("tiny"), lambda m: [nn.Linear(1, 1)])
+
+
+class EncoderDecoder(nn.Module):
+    """Two stacks of blocks of one class (as T5's encoder.block and decoder.block), small lists beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.ModuleList([nn.Embedding(16, 8) for _ in range(2)])  # per-codebook embeddings: not a stack
+        self.encoder = nn.ModuleList([nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8)) for _ in range(2)])
+        self.decoder = nn.ModuleList([nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 8), nn.Linear(8, 8)) for _ in range(3)])
+        self.heads = nn.ModuleList([nn.Linear(8, 2) for _ in range(2)])  # small: not a stack
+
+
+def test_every_stack_of_an_encoder_decoder_only_when_asked() -> None:
+    net = EncoderDecoder()
+    assert [b.name for b in find_blocks(net)] == ["decoder.0", "decoder.1", "decoder.2"]  # a pipeline's one stack
+    assert [b.name for b in find_blocks(net, stacks="all")] == ["encoder.0", "encoder.1", "decoder.0", "decoder.1", "decoder.2"]
+    assert [b.name for b in find_blocks(GPT("tiny"), stacks="all")] == [f"blocks.{i}" for i in range(4)]  # one stack: the same
+    with pytest.raises(ValueError, match=r"^stacks='both': use 'one'"):
+        find_blocks(net, stacks="both")
+
+
+@pytest.mark.parametrize("maker", ["t5", "bart"])
+def test_every_stack_of_transformers_encoder_decoders(maker: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    if maker == "t5":
+        net = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4))
+        want = ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "decoder.block.2"]
+    else:
+        net = transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))
+        want = ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"]
+    assert [b.name for b in find_blocks(net, stacks="all")] == want
+    assert len(find_blocks(net)) == int(want[-1][-1]) + 1  # a pipeline: the decoder alone, as before
