@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
+from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
@@ -207,6 +208,8 @@ class GPipeStrategy(SingleDeviceStrategy):
             self._place(net, blocks, balance_by_cost(block_bytes([b.module for b in blocks]), stages), f"balance={self.balance!r}")
         # else by_time: needs a sample, so the network's first training call places (see the module docstring)
         self._warn_batch_norm(net)
+        if (router := router_loss_notice(type(self).__name__, net, self.chunks)) is not None:
+            self._say_once("router", router)
         if self._forward is None:
             # an instance attribute: the class's forward is called per micro-batch, and comes back at teardown
             self._forward = patch(net, "forward", self._microbatched(net.forward))
