@@ -60,6 +60,7 @@ class Plan:
     balance: tuple[int, ...] = ()  # blocks per stage, in stage order
     stages_per_rank: int = 1
     loader_bytes: int = 0  # bytes of the batches a rank's loader holds at once
+    step_scratch: int = 0  # the most bytes the optimizer step creates and frees, all trainable parameters (measured)
     notes: tuple[str, ...] = ()
 
 
@@ -111,8 +112,14 @@ def plain(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimat
         _put(rank.device, "DDP gradient buckets", total.trainable * plan.param_size)
     _put(rank.device, "optimizer state", total.optimizer_bytes)
     _put(rank.device, "activations", acts.peak)
+    _step_scratch(rank, plan.step_scratch, acts.peak)
     _loader(plan, rank.host)
     return [_on_cpu(plan, rank)]
+
+
+def _step_scratch(rank: RankEstimate, scratch: int, activations: int) -> None:
+    """The optimizer step runs once the activations are freed: its scratch adds only what exceeds them."""
+    _put(rank.device, "optimizer step scratch (beyond the activations)", max(scratch - activations, 0))
 
 
 def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_bytes: int) -> None:
@@ -204,6 +211,8 @@ def pipeline(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEsti
             _put(rank.device, "optimizer state", held.optimizer_bytes)
             what = f"activations ({plan.chunks} micro-batches, {plan.schedule}, checkpoint {plan.checkpoint})"
             _put(rank.device, what, _stage_activations(acts, blocks, first, last, plan, s, stages))
+            share = held.trainable / max(inv.total.trainable, 1)  # the stage's parameters step on its device
+            _step_scratch(rank, int(plan.step_scratch * share), rank.device.get(what, 0))
         if plan.strategy == GPIPE_DIST or r == 0:  # every process loads the batch; gpipe is one process
             _loader(plan, rank.host)
         out.append(_on_cpu(plan, rank))

@@ -65,19 +65,20 @@ class Inventory:
 
 
 @functools.cache
-def _nf4_fit(block_size: int, scaler_block_size: int) -> tuple[float, float]:
+def _nf4_fit(block_size: int, scaler_block_size: int, dtype: torch.dtype) -> tuple[float, float]:
     from lightning_accel.models.quantize import load_to_nf4
 
     to_nf4 = load_to_nf4()
     group = block_size * scaler_block_size
-    sizes = [stored_nbytes(to_nf4(torch.zeros(k, group), block_size, scaler_block_size)) for k in (1, 2)]
+    sizes = [stored_nbytes(to_nf4(torch.zeros(k, group, dtype=dtype), block_size, scaler_block_size)) for k in (1, 2)]
     per_group = sizes[1] - sizes[0]
     return per_group / group, sizes[0] - per_group  # bytes an element, and the constant (lookup table, mean)
 
 
-def nf4_nbytes(numel: int, block_size: int = 64, scaler_block_size: int = 256) -> int:
-    """Bytes torchao's ``to_nf4`` stores for a weight of ``numel`` elements."""
-    per_element, constant = _nf4_fit(block_size, scaler_block_size)
+def nf4_nbytes(numel: int, block_size: int = 64, scaler_block_size: int = 256, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes torchao's ``to_nf4`` stores for a ``dtype`` weight of ``numel`` elements (its scale
+    factors and lookup table keep the weight's dtype)."""
+    per_element, constant = _nf4_fit(block_size, scaler_block_size, dtype)
     return round(numel * per_element + constant)
 
 
@@ -90,28 +91,49 @@ def nf4_weights(net: nn.Module, adapter: Mapping[str, Any] | None) -> dict[str, 
     block, scaler = int(adapter["block_size"]), int(adapter["scaler_block_size"])
     linears = block_linears(net, adapter.get("quantize_modules"))
     return {
-        f"{name}.weight": nf4_nbytes(m.weight.numel(), block, scaler)
+        f"{name}.weight": nf4_nbytes(m.weight.numel(), block, scaler, m.weight.dtype)
         for name, m in linears
         if not m.weight.requires_grad and ".lora_" not in f".{name}"  # peft's adapters are Linears too
     }
 
 
-def measure_optimizer_state(module: Any, net: nn.Module, mode: FakeTensorMode) -> dict[str, int]:
-    """``name in net -> bytes`` of the state ``module``'s optimizer keeps for each parameter of ``net`` (fake)."""
+@dataclass(frozen=True)
+class OptimizerBytes:
+    """``state``: bytes the optimizer keeps per parameter name; ``scratch``: the most bytes its
+    ``step()`` creates and frees again (torch's foreach kernels: a full-size temporary or two)."""
+
+    state: dict[str, int]
+    scratch: int
+
+
+def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach: bool = False) -> OptimizerBytes:
+    """The state and scratch of ``module``'s optimizer over ``net``'s (fake) parameters: one step
+    creates the state, a second step's temporaries are the scratch. ``foreach``: step with torch's
+    foreach kernels where the optimizer leaves the choice to torch (its default on CUDA; fake CPU
+    tensors would get the per-tensor loop)."""
+    from lightning_accel.estimate.live_bytes import LiveBytes
     from lightning_accel.offload.optimizer_state import state_bytes
 
     params = dict(net.named_parameters())
     optimizers = _optimizers(module.configure_optimizers())
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if foreach and group.get("foreach", False) is None and not group.get("fused"):
+                group["foreach"] = True
+    counter = LiveBytes()
     with mode:
         for p in params.values():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
         for optimizer in optimizers:
             optimizer.step()
-    out = {name: sum(state_bytes(o, [p]) for o in optimizers) for name, p in params.items()}
+        with counter:
+            for optimizer in optimizers:
+                optimizer.step()
+    state = {name: sum(state_bytes(o, [p]) for o in optimizers) for name, p in params.items()}
     for p in params.values():
         p.grad = None
-    return out
+    return OptimizerBytes(state, counter.peak)
 
 
 def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:

@@ -11,6 +11,7 @@ arithmetic lives in :mod:`~.components`.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from lightning_accel.estimate.activations import measure_step
 from lightning_accel.estimate.batch import batch_nbytes, fake_batch
 from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, Plan, estimate_ranks
 from lightning_accel.estimate.fake import fake_attributes, fake_parameters
-from lightning_accel.estimate.params import inventory, measure_optimizer_state, nf4_weights
+from lightning_accel.estimate.params import inventory, measure_optimizer, nf4_weights
 from lightning_accel.estimate.report import Estimate
 from lightning_accel.models.block_policy import Block, find_blocks
 
@@ -178,8 +179,10 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     masters = plan.strategy in (L2L, L2L_DDP)  # the host optimizer steps fp32 masters
     fake_parameters(net, mode, lambda _n, p: (torch.float32 if masters or plan.param_size == FP32 else low) if p.requires_grad else p.dtype)
     fake_attributes(module, mode)  # metric states the step updates
-    state = measure_optimizer_state(module, net, mode)
-    inv = inventory(net, blocks, stored, state)
+    # the step of plain / DDP / GPipe runs on the device (foreach there, torch's default on CUDA);
+    # L2L's host step takes the fused CPU kernels and only the resident unit steps on the device
+    optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters)
+    inv = inventory(net, blocks, stored, optimizer.state)
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))
     micro = max(int(cfg.data.batch_size) // plan.chunks, 1)
@@ -188,7 +191,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     checkpoint = plan.strategy in (L2L, L2L_DDP) and plan.checkpoint_blocks
     with mode:  # tensors the step makes from Python values are fake too
         acts = measure_step(lambda: module.training_step(batch, 0), [b.module for b in blocks], trainable, autocast, checkpoint)
-    ranks = estimate_ranks(inv, acts, plan)
+    ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch))
     stated = _stated_device_memory(cfg)
     return Estimate(
         recipe=str(recipe), strategy=plan.strategy, ranks=ranks,

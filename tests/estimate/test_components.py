@@ -96,3 +96,9 @@ def test_parse_size(text: str, nbytes: int) -> None:
 def test_parse_size_refuses_an_unknown_unit() -> None:
     with pytest.raises(ValueError, match="write e.g. 24GB"):
         parse_size("24 gigs")
+
+
+@pytest.mark.parametrize(("scratch", "extra"), [(500, 0), (1_500, 501)])
+def test_optimizer_step_scratch_counts_only_beyond_the_freed_activations(scratch: int, extra: int) -> None:
+    (rank,) = estimate_ranks(_inventory(), _acts(), Plan("plain", step_scratch=scratch))  # activations peak: 999
+    assert rank.device.get("optimizer step scratch (beyond the activations)", 0) == extra
