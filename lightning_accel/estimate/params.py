@@ -106,11 +106,11 @@ class OptimizerBytes:
     scratch: int
 
 
-def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach: bool = False) -> OptimizerBytes:
+def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach: bool = False, scratch: bool = True) -> OptimizerBytes:
     """The state and scratch of ``module``'s optimizer over ``net``'s (fake) parameters: one step
-    creates the state, a second step's temporaries are the scratch. ``foreach``: step with torch's
-    foreach kernels where the optimizer leaves the choice to torch (its default on CUDA; fake CPU
-    tensors would get the per-tensor loop)."""
+    creates the state, a second step's temporaries are the scratch (``scratch=False``: not
+    measured, 0). ``foreach``: step with torch's foreach kernels where the optimizer leaves the
+    choice to torch (its default on CUDA; fake CPU tensors would get the per-tensor loop)."""
     from lightning_accel.estimate.live_bytes import LiveBytes
     from lightning_accel.offload.optimizer_state import state_bytes
 
@@ -128,7 +128,7 @@ def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach
         for optimizer in optimizers:
             optimizer.step()
         with counter:
-            for optimizer in optimizers:
+            for optimizer in optimizers if scratch else ():
                 optimizer.step()
     state = {name: sum(state_bytes(o, [p]) for o in optimizers) for name, p in params.items()}
     for p in params.values():

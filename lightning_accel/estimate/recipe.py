@@ -181,7 +181,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     fake_attributes(module, mode)  # metric states the step updates
     # the step of plain / DDP / GPipe runs on the device (foreach there, torch's default on CUDA);
     # L2L's host step takes the fused CPU kernels and only the resident unit steps on the device
-    optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters)
+    optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters, scratch=not masters)
     inv = inventory(net, blocks, stored, optimizer.state)
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))
