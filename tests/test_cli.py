@@ -166,12 +166,12 @@ def test_validate_all_applies_the_overrides_to_every_recipe(monkeypatch: pytest.
     the others still checked, exit status 2 (before: "validate takes one recipe or --all")."""
     import lightning_accel.config.compose as compose
 
-    # three recipes keep it cheap; batch_size=6 is no multiple of the 2-process pipeline's chunks=4
+    # three recipes keep it cheap; batch_size=1 cannot feed the 2-process pipeline's 1F1B (2 stages need 2 micro-batches)
     monkeypatch.setattr(compose, "recipe_names", lambda: ["gpt-tiny_cpu", "gpt-tiny_gpipe-2proc_cpu", "resnet-tiny_cpu"])
-    assert cli.main(["validate", "--all", "data.batch_size=6", "trainer.max_steps=3"]) == 2
+    assert cli.main(["validate", "--all", "data.batch_size=1", "trainer.max_steps=3"]) == 2
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "ok  gpt-tiny_cpu" and out[2] == "ok  resnet-tiny_cpu"
-    assert out[1].startswith("FAIL  gpt-tiny_gpipe-2proc_cpu  data.batch_size=6: ") and "not a multiple of chunks" in out[1]
+    assert out[1].startswith("FAIL  gpt-tiny_gpipe-2proc_cpu  data.batch_size=1: ") and "cannot be split into equal micro-batches" in out[1]
     assert cli.main(["validate", "--all", "data.batch_size=8"]) == 0
     assert capsys.readouterr().out.count("ok  ") == 3
     # a recipe name beside --all is neither: refused, with the usage
@@ -185,7 +185,7 @@ PREFLIGHT_BAD = [
     (["strategy=gpipe", "strategy.chunks=0"], r"strategy: chunks must be a positive int"),
     (["strategy=gpipe", "strategy.checkpoint=sometimes"], r"checkpoint must be one of always, except_last, never"),
     (["strategy=gpipe_distributed", "strategy.schedule=zigzag"], r"schedule must be one of"),
-    (["strategy=gpipe_distributed", "data.batch_size=6"], r"data.batch_size=6: .*chunks=4.* not a multiple of chunks"),
+    (["strategy=gpipe_distributed", "trainer.devices=2", "data.batch_size=1"], r"data.batch_size=1: .*chunks=4, schedule='1f1b'.* cannot be split"),
     (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
     (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
     (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),

@@ -254,15 +254,22 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
 
 
 def _check_pipeline_batch(strategy: Any, cfg: DictConfig) -> None:
-    """A multi-process pipeline skips every batch whose size is not a multiple of ``chunks``: refuse the
+    """A multi-process pipeline cannot run a batch size that no micro-batch count its schedule runs divides: refuse the
     configured batch size now, with the strategy's own check, instead of after the processes start."""
+    from lightning_accel.pipeline.distributed import stage_indices
     from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
     batch_size = (cfg.get("data") or {}).get("batch_size")
     if not isinstance(strategy, DistributedGPipeStrategy) or not isinstance(batch_size, int):
         return
+    devices = (cfg.get("trainer") or {}).get("devices")
     try:
-        strategy.options.check_batch_size(batch_size)
+        ranks = strategy._pp(devices) if isinstance(devices, int) and devices > 0 else 1
+    except ValueError:  # a world size the pipeline cannot split: refused by the strategy with its own message
+        ranks = 1
+    stages = len(stage_indices(0, ranks, strategy.schedule)) * ranks
+    try:
+        strategy.options.check_batch_size(batch_size, strategy.schedule, stages)
     except ValueError as err:
         raise UserError(f"data.batch_size={batch_size}: {_first_line(err)}") from None
 

@@ -23,9 +23,10 @@ While :meth:`StageBoundaries.run` runs the model for stage ``s`` (blocks
   :meth:`run` returns that block's output, which goes to stage ``s + 1``; the last
   stage runs on to the model's output and the loss.
 
-A block must return one tensor, or a tuple/list/dict whose only tensor is the hidden
-state (transformers' ``(hidden_states,)``, ``(hidden_states, None)``): that is the one
-activation a stage sends. Outside :meth:`run` the blocks run as usual (on a model whose
+A stage sends the tensors of its last block's output: one tensor (transformers'
+``(hidden_states,)``, ``(hidden_states, None)``: the hidden state alone), or several as a
+tuple (a block returning ``(hidden, aux)``), which the next stage puts back in the block
+output's structure, in order, for the model's own code. Outside :meth:`run` the blocks run as usual (on a model whose
 other stages are on ``meta`` that fails, as any use of freed weights does).
 """
 
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
+
+import pickle
 
 import torch
 import torch.utils.checkpoint
@@ -49,29 +52,108 @@ __all__ = ["StageBoundaries"]
 class _StageOutput(BaseException):
     """Stops the model's forward after a stage's last block (a BaseException: a user's ``except Exception`` cannot eat it)."""
 
-    def __init__(self, output: Tensor) -> None:
+    def __init__(self, output: Activation) -> None:
         super().__init__("stage output")
         self.output = output
+
+
+Activation = Union[Tensor, tuple[Tensor, ...]]  # what a stage sends on: one tensor, or a block output's tensors
 
 
 class _Active(NamedTuple):
     start: int
     end: int
     last: bool
-    received: Tensor | None
+    received: Activation | None
     remat: bool
     mark: Callable[[Tensor], Tensor] | None
 
 
-def _hidden(output: Any, name: str) -> Tensor:
-    """The one tensor in a block's output: the activation a stage sends on."""
+def _hidden(output: Any, name: str) -> Activation:
+    """The tensors in a block's output, in order: the activation a stage sends on (one tensor, or a tuple of them)."""
     found = tensors_in(output)
-    if len(found) != 1:
+    if not found:
         raise ValueError(
-            f"block {name!r} returned {len(found)} tensors; a pipeline stage sends one activation to the next; "
-            "choose blocks (blocks=...) whose output is the hidden state alone"
+            f"block {name!r} returned no tensor ({type(output).__name__}); a pipeline stage sends its last block's "
+            "tensors to the next; choose blocks (blocks=...) that return their output"
         )
-    return found[0]
+    return found[0] if len(found) == 1 else tuple(found)
+
+
+class _Slot:
+    """Where a tensor sits in a block output's structure (:attr:`StageBoundaries.structures`)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Slot)
+
+    __hash__ = object.__hash__
+
+
+def _structure(output: Any) -> Any:
+    """``output`` with every tensor replaced by a :class:`_Slot`, or None where that does not pickle (what crosses
+    ranks with torch's shape metadata)."""
+    skeleton = map_tensors(output, lambda _t: _Slot())
+    try:
+        pickle.dumps(skeleton)
+    except Exception:  # noqa: BLE001  # a non-tensor part that does not pickle: the receiver runs the block on meta
+        return None
+    return skeleton
+
+
+def _slot_count(skeleton: Any) -> int:
+    count = [0]
+
+    def visit(value: Any) -> None:
+        if isinstance(value, _Slot):
+            count[0] += 1
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                visit(v)
+
+    visit(skeleton)
+    return count[0]
+
+
+def _fill(skeleton: Any, received: Activation, name: str) -> Any:
+    """The block output ``skeleton`` describes, its tensors the received ones in order."""
+    tensors = iter(_tensors(received))
+    if _slot_count(skeleton) != len(_tensors(received)):
+        raise ValueError(
+            f"block {name!r} returned {_slot_count(skeleton)} tensors on the previous stage's rank but "
+            f"{len(_tensors(received))} arrived; its output must have the same structure on every micro-batch"
+        )
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, _Slot):
+            return next(tensors)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(fill(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(fill(v) for v in value)
+        if isinstance(value, dict):
+            return type(value)((k, fill(v)) for k, v in value.items())
+        return value
+
+    return fill(skeleton)
+
+
+def _tensors(activation: Activation) -> tuple[Tensor, ...]:
+    return (activation,) if isinstance(activation, Tensor) else tuple(activation)
+
+
+def _stand_in(output: Any, received: Activation, name: str) -> Any:
+    """``output`` (a block's, run for its structure) with its tensors replaced by the received ones, in order."""
+    tensors = iter(_tensors(received))
+    count = len(tensors_in(output))
+    if count != len(_tensors(received)):
+        raise ValueError(
+            f"block {name!r} returned {count} tensors here but the previous stage sent {len(_tensors(received))}; its "
+            "output must have the same structure on every micro-batch"
+        )
+    return map_tensors(output, lambda _t: next(tensors))
 
 
 class StageBoundaries:
@@ -88,6 +170,10 @@ class StageBoundaries:
         self.starts = [sum(self.balance[:s]) for s in range(len(self.balance))]
         self._active: _Active | None = None
         self._bare_shape: dict[int, torch.Size] = {}  # block -> the shape it last returned as one bare tensor (on meta)
+        # block -> the structure of its output (tensors as _Slot), recorded where it ran for real at a stage's end and
+        # carried to the next stage's rank with torch's shape metadata: there the received tensors are put back in it
+        # without running the block on meta (a kernel may refuse meta tensors: transformers' MoE grouped_mm)
+        self.structures: dict[int, Any] = {}
         # instance attributes: a forward the user's instance already had comes back at restore()
         self._patches = [patch(block, "forward", self._boundary(k, block.forward)) for k, block in enumerate(self.blocks)]
 
@@ -109,7 +195,7 @@ class StageBoundaries:
     def run(
         self,
         stage: int,
-        received: Tensor | None,
+        received: Activation | None,
         forward: Callable[[], Any],
         remat: bool = False,
         mark: Callable[[Tensor], Tensor] | None = None,
@@ -153,19 +239,19 @@ class StageBoundaries:
                 received = active.received
                 assert received is not None
                 shape = self._bare_shape.get(k)
-                if shape is not None and (k == active.start - 1 or shape == received.shape):
+                if isinstance(received, Tensor) and shape is not None and (k == active.start - 1 or shape == received.shape):
                     # a block seen to return one bare tensor: the received activation stands in for its output
                     # without running it on meta (that costs ~1 ms of dispatch per block and micro-batch)
                     return received
+                if k == active.start - 1 and self.structures.get(k) is not None:
+                    return _fill(self.structures[k], received, self.names[k])
                 with torch.no_grad(), _on_meta(self.blocks[k]):
                     out = original(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
                 if isinstance(out, Tensor):
                     self._bare_shape[k] = out.shape
                 if k == active.start - 1:
-                    assert active.received is not None
-                    _hidden(out, self.names[k])
-                    return map_tensors(out, lambda _t: active.received)
-                device = active.received.device if active.received is not None else None
+                    return _stand_in(out, received, self.names[k])
+                device = _tensors(received)[0].device
                 return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
             cache = cache_argument(args, kwargs)
             if cache is not None:
@@ -183,6 +269,8 @@ class StageBoundaries:
             else:
                 out = original(*args, **kwargs)
             if k == active.end - 1 and not active.last:
+                if k not in self.structures:
+                    self.structures[k] = _structure(out)
                 raise _StageOutput(_hidden(out, self.names[k]))
             return out
 

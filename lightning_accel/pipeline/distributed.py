@@ -30,12 +30,20 @@ and keeping the non-block weights on every rank.
 Failure: a neighbour that dies makes the transport raise (gloo closes the connection;
 a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
 into one error naming this rank, its stage and the neighbouring ranks, so every rank
-exits within the timeout instead of hanging.
+exits within the timeout instead of hanging. An exception raised by a stage's forward (the
+user's layer, loss or ``training_step``) is re-raised on its rank as itself, same type, its
+message followed by the rank and stage; that rank first leaves one line in the process
+group's store, and the pipeline's other ranks, whose exchanges then fail, end with an error
+naming it (:meth:`RankPipeline._stage_error`).
 
 Shapes: a stage fixes its activation shapes at its first step. A batch of another shape
 (a smaller last batch) gets stages and a schedule of its own, built on first use and kept
 per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
-every rank can compute (the batch's shapes), and without one a new shape is refused.
+every rank can compute (the batch's shapes), and without one a new shape is refused. The
+micro-batches of one step are equal (torch's stages receive into buffers of one shape): a
+batch that ``chunks`` does not divide runs in another count that does
+(:meth:`RankPipeline.microbatches`: fewer, as the reference GPipe runs a batch smaller than
+``chunks``, or more where the schedule needs them), so its mean loss is the batch's.
 
 Data parallel across pipeline replicas (DP x PP): each replica's ``pp`` ranks form one
 pipeline, a :class:`RankPipeline` on the mesh's ``pp`` group
@@ -74,7 +82,7 @@ from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches
 from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
@@ -107,10 +115,11 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
         self.recorder: StepRecorder | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        index = int(x.reshape(-1)[0]) if self.stage == 0 else self.microbatch
+    def forward(self, *xs: Tensor) -> Tensor | tuple[Tensor, ...]:
+        # stage 0: the micro-batch index; a later stage: the previous stage's tensors (one, or a block output's several)
+        index = int(xs[0].reshape(-1)[0]) if self.stage == 0 else self.microbatch
         self.microbatch += 1
-        received = None if self.stage == 0 else x
+        received = None if self.stage == 0 else xs[0] if len(xs) == 1 else xs
         remat = index < self.remat_stop
         recorder, mark = self.recorder, None
         if recorder is not None:
@@ -120,12 +129,16 @@ class StageModule(nn.Module):
         if last and self.pipe._inferring:
             # torch's shape inference runs each stage once more before the first step; the last stage's output is a
             # loss (no shape to learn), so a stand-in keeps the user's code (and its side effects) to one run per micro-batch
-            if received is None:
+            floats = [t for t in xs if t.is_floating_point()]
+            if received is None or not floats:
                 return torch.zeros(1, device=self.pipe.device, requires_grad=True)
-            return (received * 0).sum().reshape(1)  # its gradient: dense zeros shaped like the input
+            return sum((t * 0).sum() for t in floats).reshape(1)  # its gradients: dense zeros shaped like the inputs
         self.pipe._forwarding = True  # a micro-batch's forward (a recomputation in backward runs outside it)
         try:
             out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+        except Exception as err:
+            self.pipe._raised = (err, self.stage)  # the user's error: re-raised as itself after the schedule
+            raise
         finally:
             self.pipe._forwarding = False
         if last:
@@ -135,10 +148,13 @@ class StageModule(nn.Module):
                     f"{type(out).__name__}{tuple(out.shape) if isinstance(out, Tensor) else ''}"
                 )
             out = out.reshape(1)  # torch's schedule concatenates the last stage's outputs: one row per micro-batch
+        elif isinstance(out, tuple):
+            out = tuple(t.contiguous() for t in out)  # what the transport sends (a block may return views)
         else:
-            out = out.contiguous()  # what the transport sends (a block may return a view)
+            out = out.contiguous()
         if recorder is not None:
-            out = Mark.apply(out, lambda: recorder.start_backward(self.stage, position))
+            marked = lambda t: Mark.apply(t, lambda: recorder.start_backward(self.stage, position))  # noqa: E731
+            out = (marked(out[0]), *out[1:]) if isinstance(out, tuple) else marked(out)
             recorder.events.append(Event(self.stage, "F", position, start, time.time()))
         return out
 
@@ -175,6 +191,28 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
                 kept.add(id(p))
                 resident.append(p)
     return resident
+
+
+class _Stage(PipelineStage):
+    """torch's stage, whose shape metadata also carries the structure of the block outputs it sends
+    (:attr:`StageBoundaries.structures`), so the next stage's rank never runs another rank's block for it."""
+
+    def _send_meta(self, meta: Any, dst_stage: int) -> None:
+        super()._send_meta((meta, dict(self.submod.pipe.boundaries.structures)), dst_stage)
+
+    def _recv_meta(self, src_stage: int) -> Any:
+        meta, structures = super()._recv_meta(src_stage)
+        known = self.submod.pipe.boundaries.structures
+        known.update({k: v for k, v in structures.items() if k not in known})
+        return meta
+
+
+def _store() -> Any:
+    """The default process group's key-value store (how a rank whose stage raised tells the others), if any."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001  # no default group, or a torch without it: the neighbours are named instead
+        return None
 
 
 def _rng_kept(device: torch.device) -> Any:
@@ -267,17 +305,18 @@ class RankPipeline:
         self._forwarding = self._inferring = False
         self.batch_norm = DeferredBatchNorm(net, lambda: self._forwarding and not self._inferring, deferred_batch_norm)
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
-        stop = checkpoint_stop(checkpoint, chunks)
-        self.modules = [StageModule(self, s, stop) for s in self.indices]
+        self.checkpoint = checkpoint
+        self.step_chunks = chunks  # the micro-batches of the current step (fewer or more for a ragged batch)
+        self.modules = [StageModule(self, s, checkpoint_stop(checkpoint, chunks)) for s in self.indices]
         self.recorder = StepRecorder() if record else None
         self._shapes: Any = None
         for m in self.modules:
             m.recorder = self.recorder
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
-        self._schedule_kwargs = {"n_microbatches": chunks, "loss_fn": self._loss, "scale_grads": False}
+        self._raised: tuple[Exception, int] | None = None  # what a stage's forward raised in this step, and the stage
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
-        self.schedule: Any = self._build_schedule()
+        self.schedule: Any = self._build_schedule(chunks)
 
     def restore(self) -> None:
         """Take the stage boundaries off the blocks: their forwards are the model's own again.
@@ -299,15 +338,18 @@ class RankPipeline:
             # torch's shape inference runs the last stage once more, only for the shapes of the gradients it sends back
             return output
         self._losses.append(output.detach())
-        return output / self.chunks if self.scale_grads else output
+        return output / self.step_chunks if self.scale_grads else output
 
-    def _build_schedule(self) -> Any:
-        """Fresh stages over this rank's modules, and the schedule driving them (stages fix their shapes at their first step)."""
+    def _build_schedule(self, chunks: int) -> Any:
+        """Fresh stages over this rank's modules, and the schedule driving them over ``chunks`` micro-batches (stages fix
+        their shapes at their first step)."""
         stages = [
-            PipelineStage(m, s, len(self.balance), self.device, group=self.group)
+            _Stage(m, s, len(self.balance), self.device, group=self.group)
             for m, s in zip(self.modules, self.indices)
         ]
-        schedule: Any = SCHEDULE_TABLE[self.schedule_name].build(stages, **self._schedule_kwargs)
+        schedule: Any = SCHEDULE_TABLE[self.schedule_name].build(
+            stages, n_microbatches=chunks, loss_fn=self._loss, scale_grads=False
+        )
         initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
         if initialize is not None:
 
@@ -350,8 +392,21 @@ class RankPipeline:
         """What this rank trains: its stages' blocks' parameters, then everything outside the blocks."""
         return [*(p for m in self.modules for p in m.parameters()), *self.resident]
 
-    def train_step(self, forward: Callable[[int], Tensor], shape: Any = None) -> Tensor | None:
-        """Forward and backward of one batch in ``chunks`` micro-batches; every rank of the pipeline calls it.
+    def microbatches(self, size: int) -> int:
+        """The equal micro-batches a training batch of ``size`` runs in: ``chunks``, or for a batch it does not divide
+        the count :func:`lightning_accel.pipeline.schedule.equal_microbatches` picks; refuses a size no count fits."""
+        count = equal_microbatches(size, self.chunks, self.schedule_name, len(self.balance))
+        if count is None:
+            raise ValueError(
+                f"a training batch of {size} cannot be split into equal micro-batches that schedule "
+                f"{self.schedule_name!r} runs on {len(self.balance)} stages; drop_last=True on the DataLoader, or a "
+                f"batch size of at least {len(self.balance)}"
+            )
+        return count
+
+    def train_step(self, forward: Callable[[int], Tensor], shape: Any = None, chunks: int | None = None) -> Tensor | None:
+        """Forward and backward of one batch in ``chunks`` micro-batches (default: the pipeline's; a ragged batch's
+        count from :meth:`microbatches`); every rank of the pipeline calls it.
 
         ``forward(i)`` runs the model's own code on micro-batch ``i`` (the same batch on every
         rank) and returns that micro-batch's loss (on the last stage's rank; the others stop
@@ -360,33 +415,42 @@ class RankPipeline:
         activation shapes at their first step). Without it, a batch shaped unlike the first
         one is refused. Returns the mean of the micro-batch losses on the last stage's rank.
         """
+        chunks = self.chunks if chunks is None else chunks
         if shape is not None:
-            if not self._by_shape:
+            if not self._by_shape and chunks == self.chunks:
                 self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
             elif shape not in self._by_shape:
-                self._by_shape[shape] = self._build_schedule()
+                self._by_shape[shape] = self._build_schedule(chunks)
             schedule = self._by_shape[shape]
+        elif chunks != self.chunks:
+            raise ValueError(f"a step of {chunks} micro-batches (not chunks={self.chunks}) needs a shape key of its own")
         else:
             schedule = self.schedule
+        self.step_chunks = chunks
+        for m in self.modules:
+            m.remat_stop = checkpoint_stop(self.checkpoint, chunks)
         self._losses = []
         if self.recorder is not None:
             self.recorder.reset()
         self._restart_microbatches()
         self._forward = forward
-        index = torch.arange(self.chunks, device=self.device)
+        index = torch.arange(chunks, device=self.device)
         try:
             schedule.step(
                 *((index,) if self.holds_first else ()),
                 target=index if self.holds_last else None,
                 losses=[] if self.holds_last else None,
             )
-        except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
-            raise self._exchange_error("step", err) from err
+        except Exception as err:  # noqa: BLE001  # a stage's own error, or a transport error: name the ranks, never hang
+            raised, self._raised = self._raised, None
+            if raised is None:
+                raise self._exchange_error("step", err) from err
+            raise self._stage_error(*raised) from None
         finally:
             self._forward = lambda i: None
         self.batch_norm.commit()  # deferred: the whole batch's statistics, once
         self._sum_resident()
-        losses = self._losses[-self.chunks :]
+        losses = self._losses[-chunks:]
         return torch.stack(losses).mean() if self.holds_last and losses else None
 
     def _sum_resident(self) -> None:
@@ -431,12 +495,7 @@ class RankPipeline:
         (``target`` is only read on the last stage's rank)."""
         if self.loss_fn is None:
             raise ValueError("step() needs the loss_fn given to RankPipeline; or call train_step(forward)")
-        if batch_size(inputs) % self.chunks:
-            raise ValueError(
-                f"the batch size {batch_size(inputs)} is not divisible by chunks={self.chunks}; the multi-process "
-                "pipeline needs equal micro-batches for its loss to match plain training (drop_last=True and a "
-                "batch size that is a multiple of chunks)"
-            )
+        chunks = self.microbatches(batch_size(inputs))
         shapes = tuple(tuple(t.shape) for t in tensors_in((inputs, target)))
         if shape is None:
             if self._shapes is None:
@@ -447,13 +506,53 @@ class RankPipeline:
                     "fixed their activation shapes at the first step and every rank must send the same; "
                     "drop_last=True on the DataLoader, and pad or crop inputs to one shape"
                 )
-        xs = scatter(map_tensors(inputs, lambda t: t.to(self.device)), self.chunks)
-        ys = scatter(map_tensors(target, lambda t: t.to(self.device)), self.chunks) if target is not None else [None] * self.chunks
+        xs = scatter(map_tensors(inputs, lambda t: t.to(self.device)), chunks)
+        ys = scatter(map_tensors(target, lambda t: t.to(self.device)), chunks) if target is not None else [None] * chunks
         loss_fn = self.loss_fn
-        return self.train_step(lambda i: loss_fn(self.net(xs[i]), ys[i]), shape)
+        return self.train_step(lambda i: loss_fn(self.net(xs[i]), ys[i]), shapes if shape is None else shape, chunks)
+
+    def _stage_error(self, err: Exception, stage: int) -> Exception:
+        """The exception a stage of this rank raised, itself (its type, its message first, then this rank and stage),
+        after telling the pipeline's other ranks who raised what (:meth:`_exchange_error` reads it there)."""
+        where = f"raised by pipeline stage {stage} on rank {self._global(self.rank)}"
+        if err.args and isinstance(err.args[0], str):
+            err.args = (f"{err.args[0]} ({where})", *err.args[1:])
+        else:
+            err.add_note(where)
+        store = _store()
+        if store is not None:
+            first_line = (str(err).splitlines() or [""])[0]
+            store.set(self._error_key(), f"rank {self._global(self.rank)} (stage {stage}) raised {type(err).__name__}: {first_line}")
+        return err
+
+    def _error_key(self) -> str:
+        return "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
+
+    def _peer_error(self, wait: float = 3.0) -> str | None:
+        """What another rank of this pipeline said it raised (:meth:`_stage_error`), waiting up to ``wait`` seconds."""
+        store = _store()
+        if store is None:
+            return None
+        key, deadline = self._error_key(), time.monotonic() + wait
+        while True:
+            try:
+                if store.check([key]):
+                    return store.get(key).decode()
+            except Exception:  # noqa: BLE001  # the store went with the failed rank: nothing to read
+                return None
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def _exchange_error(self, what: str, err: Exception) -> RuntimeError:
-        """One error naming this rank, its stages and its neighbours (global ranks: what the other ranks' logs name)."""
+        """One error naming this rank, its stages and its neighbours (global ranks: what the other ranks' logs name);
+        where another rank's stage raised, the error names that rank and what it raised."""
+        peer = self._peer_error()
+        if peer is not None:
+            return RuntimeError(
+                f"pipeline {what} stopped on rank {self._global(self.rank)} (stages {self.indices}): {peer}; its log "
+                "has the traceback"
+            )
         near = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
         neighbours = [self._global(r) for r in near]
         return RuntimeError(
@@ -496,4 +595,4 @@ class RankPipeline:
         """This rank's timeline of the last step (``record=True``); gather the ranks' lists for the whole picture."""
         if self.recorder is None:
             raise ValueError("this pipeline records no timeline; build it with record=True")
-        return self.recorder.step_events(self.chunks)
+        return self.recorder.step_events(self.step_chunks)

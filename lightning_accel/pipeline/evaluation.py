@@ -25,36 +25,58 @@ from torch import Tensor
 from lightning_accel.pipeline.microbatch import gather
 from lightning_accel.pipeline.schedule import clock_cycles
 
-__all__ = ["isend_tensor", "recv_tensor", "stream_evaluate"]
+__all__ = ["isend_activation", "isend_tensor", "recv_activation", "recv_tensor", "stream_evaluate"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
 _MAX_DIMS = 8
 
 
-def isend_tensor(x: Tensor, dst: int, group: dist.ProcessGroup | None, count: int) -> list[tuple[dist.Work, Tensor]]:
-    """Start sending ``x`` to global rank ``dst``, after a header (dtype, ndim, ``count``, shape) so the receiver can
-    allocate it and knows how many micro-batches follow. Returns the pending sends: wait on each before returning
-    (the tensors ride along so they outlive the transfer); not waiting here lets the next micro-batch compute."""
+def isend_tensor(
+    x: Tensor, dst: int, group: dist.ProcessGroup | None, count: int, more: int = 0
+) -> list[tuple[dist.Work, Tensor]]:
+    """Start sending ``x`` to global rank ``dst``, after a header (dtype, ndim, ``count``, ``more``, shape) so the
+    receiver can allocate it and knows how many micro-batches follow (``count``) and how many tensors of this activation
+    come after it (``more``). Returns the pending sends: wait on each before returning (the tensors ride along so they
+    outlive the transfer); not waiting here lets the next micro-batch compute."""
     if x.ndim > _MAX_DIMS or x.dtype not in _DTYPES:
         raise ValueError(
             f"a stage output of dtype {x.dtype} and {x.ndim} dims cannot cross ranks in evaluation; "
             f"stages must pass one tensor of at most {_MAX_DIMS} dims and a dtype in {_DTYPES}"
         )
-    header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=x.device)
-    header[0], header[1], header[2] = _DTYPES.index(x.dtype), x.ndim, count
-    header[3 : 3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
+    header = torch.zeros(4 + _MAX_DIMS, dtype=torch.int64, device=x.device)
+    header[0], header[1], header[2], header[3] = _DTYPES.index(x.dtype), x.ndim, count, more
+    header[4 : 4 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
     x = x.contiguous()
     return [(dist.isend(header, dst, group=group), header), (dist.isend(x, dst, group=group), x)]
 
 
 def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[Tensor, int]:
     """Receive the tensor :func:`isend_tensor` sent from global rank ``src``, and the micro-batch count it sent along."""
-    header = torch.empty(3 + _MAX_DIMS, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    dtype, ndim, count = _DTYPES[int(header[0])], int(header[1]), int(header[2])
-    x = torch.empty(header[3 : 3 + ndim].tolist(), dtype=dtype, device=device)
-    dist.recv(x, src, group=group)
+    x, count, _ = _recv(src, device, group)
     return x, count
+
+
+def _recv(src: int, device: torch.device, group: dist.ProcessGroup | None) -> tuple[Tensor, int, int]:
+    header = torch.empty(4 + _MAX_DIMS, dtype=torch.int64, device=device)
+    dist.recv(header, src, group=group)
+    dtype, ndim, count, more = _DTYPES[int(header[0])], int(header[1]), int(header[2]), int(header[3])
+    x = torch.empty(header[4 : 4 + ndim].tolist(), dtype=dtype, device=device)
+    dist.recv(x, src, group=group)
+    return x, count, more
+
+
+def isend_activation(y: Tensor | tuple[Tensor, ...], dst: int, group: dist.ProcessGroup | None, count: int) -> list[tuple[dist.Work, Tensor]]:
+    """:func:`isend_tensor` of a stage's output: one tensor, or each of a tuple's, each header saying how many follow."""
+    parts = (y,) if isinstance(y, Tensor) else y
+    return [w for k, t in enumerate(parts) for w in isend_tensor(t, dst, group, count, len(parts) - 1 - k)]
+
+
+def recv_activation(src: int, device: torch.device, group: dist.ProcessGroup | None) -> Tensor | tuple[Tensor, ...]:
+    """What :func:`isend_activation` sent: one tensor, or a tuple of them."""
+    parts = [_recv(src, device, group)]
+    while parts[-1][2]:
+        parts.append(_recv(src, device, group))
+    return parts[0][0] if len(parts) == 1 else tuple(p[0] for p in parts)
 
 
 @torch.no_grad()
@@ -75,7 +97,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                     continue
                 x = None if s == 0 else ready.pop((s, i), None)
                 if s > 0 and x is None:
-                    x, _ = recv_tensor(pipe._global((s - 1) % pipe.world_size), pipe.device, pipe.group)
+                    x = recv_activation(pipe._global((s - 1) % pipe.world_size), pipe.device, pipe.group)
                 if s == last and whole_on_last:
                     arrived.append(x)
                     continue
@@ -87,7 +109,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                 if nxt == pipe.rank:
                     ready[(s + 1, i)] = y
                 else:
-                    pending += isend_tensor(y, pipe._global(nxt), pipe.group, m)
+                    pending += isend_activation(y, pipe._global(nxt), pipe.group, m)
         for work, _ in pending:
             work.wait()
     except ValueError:

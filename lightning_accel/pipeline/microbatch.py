@@ -9,13 +9,13 @@ the inputs always lines up with micro-batch ``i`` of the targets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["DropRagged", "batch_size", "call_batch_size", "gather", "gather_output", "map_tensors", "scatter", "scatter_call", "tensors_in"]
+__all__ = ["batch_size", "call_batch_size", "gather", "gather_output", "map_tensors", "scatter", "scatter_call", "tensors_in"]
 
 
 def tensors_in(batch: Any) -> list[Tensor]:
@@ -180,26 +180,3 @@ def gather_output(outputs: Sequence[Any], sizes: Sequence[int]) -> tuple[Any, bo
 
     return join(outputs), averaged
 
-
-class DropRagged:
-    """A training loader that leaves out batches whose size is not a multiple of ``chunks`` (``warn(size)`` for
-    each), as ``drop_last=True`` would leave out a smaller last batch; everything else is the loader's own."""
-
-    def __init__(self, loader: Any, chunks: int, warn: Callable[[int], None]) -> None:
-        self.loader, self.chunks, self.warn = loader, chunks, warn
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            size = batch_size(batch)
-            if size % self.chunks:
-                self.warn(size)
-                continue
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:  # batch_size, sampler, state_dict, ...: the loader's
-        if name == "loader":
-            raise AttributeError(name)
-        return getattr(self.loader, name)

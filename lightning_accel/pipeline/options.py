@@ -69,13 +69,24 @@ class PipelineOptions:
         """Whether each micro-batch's gradients are divided by ``chunks`` (a mean loss)."""
         return self.loss_reduction == "mean"
 
-    def check_batch_size(self, batch_size: int, owner: str = "DistributedGPipeStrategy") -> None:
-        """Refuse a training batch size that is not a multiple of ``chunks`` (each batch would be skipped: micro-batches
-        must be equal for the loss to match plain training). The strategy runs it on its training loaders; a launcher's
-        preflight can run the same check on the configured batch size before any process starts."""
-        if batch_size % self.chunks:
+    def check_batch_size(
+        self, batch_size: int, schedule: str = "gpipe", stages: int = 1, owner: str = "DistributedGPipeStrategy",
+        what: str = "batch_size",
+    ) -> int:
+        """The equal micro-batches a training batch of ``batch_size`` runs in (:func:`lightning_accel.pipeline.schedule.equal_microbatches`);
+        refuses a size that no count ``schedule`` runs on ``stages`` stages divides. ``what``: the batch named in the
+        error (``"batch_size"``, ``"last batch"``: whose fix is ``drop_last=True``). The strategy runs it on its
+        training loaders before the first step; a launcher's preflight can run the same check on the configured
+        batch size before any process starts."""
+        from lightning_accel.pipeline.schedule import equal_microbatches  # schedule imports torch's pipelining
+
+        count = equal_microbatches(batch_size, self.chunks, schedule, stages)
+        if count is None:
+            least = next(b for b in range(batch_size + 1, batch_size + 2 * stages + 2) if equal_microbatches(b, self.chunks, schedule, stages))
+            fix = "drop_last=True on the DataLoader" if what == "last batch" else f"a batch_size of at least {least}"
             raise ValueError(
-                f"{owner}(chunks={self.chunks}): the training DataLoader's batch_size={batch_size} is not a multiple of "
-                f"chunks, so every batch would be skipped; use a batch_size that is a multiple of {self.chunks} "
-                f"(e.g. {self.chunks * (batch_size // self.chunks + 1)}), or chunks that divides {batch_size}"
+                f"{owner}(chunks={self.chunks}, schedule={schedule!r}): the training DataLoader's {what} of {batch_size} "
+                f"cannot be split into equal micro-batches that {schedule!r} runs on {stages} stages (it needs at least "
+                f"{stages}); use {fix}, or schedule='gpipe'"
             )
+        return count

@@ -39,13 +39,14 @@ def train_step(
     loss_reduction: str,
     scaler: Any = None,
 ) -> tuple[StepResult | None, list[Tensor | None]]:
-    """``step(micro_batch)`` over ``pipe.chunks`` micro-batches of ``batch`` through the schedule (``shape``: the
+    """``step(micro_batch)`` over the equal micro-batches of ``batch`` (:meth:`RankPipeline.microbatches`) through the schedule (``shape``: the
     batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere) and this
     rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before)."""
-    micro = scatter(batch, pipe.chunks)
+    chunks = pipe.microbatches(batch_size(batch))  # pipe.chunks, or equal micro-batches of a ragged batch
+    micro = scatter(batch, chunks)
     sizes = [batch_size(mb) for mb in micro]
-    outputs: list[Any] = [None] * pipe.chunks
-    logs = MicroBatchLogs(pipe.chunks)
+    outputs: list[Any] = [None] * chunks
+    logs = MicroBatchLogs(chunks)
     if scaler is not None:
         scaler.scale(torch.zeros((), device=pipe.device))  # ranks without the loss need the scale too
 
@@ -60,7 +61,7 @@ def train_step(
         return scaler.scale(loss) if scaler is not None else loss  # the schedule's backward: scaled gradients
 
     with set_aside(pipe.parameters()) as grads:
-        pipe.train_step(forward, shape=shape)  # a smaller last batch gets a schedule of its own
+        pipe.train_step(forward, shape=shape, chunks=chunks)  # a smaller last batch gets a schedule of its own
     if not pipe.holds_last:
         return None, grads
     reduced = reduce_outputs(outputs, sizes, loss_reduction)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "Action",
+    "equal_microbatches",
     "SCHEDULES",
     "SCHEDULE_TABLE",
     "ScheduleSpec",
@@ -179,3 +180,26 @@ def check_schedule(name: str, chunks: int, stages: int) -> None:
             f"schedule 'interleaved_1f1b' runs micro-batches in rounds of {stages} and needs chunks to be a "
             f"multiple of the {rounds} rounds (chunks={chunks}, stages={stages}); set chunks={rounds * stages}"
         )
+
+
+def equal_microbatches(size: int, chunks: int, name: str, stages: int) -> int | None:
+    """How many equal micro-batches a batch of ``size`` runs in under schedule ``name`` on ``stages`` stages, or None if
+    no count works.
+
+    ``chunks`` when it divides ``size``; else the largest divisor of ``size`` below ``chunks`` that the schedule runs
+    (fewer micro-batches, as the reference GPipe runs a batch smaller than ``chunks``); else the smallest above it.
+    Equal, because torch's stages fix their activation shapes per step (uneven micro-batches do not fit its
+    buffers), and equal micro-batches keep a mean loss the batch's mean."""
+
+    def runs(m: int) -> bool:
+        try:
+            check_schedule(name, m, stages)
+        except ValueError:
+            return False
+        return True
+
+    divisors = [m for m in range(1, size + 1) if size % m == 0 and runs(m)]
+    below = [m for m in divisors if m <= chunks]
+    if below:
+        return below[-1]
+    return divisors[0] if divisors else None

@@ -49,9 +49,10 @@ module is after DDP, when they fit the free host memory; one warning otherwise),
 
 Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
 LightningModule's ``example_input_array`` before the first batch;
-:mod:`~lightning_accel.pipeline.rank_balance`). Batches whose size is not a multiple of
-``chunks`` are left out of the training loader with one warning, as ``drop_last=True`` would;
-a ``batch_size`` that is not one is refused. Checkpoints hold the whole model under the user's
+:mod:`~lightning_accel.pipeline.rank_balance`). Every batch trains: one whose size ``chunks``
+does not divide runs in equal micro-batches of another count (torch's stages take one shape per
+step); a ``batch_size`` or last batch that no count the schedule runs divides is refused before
+the first step, naming ``drop_last=True`` or the batch size that works. Checkpoints hold the whole model under the user's
 names and plain training's optimizer indices (:mod:`~lightning_accel.pipeline.checkpoint`).
 Evaluation streams the batch through the stages (:mod:`~lightning_accel.pipeline.evaluation`);
 the last rank runs the user's step once on the whole batch and every rank logs what it logged.
@@ -91,7 +92,7 @@ from lightning_accel.pipeline.gradients import add_gradients, agree_found_inf, a
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
 from lightning_accel.pipeline.metric_state import metrics_over_replicas, restore_metric_sync
-from lightning_accel.pipeline.microbatch import DropRagged, batch_size
+from lightning_accel.pipeline.microbatch import batch_size
 from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
@@ -138,9 +139,9 @@ class DistributedGPipeStrategy(DDPStrategy):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
-        chunks: micro-batches per batch (M). A training loader's batch_size must be a multiple of it (refused at the
-            start of training otherwise); a smaller last batch that is not is skipped with a warning, as
-            ``drop_last=True`` would.
+        chunks: micro-batches per batch (M). A batch it does not divide (a smaller last batch, or a batch_size that is
+            not a multiple) trains in equal micro-batches of another count: fewer (a divisor of its size), or more where
+            the schedule needs them; a size no count fits is refused before the first step.
         schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (fewer
             activations alive) or ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
             needs ``chunks`` >= stages).
@@ -209,7 +210,6 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.pipeline: RankPipeline | None = None
         self._split_state: RankSplit | None = None  # who holds which tensor; kept after fit for save_checkpoint
-        self._warned_ragged = False
         self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
@@ -391,16 +391,6 @@ class DistributedGPipeStrategy(DDPStrategy):
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        size = batch_size(batch)
-        if size % self.chunks:  # every rank sees the same batch, so every rank skips it
-            self._warn_ragged(size)
-            if self.world_size > 1:  # Lightning refuses a skipped step there; the loaders we wrap never get here
-                raise ValueError(
-                    f"DistributedGPipeStrategy got a batch of {size}, not a multiple of chunks={self.chunks}, from a "
-                    "training loader it did not wrap (reloaded?); use drop_last=True and a batch_size that is a "
-                    f"multiple of {self.chunks}"
-                )
-            return None
         with self.precision_plugin.train_step_context():
             result, self._pending = train_step(
                 pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
@@ -416,28 +406,36 @@ class DistributedGPipeStrategy(DDPStrategy):
         loss = loss.to(self.root_device)
         return {"loss": loss} if as_dict else loss
 
-    def _warn_ragged(self, size: int) -> None:
-        if not self._warned_ragged:
-            rank_zero_warn(
-                f"DistributedGPipeStrategy skips batches whose size is not a multiple of chunks={self.chunks} "
-                f"(got {size}; micro-batches must be equal for the loss to match plain training), as drop_last=True "
-                "would; use a DataLoader batch_size that is a multiple of chunks, or drop_last=True"
-            )
-            self._warned_ragged = True
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """A training loader: refuse a batch_size that is not a multiple of ``chunks`` (every batch would be skipped), and
-        leave out a smaller last batch that is not one (as ``drop_last=True``), before the first step; Lightning refuses
-        a step skipped by ``training_step`` in distributed training."""
+        """A training loader: its batches' sizes are checked before the first step (:meth:`_check_batch_sizes`)."""
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
-        if module is None or module._trainer is None or not module.trainer.training:  # evaluation: any batch size
-            return dataloader
-        size = getattr(dataloader, "batch_size", None)
-        if isinstance(size, int):
-            self.options.check_batch_size(size)
-        return DropRagged(dataloader, self.chunks, self._warn_ragged)
+        if module is not None and module._trainer is not None and module.trainer.training:  # evaluation: any size
+            self._check_batch_sizes(dataloader)
+        return dataloader
+
+    def _check_batch_sizes(self, loader: object) -> None:
+        """Every batch trains (none is left out): one ``chunks`` does not divide runs in equal micro-batches of another
+        count (fewer when it is smaller; :func:`~lightning_accel.pipeline.schedule.equal_microbatches`). Refused here,
+        before the first step, is a batch size (``batch_size``, or the last batch's, from the sampler's length) that no
+        count the schedule runs divides; said once is a ``batch_size`` that ``chunks`` does not divide (every step then
+        runs fewer micro-batches than asked)."""
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(size, int):
+            return  # a batch sampler of its own: sizes are known only as batches come (RankPipeline.microbatches checks)
+        stages = len(stage_indices(0, self.pipeline_parallel_size, self.schedule)) * self.pipeline_parallel_size
+        count = self.options.check_batch_size(size, self.schedule, stages)
+        sampler = getattr(loader, "sampler", None)
+        samples = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else None
+        if samples is not None and samples % size and not getattr(loader, "drop_last", False):
+            self.options.check_batch_size(samples % size, self.schedule, stages, what="last batch")
+        if count != self.chunks:
+            rank_zero_warn(
+                f"DistributedGPipeStrategy: the training batch_size={size} is not a multiple of chunks={self.chunks}; "
+                f"each batch runs as {count} equal micro-batches of {size // count} (torch's stages take one shape per "
+                f"step); a batch_size that is a multiple of {self.chunks} pipelines {self.chunks}"
+            )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

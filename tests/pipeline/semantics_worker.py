@@ -3,8 +3,9 @@
 Run as ``python semantics_worker.py OUT_DIR SECTIONS``: Lightning's launcher starts rank 1 from
 it; SECTIONS is a comma-separated list of :data:`SECTIONS` names, every case of them one
 ``Trainer.fit`` in the same two processes (start-up paid once). After each fit rank 0 saves the
-trained module's state (the whole model, gathered) as ``{case}.pt``, and every rank what its
-fit raised as ``{case}-rank{r}.txt`` (``ok`` when nothing). The test computes the references
+trained module's state (the whole model, gathered) as ``{case}.pt``, and every rank
+``{case}-rank{r}.txt`` (``ok``). The section ``raising``, last, has rank 1's stage raise the user's
+exception and saves what each rank got (``raising-rank{r}.txt``). The test computes the references
 (plain Lightning, or ``gpipe`` in one process) from the same models and data (:func:`fit`).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -60,7 +62,65 @@ def data(n: int = 24) -> TensorDataset:
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g))
 
 
-# case name -> (model, strategy options, loader batch size, samples)
+class Plain(BatchNormBlocks):
+    """Three linear blocks and no BatchNorm (a micro-batch of one sample is fine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class Pair(nn.Module):
+    """A block returning two tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(5, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.a(x)), torch.sigmoid(self.b(x))
+
+
+class Mix(nn.Module):
+    """A block taking a pair and returning a pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.gate = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h, g):
+        return torch.tanh(self.lin(h)) * g, g + 0.1 * self.gate(h)
+
+
+class TupleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Pair(), Mix(), Mix(), Mix()])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        out = self.blocks[0](x)
+        for block in self.blocks[1:]:
+            out = block(*out)
+        h, g = out
+        return self.head(h + g)
+
+
+class Tuples(BatchNormBlocks):
+    """Stages exchange a pair: the gradient of each element reaches the weights that made it (``b`` and ``gate`` only
+    through the second). Validated too: evaluation streams the pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = TupleNet()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+
+# case name -> (model, strategy options, loader batch size, samples, Trainer arguments)
 def _bn_cases() -> dict[str, tuple]:
     """BatchNorm a block of its own in every checkpoint mode deferred at chunks 4, and at chunks 1 and 4 per
     micro-batch; inside a block, one case of each kind."""
@@ -73,18 +133,81 @@ def _bn_cases() -> dict[str, tuple]:
     for layout, checkpoint, chunks, deferred in chosen:
         name = f"bn-{layout}-{checkpoint}-{chunks}{'-deferred' if deferred else ''}"
         model = (lambda inside=layout == "inside": BatchNormBlocks(inside))
-        cases[name] = (model, dict(chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=deferred), 8, 24)
+        cases[name] = (model, dict(chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=deferred), 8, 24, {})
     return cases
 
 
-SECTIONS = {"batchnorm": _bn_cases}
+def _ragged_cases() -> dict[str, tuple]:
+    """A whole epoch (plain Lightning's drop_last=False): a last batch smaller than chunks (2 of 34 in batches of 8:
+    2 micro-batches of 1); a batch_size chunks does not divide (6: 3 of 2; the last 2: 2 of 1) under 1F1B; and one
+    that no count fits (1F1B needs 2 micro-batches for 2 stages; the last batch of 33 has 1 sample): refused."""
+    epoch = {"max_steps": -1, "max_epochs": 1}
+    return {
+        "ragged-last-smaller-gpipe": (Plain, dict(chunks=4, schedule="gpipe", checkpoint="except_last"), 8, 34, epoch),
+        "ragged-batch6-1f1b": (Plain, dict(chunks=4, schedule="1f1b"), 6, 20, epoch),
+        "ragged-refused-1f1b": (Plain, dict(chunks=4, schedule="1f1b"), 8, 33, epoch),
+    }
+
+
+def _tuple_cases() -> dict[str, tuple]:
+    options = dict(balance=[2, 2], blocks=lambda net: list(net.blocks), checkpoint="except_last")
+    return {
+        "tuple-gpipe": (Tuples, dict(chunks=2, schedule="gpipe", **options), 8, 24, {}),
+        "tuple-1f1b": (Tuples, dict(chunks=4, schedule="1f1b", **options), 8, 24, {}),
+    }
+
+
+STRATEGY_TESTS = str(Path(__file__).resolve().parents[1] / "strategies")  # real_models.py: the causal LM task
+
+
+def moe_loader() -> DataLoader:
+    """32 token sequences in batches of 8 (tests/strategies/real_models.py)."""
+    sys.path.insert(0, STRATEGY_TESTS)
+    from real_models import lm_loader
+
+    return lm_loader()
+
+
+def tiny_mixtral() -> pl.LightningModule:
+    """transformers' Mixtral (mixture of experts: its experts call grouped_mm, which refuses meta float32) in float32,
+    as a causal LM task (tests/strategies/real_models.py)."""
+    import transformers
+
+    sys.path.insert(0, STRATEGY_TESTS)
+    from real_models import VOCAB, CausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )
+    return CausalLM(transformers.MixtralForCausalLM(cfg))
+
+
+def run_moe(out: str) -> None:
+    """A tiny Mixtral, 3 steps of 8 sequences in 2 micro-batches per step, float32; rank 0 saves the trained state."""
+    task = tiny_mixtral()
+    strategy = DistributedGPipeStrategy(chunks=2, timeout=60)
+    pl.seed_everything(1, verbose=False)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )
+    trainer.fit(task, moe_loader())
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, "moe.pt"))
+
+
+SECTIONS = {"batchnorm": _bn_cases, "ragged": _ragged_cases, "tuples": _tuple_cases}
 
 
 def fit(model: pl.LightningModule, loader: DataLoader, strategy, devices: int = 1, **kwargs) -> pl.Trainer:
-    """``STEPS`` optimizer steps of ``model`` in float64, seeded alike in every run (dropout masks)."""
+    """``STEPS`` optimizer steps of ``model`` in float64 (unless ``kwargs`` say otherwise), seeded alike in every run
+    (dropout masks)."""
     pl.seed_everything(1, verbose=False)
+    kwargs = {"max_steps": STEPS, **kwargs}
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, precision="64-true", logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, precision="64-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, **kwargs,
     )
@@ -92,24 +215,81 @@ def fit(model: pl.LightningModule, loader: DataLoader, strategy, devices: int = 
     return trainer
 
 
+class MyError(Exception):
+    """The user's own exception type."""
+
+
+class Raising(nn.Module):
+    """A layer that raises :class:`MyError` at its ``at``-th forward."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise MyError(f"boom at forward {self.at}")
+        return self.lin(x)
+
+
+class RaisingModel(BatchNormBlocks):
+    """Four blocks, the last (on rank 1) raising at the 5th micro-batch forward: the second step's first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), Raising(at=5))
+
+
+def _rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def run_cases(out: str, section: str) -> None:
+    for name, (model, options, batch, n, kwargs) in SECTIONS[section]().items():
+        task = model()
+        strategy = DistributedGPipeStrategy(timeout=60, **{"blocks": lambda net: list(net), **options})
+        try:
+            trainer = fit(task, DataLoader(data(n), batch_size=batch), strategy, devices=2, **kwargs)
+            message = "ok"
+        except ValueError as err:  # refused before the first step, on every rank alike
+            message = str(err)
+        if _rank() == 0:  # after fit: the whole trained model (the other stage gathered)
+            torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, f"{name}.pt"))
+        if isinstance(task, Tuples):  # the trained model, split again, streams a batch of 8
+            message += f" val_loss={trainer.validate(task, DataLoader(data(8)), verbose=False)[0]['val_loss']!r}"
+        with open(os.path.join(out, f"{name}-rank{_rank()}.txt"), "w") as f:
+            f.write(message)
+
+
+def run_raising(out: str) -> None:
+    """Rank 1's last block raises MyError in the second step; each rank saves what reached it and exits at once (the
+    process group is broken: nothing more can run in these processes)."""
+    strategy = DistributedGPipeStrategy(chunks=4, balance=[2, 2], blocks=lambda net: list(net), timeout=60)
+    try:
+        fit(RaisingModel(), DataLoader(data(24), batch_size=8), strategy, devices=2)
+        message = "trained"
+    except MyError as err:
+        message = f"MyError: {err}"
+    except Exception as err:  # noqa: BLE001  # what a peer sees
+        message = f"{type(err).__name__}: {err}"
+    with open(os.path.join(out, f"raising-rank{_rank()}.txt"), "w") as f:
+        f.write(message)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     out, sections = sys.argv[1], sys.argv[2].split(",")
     torch.set_num_threads(1)
     for section in sections:
-        for name, (model, options, batch, n) in SECTIONS[section]().items():
-            task = model()
-            strategy = DistributedGPipeStrategy(blocks=lambda net: list(net), timeout=60, **options)
-            try:
-                trainer = fit(task, DataLoader(data(n), batch_size=batch), strategy, devices=2)
-                message = "ok"
-            except Exception as err:  # noqa: BLE001  # what the user sees, saved for the test
-                message = f"{type(err).__name__}: {err}"
-                raise
-            rank = int(os.environ.get("LOCAL_RANK", "0"))
-            with open(os.path.join(out, f"{name}-rank{rank}.txt"), "w") as f:
-                f.write(message)
-            if trainer.global_rank == 0:
-                torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, f"{name}.pt"))
+        if section == "raising":  # last: it ends the processes
+            run_raising(out)
+        if section == "moe":
+            run_moe(out)
+            continue
+        run_cases(out, section)
 
 
 if __name__ == "__main__":

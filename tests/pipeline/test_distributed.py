@@ -267,12 +267,22 @@ def test_stage_boundaries_restore_puts_back_a_forward_the_users_instance_already
     assert vars(net.blocks[1])["forward"] is own and "forward" not in vars(net.blocks[0])
 
 
-def test_a_block_returning_two_tensors_is_refused():
+def test_a_block_returning_two_tensors_sends_both_and_the_next_stage_puts_them_back():
+    """A stage ending in a block that returns a pair sends both tensors; the next stage gets them back in the pair's
+    place (the structure recorded where the block ran, not by running it on meta): the whole model's output. Before:
+    "block 'blocks.0' returned 2 tensors; a pipeline stage sends one activation". A block returning no tensor is
+    refused."""
+    import copy
+
     from lightning_accel.pipeline.boundaries import StageBoundaries
 
     class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
         def forward(self, x):
-            return x, x + 1
+            return self.lin(x), {"gate": torch.sigmoid(x), "note": "kept"}
 
     class Net(nn.Module):
         def __init__(self):
@@ -280,11 +290,39 @@ def test_a_block_returning_two_tensors_is_refused():
             self.blocks = nn.ModuleList([Two(), Two()])
 
         def forward(self, x):
-            return self.blocks[1](self.blocks[0](x)[0])
+            h, extra = self.blocks[0](x)
+            assert extra["note"] == "kept"
+            return self.blocks[1](h * extra["gate"])[0]
 
-    net = Net()
-    with pytest.raises(ValueError, match=r"block 'blocks.0' returned 2 tensors.*; choose blocks"):
-        StageBoundaries(list(net.blocks), [1, 1], ["blocks.0", "blocks.1"]).run(0, None, lambda: net(torch.ones(1)))
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(2, 3)
+    expected = net(x)
+    first, last = copy.deepcopy(net), copy.deepcopy(net)
+    last.blocks[0].to("meta")
+    names = ["blocks.0", "blocks.1"]
+    sent_by = StageBoundaries(list(first.blocks), [1, 1], names)
+    sent = sent_by.run(0, None, lambda: first(x))
+    assert isinstance(sent, tuple) and len(sent) == 2
+    receiver = StageBoundaries(list(last.blocks), [1, 1], names)
+    receiver.structures.update(sent_by.structures)  # what torch's shape metadata carries to the next rank
+    torch.testing.assert_close(receiver.run(1, sent, lambda: last(x)), expected)
+
+    class Nothing(nn.Module):
+        def forward(self, x):
+            return None
+
+    class Empty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Nothing(), Nothing()])
+
+        def forward(self, x):
+            self.blocks[0](x)
+            return self.blocks[1](x)
+
+    empty = Empty()
+    with pytest.raises(ValueError, match=r"block 'blocks.0' returned no tensor \(NoneType\); .*; choose blocks"):
+        StageBoundaries(list(empty.blocks), [1, 1], names).run(0, None, lambda: empty(torch.ones(1)))
 
 
 def test_a_block_tensor_shared_with_the_rest_of_the_model_is_refused():
@@ -321,8 +359,12 @@ def test_shapes_that_change_between_steps_fail_before_the_step(one_rank_group):
     torch.testing.assert_close(pipe.step(x, y), F.mse_loss(net(x), y))  # one stage: the plain loss
     with pytest.raises(ValueError, match=r"batch shapes \(inputs, target\) \(\(2, 6\), \(2, 3\)\) differ from the first step's \(\(4, 6\), \(4, 3\)\).*drop_last=True"):
         pipe.step(torch.randn(2, 6), torch.randn(2, 3))
-    with pytest.raises(ValueError, match=r"the batch size 5 is not divisible by chunks=2"):
+    with pytest.raises(ValueError, match=r"batch shapes \(inputs, target\) \(\(5, 6\), \(5, 3\)\) differ from the first"):
         pipe.step(torch.randn(5, 6), torch.randn(5, 3))
+    odd = RankPipeline(MLP(6, 3, hidden=8, depth=2), [2], chunks=2, loss_fn=F.mse_loss)  # 5: one micro-batch of 5
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    torch.testing.assert_close(odd.step(x, y), F.mse_loss(odd.net(x), y))
+    assert odd.step_chunks == 1
 
 
 def test_schedule_needing_more_micro_batches_fails_before_building(one_rank_group):

@@ -36,8 +36,16 @@ def test_bad_options_are_refused_alike_by_both_strategies(kwargs, match):
             build(**kwargs)
 
 
-def test_a_batch_size_that_is_not_a_multiple_of_chunks_is_refused_with_the_fix():
-    PipelineOptions(chunks=4).check_batch_size(8)
-    with pytest.raises(ValueError, match=r"^DistributedGPipeStrategy\(chunks=4\): the training DataLoader's batch_size=6 is "
-                                         r"not a multiple of chunks.*; use a batch_size that is a multiple of 4 \(e.g. 8\)"):
-        PipelineOptions(chunks=4).check_batch_size(6)
+def test_a_batch_size_no_micro_batch_count_fits_is_refused_with_the_fix():
+    """A batch chunks does not divide runs in equal micro-batches of another count (fewer where one fits); a size no
+    count the schedule runs divides is refused, naming drop_last=True for a last batch or the batch size that works."""
+    assert PipelineOptions(chunks=4).check_batch_size(8, "1f1b", 2) == 4
+    assert PipelineOptions(chunks=4).check_batch_size(6, "1f1b", 2) == 3
+    assert PipelineOptions(chunks=4).check_batch_size(2, "gpipe", 2) == 2
+    assert PipelineOptions(chunks=4).check_batch_size(7, "1f1b", 2) == 7  # 1 micro-batch cannot feed 2 stages
+    with pytest.raises(ValueError, match=r"^DistributedGPipeStrategy\(chunks=4, schedule='1f1b'\): the training DataLoader's "
+                                         r"last batch of 1 cannot be split .* on 2 stages \(it needs at least 2\); use "
+                                         r"drop_last=True on the DataLoader, or schedule='gpipe'$"):
+        PipelineOptions(chunks=4).check_batch_size(1, "1f1b", 2, what="last batch")
+    with pytest.raises(ValueError, match=r"batch_size of 3 cannot be split .*; use a batch_size of at least 4, or"):
+        PipelineOptions(chunks=4).check_batch_size(3, "interleaved_1f1b", 4)

@@ -4,10 +4,12 @@ BatchNorm statistics, ragged batches, a stage's exception, tuples between stages
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -16,14 +18,16 @@ from lightning_accel.strategies.gpipe import GPipeStrategy
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
-from semantics_worker import SECTIONS, BatchNormBlocks, data, fit  # noqa: E402
+from semantics_worker import SECTIONS, data, fit, moe_loader, tiny_mixtral  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("semantics")
-    result = run_user_script(PIPELINE_TESTS / "semantics_worker.py", [str(out), ",".join(SECTIONS)], 300, "2-process semantics")
+    moe = ["moe"] if importlib.util.find_spec("transformers") else []
+    sections = ",".join([*SECTIONS, *moe, "raising"])
+    result = run_user_script(PIPELINE_TESTS / "semantics_worker.py", [str(out), sections], 300, "2-process semantics")
     assert result.returncode == 0, result.stdout[-6000:]
     return out
 
@@ -31,10 +35,10 @@ def two_ranks(tmp_path_factory):
 def _reference(case: str) -> dict[str, torch.Tensor]:
     """Plain Lightning at chunks=1; ``gpipe`` on 2 CPU devices in one process at more chunks (BatchNorm then sees
     micro-batches, which plain training does not)."""
-    model, options, batch, n = {k: v for s in SECTIONS.values() for k, v in s().items()}[case]
+    model, options, batch, n, kwargs = {k: v for s in SECTIONS.values() for k, v in s().items()}[case]
     task = model()
-    if options["chunks"] == 1:
-        fit(task, DataLoader(data(n), batch_size=batch), "auto")
+    if options["chunks"] == 1 or not case.startswith("bn"):
+        fit(task, DataLoader(data(n), batch_size=batch), "auto", **kwargs)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the per-micro-batch BatchNorm notice
@@ -57,8 +61,86 @@ def test_batch_norm_buffers_and_weights_equal_the_reference_after_fit(two_ranks,
     assert piped.keys() == reference.keys()
     for name, value in reference.items():
         torch.testing.assert_close(piped[name], value, rtol=1e-10, atol=1e-12, msg=f"{case}: {name}")
-    _, options, _, _ = SECTIONS["batchnorm"]()[case]
+    _, options, _, _, _ = SECTIONS["batchnorm"]()[case]
     tracked = [v for k, v in piped.items() if k.endswith("num_batches_tracked")]
     per_step = 1 if options["deferred_batch_norm"] else options["chunks"]
     assert [int(t) for t in tracked] == [per_step * 3] * 2
 
+
+
+@pytest.mark.parametrize("case", ["ragged-last-smaller-gpipe", "ragged-batch6-1f1b"])
+def test_ragged_batches_train_like_plain_lightning(two_ranks, case):
+    """A last batch smaller than chunks (2 with chunks=4) and a batch_size chunks does not divide (6) train in equal
+    micro-batches of another count, every sample as in plain Lightning (drop_last=False). Before: the last batch was
+    left out with a warning and batch_size=6 was refused."""
+    assert [(two_ranks / f"{case}-rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
+    piped, reference = torch.load(two_ranks / f"{case}.pt", weights_only=False), _reference(case)
+    for name, value in reference.items():
+        torch.testing.assert_close(piped[name], value, rtol=1e-10, atol=1e-12, msg=f"{case}: {name}")
+
+
+def test_a_batch_no_micro_batch_count_fits_is_refused_before_the_first_step(two_ranks):
+    """1F1B on 2 stages needs 2 micro-batches; 33 samples in batches of 8 end with 1: refused on both ranks, in one
+    line naming drop_last=True, before any step (the weights are the initial ones), never mid-epoch."""
+    for r in range(2):
+        assert (two_ranks / f"ragged-refused-1f1b-rank{r}.txt").read_text() == (
+            "DistributedGPipeStrategy(chunks=4, schedule='1f1b'): the training DataLoader's last batch of 1 cannot be "
+            "split into equal micro-batches that '1f1b' runs on 2 stages (it needs at least 2); use drop_last=True on "
+            "the DataLoader, or schedule='gpipe'"
+        )
+    initial = SECTIONS["ragged"]()["ragged-refused-1f1b"][0]().state_dict()
+    piped = torch.load(two_ranks / "ragged-refused-1f1b.pt", weights_only=False)
+    held = [name for name, value in piped.items() if not value.is_meta]  # rank 0's stage (the other is on meta)
+    assert "net.0.weight" in held
+    for name in held:
+        torch.testing.assert_close(piped[name], initial[name].double(), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", ["tuple-gpipe", "tuple-1f1b"])
+def test_a_tuple_between_stages_trains_and_validates_like_plain_lightning(two_ranks, case):
+    """A block that returns a pair at the stage boundary: both tensors cross, each element's gradient reaches the
+    weights that made it (``b`` and ``gate`` only through the second), and validation streams the pair. Before:
+    "a pipeline stage sends one activation to the next"."""
+    piped, reference = torch.load(two_ranks / f"{case}.pt", weights_only=False), _reference(case)
+    for name, value in reference.items():
+        torch.testing.assert_close(piped[name], value, rtol=1e-10, atol=1e-12, msg=f"{case}: {name}")
+    model = SECTIONS["tuples"]()[case][0]().double()
+    model.load_state_dict(reference)
+    with torch.no_grad():
+        x, y = data(8)[:]
+        expected = torch.nn.functional.mse_loss(model(x.double()), y.double())
+    for r in range(2):
+        status, value = (two_ranks / f"{case}-rank{r}.txt").read_text().split(" val_loss=")
+        assert status == "ok"
+        assert float(value) == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_a_stages_exception_keeps_its_type_on_its_rank_and_its_peer_names_that_rank(two_ranks):
+    """Rank 1's layer raises MyError in the second step: rank 1's fit raises that MyError (message first, then rank
+    and stage); rank 0 ends with one line naming rank 1 and what it raised. Before: RuntimeError "pipeline step
+    failed on rank 1 ... while exchanging with rank(s) [0]" on rank 1, the MyError two levels down."""
+    assert (two_ranks / "raising-rank1.txt").read_text() == (
+        "MyError: boom at forward 5 (raised by pipeline stage 1 on rank 1)"
+    )
+    peer = (two_ranks / "raising-rank0.txt").read_text()
+    assert peer == (
+        "RuntimeError: pipeline step stopped on rank 0 (stages [0]): rank 1 (stage 1) raised MyError: boom at forward 5 "
+        "(raised by pipeline stage 1 on rank 1); its log has the traceback"
+    ), peer
+
+
+def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):
+    """transformers' Mixtral (its experts' grouped_mm refuses meta float32) on 2 ranks, 2 micro-batches, float32: the
+    next stage's rank gets the structure of the block output it receives with torch's shape metadata, so no block runs
+    on meta; weights equal plain Lightning's to float32 rounding (6e-6 here, where training moved them by 3e-2).
+    Before: the run crashed at its first step ("Expected inputs of BF16 type but got mat_a.dtype=torch.float32")."""
+    pytest.importorskip("transformers")
+    plain = tiny_mixtral()
+    pl.seed_everything(1, verbose=False)
+    pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(plain, moe_loader())
+    piped = torch.load(two_ranks / "moe.pt", weights_only=False)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(piped[name], value, rtol=1e-4, atol=3e-5, msg=name)
