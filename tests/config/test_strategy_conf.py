@@ -145,8 +145,9 @@ def test_one_line_brings_a_hint_to_the_config_shape(raw: str, shown: str) -> Non
 def test_a_strategy_hint_reaches_the_user_in_the_config_shape() -> None:
     """DistributedGPipeStrategy says '... HINT: ...'; preflight shows it as '...; ...'."""
     with pytest.raises(UserError) as refused:
-        preflight("gpt-tiny_gpipe-2proc_cpu", ["data.batch_size=6"], launch=False)
+        preflight("gpt-tiny_gpipe-2proc_cpu", ["data.batch_size=1"], launch=False)
     assert str(refused.value) == (
-        "data.batch_size=6: DistributedGPipeStrategy(chunks=4): the training DataLoader's batch_size=6 is not a multiple "
-        "of chunks, so every batch would be skipped; use a batch_size that is a multiple of 4 (e.g. 8), or chunks that divides 6"
+        "data.batch_size=1: DistributedGPipeStrategy(chunks=4, schedule='1f1b'): the training DataLoader's batch_size of "
+        "1 cannot be split into equal micro-batches that '1f1b' runs on 2 stages (it needs at least 2); use a batch_size "
+        "of at least 2, or schedule='gpipe'"
     )
