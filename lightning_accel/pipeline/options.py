@@ -82,7 +82,8 @@ class PipelineOptions:
 
         count = equal_microbatches(batch_size, self.chunks, schedule, stages)
         if count is None:
-            least = next(b for b in range(batch_size + 1, batch_size + 2 * stages + 2) if equal_microbatches(b, self.chunks, schedule, stages))
+            sizes = range(batch_size + 1, batch_size + 2 * stages + 2)
+            least = next((b for b in sizes if equal_microbatches(b, self.chunks, schedule, stages)), stages)
             fix = "drop_last=True on the DataLoader" if what == "last batch" else f"a batch_size of at least {least}"
             raise ValueError(
                 f"{owner}(chunks={self.chunks}, schedule={schedule!r}): the training DataLoader's {what} of {batch_size} "

@@ -198,6 +198,8 @@ def equal_microbatches(size: int, chunks: int, name: str, stages: int) -> int | 
             return False
         return True
 
+    if size % chunks == 0 and runs(chunks):  # the usual batch, at every step: no search
+        return chunks
     divisors = [m for m in range(1, size + 1) if size % m == 0 and runs(m)]
     below = [m for m in divisors if m <= chunks]
     if below:

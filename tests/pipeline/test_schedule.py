@@ -4,6 +4,7 @@ from lightning_accel.pipeline.schedule import (
     Action,
     bubble_fraction,
     check_schedule,
+    equal_microbatches,
     clock_cycles,
     gpipe_order,
     ideal_speedup,
@@ -95,3 +96,11 @@ def test_check_schedule_errors():
         check_schedule("1f1b", 2, 4)
     with pytest.raises(ValueError, match=r"multiple of the 2 rounds \(chunks=9, stages=4\); set chunks=8"):
         check_schedule("interleaved_1f1b", 9, 4)
+
+
+def test_equal_micro_batches_of_a_ragged_batch():
+    """chunks where it divides the batch; else the largest divisor below it the schedule runs; else the smallest above;
+    None where none does (1F1B on 2 stages needs 2 micro-batches: a batch of 1 has none)."""
+    cases = [(8, 4, "gpipe", 2), (2, 4, "gpipe", 2), (6, 4, "1f1b", 2), (7, 4, "gpipe", 2), (7, 4, "1f1b", 2),
+             (1, 4, "1f1b", 2), (5, 8, "interleaved_1f1b", 4), (12, 8, "interleaved_1f1b", 4)]
+    assert [equal_microbatches(*c) for c in cases] == [4, 2, 3, 1, 7, None, 5, 6]
