@@ -1,17 +1,20 @@
 """The offload contenders of ``bench offload``: per-block FSDP2 CPU offload trains as plain Lightning does (weights
-equal after 3 steps in fp32) with every block its own FSDP unit; ZeRO-3 offload says why it cannot run here."""
+equal after 3 steps in fp32) with every block its own FSDP unit; ZeRO-3 offload says why it cannot run here; the
+``--contenders`` CPU table and the CUDA table's columns."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
+import re
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from lightning_accel.benchmarks import offload_contenders
+from lightning_accel.benchmarks import offload, offload_contenders
 from lightning_accel.benchmarks.offload import _data
 from lightning_accel.benchmarks.offload_contenders import fsdp2_offload, zero3_offload
 from lightning_accel.models import GPT, LanguageModelTask
@@ -72,3 +75,45 @@ def test_zero3_offload_says_why_it_cannot_run_here(monkeypatch: pytest.MonkeyPat
     spec = importlib.util.find_spec("json")  # any importable module: deepspeed "installed"
     monkeypatch.setattr(offload_contenders.importlib.util, "find_spec", lambda name: spec)
     assert zero3_offload(_NET, "32-true", **_RUN)["skipped"] == "needs CUDA (Lightning's DeepSpeedStrategy runs on CUDA GPUs only)"
+
+
+def _row(out: str, label: str) -> list[str]:
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_bench_offload_contenders_cpu_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--only", "fit", "--contenders", "--layers", "2", "--seq", "16", "--batch", "2", "--steps", "3", "--warmup", "1",
+            "--rounds", "1"]
+    assert offload.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "offload contenders: GPT tiny x2 layers" in out and "l2l_offload, delayed update" not in out
+    assert _row(out, "plain Lightning")[2] == "1.00"
+    assert float(_row(out, "l2l_offload (defaults)")[2]) > 0 and float(_row(out, "FSDP2 offload, per block")[2]) > 0
+    if importlib.util.find_spec("deepspeed") is None:
+        assert _row(out, "ZeRO-3 offload")[1:] == ["not run", "-"]
+        assert "ZeRO-3 offload: not run, deepspeed not installed (pip install deepspeed, constrained to this torch)" in out
+
+
+def test_bench_offload_cuda_table_sets_l2l_against_the_faster_contender(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CUDA table's arithmetic on given rows (no GPU here): l2l 300 tok/s against plain 400, FSDP2 100 and ZeRO-3 200
+    def measure(net: dict, strategy: object, *args: object, **kwargs: object) -> dict:
+        if isinstance(strategy, offload.L2LOffloadStrategy):
+            return {"oom": False, "tokens_per_s": 300.0, "peak_gib": 2.0, "params": 1.5e9}
+        return {"oom": net["n_layer"] == 48, "tokens_per_s": 400.0, "peak_gib": 70.0}
+
+    def fsdp2(*args: object, **kwargs: object) -> dict:
+        return {"oom": False, "tokens_per_s": 100.0, "peak_gib": 3.0}
+
+    def zero3(net: dict, *args: object, **kwargs: object) -> dict:
+        if net["n_layer"] == 48:
+            return {"oom": False, "step_s": float("nan"), "skipped": "needs CUDA"}
+        return {"oom": False, "tokens_per_s": 200.0, "peak_gib": 4.0}
+
+    monkeypatch.setattr(offload, "_measure", measure)
+    monkeypatch.setattr(offload, "_pinned_bandwidth_gbs", lambda: 25.0)
+    monkeypatch.setattr(offload_contenders, "CONTENDERS", {"FSDP2 offload, per block": fsdp2, "ZeRO-3 offload": zero3})
+    out = offload._cuda_table(argparse.Namespace(gpu_layers=[12, 48], batch=1, seq=8, steps=3, warmup=1))
+    assert _row(out, "12") == ["12", "1.50B", "400", "100", "200", "300", "0.75", "1.50", "70.0", "3.0", "4.0", "2.0", "nan"]
+    assert _row(out, "48") == ["48", "1.50B", "OOM", "100", "n/a", "300", "-", "3.00", "-", "3.0", "-", "2.0", "nan"]
+    assert out.rstrip().endswith("ZeRO-3 offload: n/a, needs CUDA") and "fsdp_cpu_offload" not in out
