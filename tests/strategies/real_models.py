@@ -136,13 +136,20 @@ def lm_loader(n: int = 32, batch_size: int = 8) -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:], mask), batch_size=batch_size)
 
 
+def shuffled_order(n: int = 32, seed: int = 0) -> list[int]:
+    """The order Lightning's DistributedSampler gives one replica of a shuffled ``lm_loader`` (epoch 0), for references."""
+    from torch.utils.data import DistributedSampler
+
+    return list(DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed))
+
+
 def fit(task: pl.LightningModule, strategy: Any = "auto", steps: int = 4, ckpt_path: str | Path | None = None,
-        callbacks: list[pl.Callback] | None = None, **trainer_kwargs: Any) -> pl.Trainer:
+        callbacks: list[pl.Callback] | None = None, loader: DataLoader | None = None, **trainer_kwargs: Any) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **trainer_kwargs,
     )
-    trainer.fit(task, lm_loader(), ckpt_path=ckpt_path)
+    trainer.fit(task, loader if loader is not None else lm_loader(), ckpt_path=ckpt_path)
     return trainer
 
 

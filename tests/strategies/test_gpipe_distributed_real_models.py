@@ -1,5 +1,9 @@
 """DistributedGPipeStrategy on models this project did not write (transformers Llama, GPT-2, Qwen2, Mistral; litgpt GPT),
-on 2 gloo ranks launched by Lightning, against plain single-process Lightning: float64, the same seeded start and data."""
+on 2 gloo ranks launched by Lightning, against plain single-process Lightning: float64, the same seeded start and data.
+The ranks get the user's shuffling DataLoader with Lightning's defaults (its distributed sampler left on: a pipeline is
+one replica); the references read the order that sampler gives, accumulating over the same micro-batches: the step runs
+per micro-batch on a pipeline rank, so a token-averaged loss over right-padded samples is averaged per micro-batch (the
+micro-batches of a shuffled batch hold different numbers of padded tokens, which a sequential order happened to hide)."""
 
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ pytest.importorskip("litgpt")
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_models import assert_same_weights, fit  # noqa: E402
-from real_models_worker import STEPS, task  # noqa: E402
+from real_models import assert_same_weights, fit, lm_loader, shuffled_order  # noqa: E402
+from real_models_worker import CHUNKS, STEPS, task  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
 # GPT-2 without dropout: micro-batches draw other dropout masks than one whole batch does
@@ -24,6 +28,14 @@ CASES = [
     ("llama", "gpipe"), ("llama", "1f1b"), ("gpt2-no-dropout", "gpipe"), ("gpt2-no-dropout", "1f1b"),
     ("litgpt", "gpipe"), ("litgpt", "1f1b"), ("qwen2", "gpipe"), ("mistral", "1f1b"),
 ]
+
+
+def sampled():
+    """What Lightning's DistributedSampler feeds the pipeline from the workers' shuffled loader, as a plain loader of the
+    pipeline's micro-batches (accumulate CHUNKS of 8 / CHUNKS)."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(lm_loader().dataset, batch_size=8 // CHUNKS, sampler=shuffled_order())
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +58,7 @@ def _loaded(name: str, checkpoint: Path) -> torch.nn.Module:
 @pytest.mark.parametrize(("name", "schedule"), CASES)
 def test_real_models_train_like_plain_lightning(two_ranks, name, schedule):
     reference = task(name)
-    fit(reference, steps=STEPS, precision="64-true")
+    fit(reference, steps=STEPS, precision="64-true", loader=sampled(), accumulate_grad_batches=CHUNKS)
     assert_same_weights(reference, _loaded(name, two_ranks / f"{name}-{schedule}.ckpt"), rtol=1e-9, atol=1e-11)
 
 
