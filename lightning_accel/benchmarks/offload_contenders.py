@@ -102,7 +102,7 @@ def _fit(task: pl.LightningModule, strategy: Any, precision: Any, accelerator: s
         return {"step_s": float("nan"), "oom": True}
     step_s = sorted(timer.times)[len(timer.times) // 2]  # median: robust to a noisy neighbour
     row = {"step_s": step_s, "tokens_per_s": batch * seq / step_s, "oom": False, "task": task,
-           "params": sum(p.numel() for p in task.parameters()),
+           "params": sum(getattr(p, "ds_numel", p.numel()) for p in task.parameters()),  # ZeRO-3 leaves p empty
            "host_gib": host.added / 2**30 if host.added is not None else float("nan")}
     if torch.cuda.is_available():
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
