@@ -198,7 +198,8 @@ def test_16_mixed_steps_the_loss_scaler_once_per_batch_and_every_rank_skips_when
     assert ref.scales == SCALES
     for r, rank in enumerate(ranks):
         assert rank["scales"] == SCALES, f"rank {r}"  # without the agreement, the second stage's ranks step and grow
-        # fp16 rounds the micro-batches unlike the whole batch, so no float64 tolerance here; but a step that some
-        # rank took and plain training skipped moves the next loss by ~4e-3 (relative), 400x this tolerance
-        torch.testing.assert_close(_f64(rank["logged"]["train/loss_mean"]), _f64(ref.loss), rtol=1e-5, atol=0)
-        torch.testing.assert_close(rank["val"]["val/loss"], ref.val[0]["val/loss"], rtol=1e-5, atol=0)
+        # fp16 rounds the micro-batches unlike the whole batch, so no float64 tolerance here (the CPU's fp16 kernels
+        # differ by host: 1.13e-5 relative on an AMD EPYC, 2026-11-25; below 1e-5 on the hosts before); but a step that
+        # some rank took and plain training skipped moves the next loss by ~4e-3 (relative), 200x this tolerance
+        torch.testing.assert_close(_f64(rank["logged"]["train/loss_mean"]), _f64(ref.loss), rtol=2e-5, atol=0)
+        torch.testing.assert_close(rank["val"]["val/loss"], ref.val[0]["val/loss"], rtol=2e-5, atol=0)
