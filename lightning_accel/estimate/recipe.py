@@ -168,7 +168,8 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     datamodule = instantiate(cfg.data)
     net = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
     try:
-        blocks = find_blocks(net, getattr(strategy, "blocks", "auto"))
+        streamed = _kind(strategy, 1) in (L2L, L2L_DDP)  # L2L streams every stack (an encoder-decoder's both), a pipeline cuts one
+        blocks = find_blocks(net, getattr(strategy, "blocks", "auto"), stacks="all" if streamed else "one")
     except ValueError:
         blocks = []  # plain training needs no blocks; the strategies that do refused the recipe in preflight
     plan = plan_of(cfg, strategy, blocks, datamodule, notes)
