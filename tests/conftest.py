@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,15 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Path) -> None:
+def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Path) -> Iterator[None]:
     monkeypatch.setenv("LIGHTNING_ACCEL_CACHE", str(cache_dir))
     monkeypatch.setenv("LIGHTNING_ACCEL_OUTPUTS", str(tmp_path / "outputs"))
+    yield
+    # seed_everything (the seed fixture, an in-process run) exports PL_GLOBAL_SEED and PL_SEED_WORKERS: dropped after
+    # each test, or every later multi-process test's ranks inherit them and Lightning's DistributedSampler shuffles by
+    # that seed, not the reference's 0
+    for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(var, None)
 
 
 @pytest.fixture
@@ -42,7 +49,8 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     env.pop("LIGHTNING_ACCEL_RECIPE", None)  # set only in DDP ranks re-launched by Lightning
     # An in-process Lightning process group (some strategy tests) leaves these behind; a
     # child that inherits LOCAL_RANK believes it was launched and never starts its peers.
-    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         env.pop(var, None)
     return env
 

@@ -16,8 +16,8 @@ def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str
     """Run ``script`` with ``args`` as a fresh job; kill its whole process group (every rank) after ``timeout`` seconds
     and fail the test, so a hang never stalls CI. ``what`` names the job in that failure."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # a fresh launch, not a rank of some outer job
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        env.pop(var, None)  # a fresh launch, not a rank of some outer job (nor a seed an earlier test's seed_everything set)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
         [sys.executable, str(script), *args],
