@@ -30,6 +30,17 @@ def _twins(dtype: torch.dtype) -> tuple[list[nn.Parameter], list[nn.Parameter], 
             {p: p.detach().to(dtype) for p in twins if p.ndim >= 2})
 
 
+def _assert_bit_equal(params: list[Tensor], twins: list[Tensor], shadows: dict[Tensor, Tensor], ref_shadows: dict[Tensor, Tensor],
+                      opt: torch.optim.Optimizer, ref: torch.optim.Optimizer) -> None:
+    """Each parameter, its shadow and its optimizer state equal its twin's, bit for bit."""
+    for p, t in zip(params, twins):
+        assert torch.equal(p, t)
+        if p in shadows:
+            assert torch.equal(shadows[p], ref_shadows[t])
+        for key, value in ref.state[t].items():
+            assert torch.equal(opt.state[p][key], value), key
+
+
 def _step_both(make: Make, dtype: torch.dtype, steps: int = 3) -> tuple[list[list[Tensor]], dict[Tensor, Tensor]]:
     """``steps`` updates in the fold and, on twins, by torch's fused kernel then a cast; asserts every bit
     agrees and every shadow was written; returns what the fold wrote and its shadows."""
@@ -46,12 +57,7 @@ def _step_both(make: Make, dtype: torch.dtype, steps: int = 3) -> tuple[list[lis
         ref.step()
         for t, low in ref_shadows.items():
             low.copy_(t)
-        for p, t in zip(params, twins):
-            assert torch.equal(p, t)
-            if p in shadows:
-                assert torch.equal(shadows[p], ref_shadows[t])
-            for key, value in ref.state[t].items():
-                assert torch.equal(opt.state[p][key], value), key
+        _assert_bit_equal(params, twins, shadows, ref_shadows, opt, ref)
     return written, shadows
 
 
@@ -145,10 +151,5 @@ def test_partitioned_owners_write_the_shadows_of_the_units_they_step() -> None:
         ref_params, ref_shadows, ref_opt, _ = plain[r]
         assert {id(p) for p in written} == {id(p) for i, u in enumerate(params) if owners[i] == r for p in u if p.ndim >= 2}
         for unit, ref_unit in zip(params, ref_params):
-            for p, q in zip(unit, ref_unit):
-                assert torch.equal(p, q)
-                if p in shadows:
-                    assert torch.equal(shadows[p], ref_shadows[q])
-                for key, value in ref_opt.state[q].items():
-                    assert torch.equal(opt.state[p][key], value), key
+            _assert_bit_equal(unit, ref_unit, shadows, ref_shadows, opt, ref_opt)
     _folded("adamw")
