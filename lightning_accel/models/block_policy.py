@@ -28,7 +28,8 @@ least half the size of the chosen container's (an encoder-decoder's encoder and 
 T5's ``encoder.block`` and ``decoder.block``, BART's and Whisper's ``encoder.layers`` and
 ``decoder.layers``; not a list of heads or per-codebook embeddings). They come in
 registration order, which is forward order for these models: the encoder's blocks, then
-the decoder's. A pipeline cuts one stack into stages (``stacks="one"``, the default).
+the decoder's. ``gpipe`` asks for them too (its stages are the model's own forward, so the encoder's output reaches
+every decoder stage); ``gpipe_distributed`` cuts one stack into stages (``stacks="one"``, the default).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from lightning_accel.models.block_policy import Block
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal, mutated_buffers
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
-from lightning_accel.pipeline.microbatch import gather_output, scatter_call
+from lightning_accel.pipeline.microbatch import gather_output, scatter_call, tensors_in
 from lightning_accel.pipeline.partition import stage_of_block
 from lightning_accel.pipeline.streams import StageCopier
 
@@ -84,6 +84,20 @@ def checkpoint_stop(mode: str, chunks: int) -> int:
 
 def _direct_tensors(module: nn.Module) -> list[Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _hidden_tensor(value: Any, path: str = "output") -> str | None:
+    """Where ``value`` holds a tensor inside an object the stage copies cannot enter (they carry tensors and tuples,
+    lists and dicts of them), as ``"output[1].cache (Cache)"``; None when every tensor in it can be carried."""
+    if value is None or isinstance(value, (Tensor, str, bytes, int, float, bool, torch.dtype, torch.device, nn.Module)):
+        return None
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _hidden_tensor(v, f"{path}[{k!r}]")) is not None), None)
+    if isinstance(value, (tuple, list)):
+        return next((p for i, v in enumerate(value) if (p := _hidden_tensor(v, f"{path}[{i}]")) is not None), None)
+    attributes = getattr(value, "__dict__", None) or {}
+    holds = next((name for name, v in attributes.items() if tensors_in(v)), None)
+    return None if holds is None else f"{path}.{holds} ({type(value).__name__})"
 
 
 class LocalPipeline:
@@ -129,6 +143,7 @@ class LocalPipeline:
         self._originals: dict[int, Callable[..., Any]] = {}  # block -> its class's forward, bound
         self.owner = owner  # who refuses, in errors raised during a forward (the strategy's name)
         self._restore = BufferRestore()  # buffers a block writes, put back after its recomputation
+        self._carried: set[int] = set()  # blocks whose output was seen to hold only tensors the stage copies can move
 
     @property
     def stages(self) -> int:
@@ -263,6 +278,16 @@ class LocalPipeline:
                     return forward(*args, **kwargs)
             before = buffer_versions(block.module)
             output = forward(*args, **kwargs)
+            if k not in self._carried:  # the first micro-batch: can its output cross to another stage's device?
+                hidden = _hidden_tensor(output)
+                if hidden is not None:
+                    raise RuntimeError(
+                        f"{self.owner}: block {block.name!r} ({type(block.module).__name__}) returned a tensor inside an "
+                        f"object at {hidden}, which the pipeline cannot move to the next stage's device (it carries "
+                        "tensors and tuples, lists and dicts of them); return its tensors in a tuple or dict, or choose "
+                        "other blocks (blocks=...)"
+                    )
+                self._carried.add(k)
             written = mutated_buffers(block.module, before, exempt=(_BatchNorm,))
             if written and current > 0:
                 raise RuntimeError(

@@ -14,10 +14,12 @@ smaller than ``chunks`` after the first (an epoch's last batch, ``drop_last=Fals
 that many micro-batches; a first batch smaller than ``chunks`` is refused (the setting could
 never be honoured).
 
-Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload)
-are split into stages (``balance``) and placed on ``devices`` by
-:class:`lightning_accel.pipeline.LocalPipeline`, which wraps no module, so checkpoints
-keep the user's parameter names. ``balance="by_time"`` needs a sample, and the one that
+Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload: every
+repeated stack, so an encoder-decoder's encoder blocks, then its decoder's) are split into
+stages (``balance``) and placed on ``devices`` by :class:`lightning_accel.pipeline.LocalPipeline`,
+which wraps no module, so checkpoints keep the user's parameter names. The model's own forward
+runs on every micro-batch, so what it computes once and hands to later blocks (the encoder's
+output, T5's position bias, attention masks) reaches each block, moved to its stage's device. ``balance="by_time"`` needs a sample, and the one that
 costs nothing and is surely representative is the first training batch: the model stays
 whole on the first device through setup (and any sanity check), and the first training
 call of the network times every block on its first micro-batch
@@ -169,7 +171,7 @@ class GPipeStrategy(SingleDeviceStrategy):
     def _place_by_time(self, forward: Any, args: tuple, kwargs: dict) -> None:
         """Time every block on the network's first micro-batch (``forward(*args, **kwargs)``), split by those times, place."""
         net = self._net()
-        blocks = find_blocks(net, self.blocks)
+        blocks = find_blocks(net, self.blocks, stacks="all")
         times = profile_block_times(net, [b.module for b in blocks], lambda: forward(*args, **kwargs))
         balance = balance_by_cost(times, min(len(self.devices), len(blocks)))
         self._place(net, blocks, balance, "balance='by_time': " + ", ".join(f"{t * 1e3:.2f}" for t in times)
@@ -199,7 +201,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.pipeline = None
         self.model.to(self.root_device)
         net = self._net()
-        blocks = find_blocks(net, self.blocks)  # no blocks: say so now, not at the first batch
+        blocks = find_blocks(net, self.blocks, stacks="all")  # no blocks: say so now, not at the first batch
         self._disable_kv_cache()
         stages = min(len(self.devices), len(blocks))
         if not isinstance(self.balance, str):
