@@ -1,0 +1,71 @@
+"""The recipes' quoted memory figures are the estimate's: README.md's table and the recipes' comment blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_accel.config.compose import recipe_names, recipes_dir
+from lightning_accel.estimate.components import RankEstimate
+from lightning_accel.estimate.regenerate import MARKER, README, comment_block, regenerate, rewrite_recipe, rewrite_table, table_cell
+from lightning_accel.estimate.report import Estimate
+
+TABLE = """intro
+
+| recipe | model | memory by estimate |
+|---|---|---|
+| `a_1gpu` | A | old |
+| `b_cpu` | B | old |
+
+after"""
+
+
+def _estimate(on_cpu: bool = False, count: int = 1) -> Estimate:
+    rank = RankEstimate("rank" if count > 1 else "device", count, device={"activations": 2_500_000_000, "blocks in flight (2)": 500_000_000},
+                        host={"masters (fp32)": 30_000_000_000, "optimizer state": 60_000_000_000})
+    if on_cpu:
+        rank = RankEstimate("device", 1, host={"parameters": 3_000_000, "activations": 100_000_000})
+    return Estimate("a_1gpu", "l2l_offload", [rank], device_memory=None, host_memory=None, on_cpu=on_cpu)
+
+
+def test_table_cells_give_device_per_rank_and_host_of_the_machine() -> None:
+    assert table_cell(_estimate()) == "device 3.00 GB, host 90.00 GB"
+    assert table_cell(_estimate(count=8)) == "device 3.00 GB a rank, host 720.00 GB"
+    assert table_cell(_estimate(on_cpu=True)) == "host 0.10 GB"
+
+
+def test_rewrite_table_replaces_only_the_named_recipes_cells() -> None:
+    out = rewrite_table(TABLE, {"a_1gpu": "device 3.00 GB, host 90.00 GB"})
+    assert out == TABLE.replace("| `a_1gpu` | A | old |", "| `a_1gpu` | A | device 3.00 GB, host 90.00 GB |")
+    with pytest.raises(ValueError, match="no recipe table with a 'memory by estimate' column"):
+        rewrite_table("| recipe | model |\n|---|---|", {})
+
+
+def test_comment_block_lists_every_component_and_replaces_the_old_block() -> None:
+    block = comment_block(_estimate())
+    assert block == [
+        f"{MARKER} (python -m lightning_accel.estimate.regenerate writes it):",
+        "#   device peak 3.00 GB: activations 2.50 GB, blocks in flight (2) 0.50 GB;",
+        "#   host 90.00 GB: masters (fp32) 30.00 GB, optimizer state 60.00 GB.",
+    ]
+    recipe = f"# run it\n{MARKER}\n#   stale line\n#     stale continuation\n# Data: kept\ndefaults: []\n"
+    assert rewrite_recipe(recipe, block) == "# run it\n" + "\n".join(block) + "\n# Data: kept\ndefaults: []\n"
+    assert rewrite_recipe("# no block\n", block) == "# no block\n"
+
+
+def test_no_hand_written_memory_arithmetic_is_left() -> None:
+    """Memory figures are quoted from the estimate only (the hand-written "by arithmetic" ones drifted:
+    qwen2.5-7b_l2l-bf16_1gpu said 137 GB of host RAM, leaving out 15.2 GB of pinned gradient staging)."""
+    quoting = [n for n in recipe_names() if "by arithmetic" in (recipes_dir() / f"{n}.yaml").read_text()]
+    assert quoting == []
+    assert "by arithmetic" not in README.read_text().split("## Recipes", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize(
+    "recipes",
+    [
+        pytest.param(["llama-tiny_cpu", "gpt-tiny_l2l_cpu", "gpt-small_gpipe-1f1b_4gpu"], id="cheap"),
+        pytest.param(recipe_names(), id="all", marks=pytest.mark.slow),  # the 70B alone estimates in ~40 s
+    ],
+)
+def test_quoted_figures_are_the_estimates(recipes: list[str]) -> None:
+    assert regenerate(recipes, check=True) == []
