@@ -15,6 +15,10 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 DEFAULT_RECIPE = "gpt-tiny_cpu"
 EXIT_USAGE = 2
@@ -144,7 +148,9 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
     """Run every check a run would (:func:`preflight`), except this machine's hardware.
 
     With several recipes, each is checked and reported; a recipe that needs an extra that
-    is not installed is skipped with the install line. Exit status 2 if any failed.
+    is not installed is skipped with the install line. Exit status 2 if any failed. A recipe
+    whose purpose states a device size ("one 24 GB GPU") is estimated too
+    (:mod:`lightning_accel.estimate`); a device peak beyond that size is a one-line warning.
     """
     from lightning_accel.config.errors import explain
     from lightning_accel.config.preflight import preflight
@@ -152,7 +158,7 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
     failed = 0
     for name in recipes:
         try:
-            preflight(name, overrides, launch=False)
+            cfg = preflight(name, overrides, launch=False)
         except Exception as err:
             extra = _needs_extra(err)
             line = explain(err)
@@ -166,8 +172,31 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
             failed += 1
             print(f"FAIL  {name}  {line}")
             continue
+        warning = _device_warning(name, overrides, cfg)
+        if warning is not None:
+            print(f"warn  {name}  {warning}")
         print(f"ok  {name}")
     return EXIT_USAGE if failed else 0
+
+
+def _device_warning(name: str, overrides: Sequence[str], cfg: DictConfig) -> str | None:
+    """One line when the recipe's estimated device peak exceeds the device size its purpose states
+    ("one 24 GB GPU"); None when it fits, states no size, or runs on the CPU."""
+    from lightning_accel.estimate import estimate_recipe
+    from lightning_accel.estimate.recipe import stated_device_memory
+    from lightning_accel.estimate.report import gb
+
+    stated = stated_device_memory(cfg)
+    if stated is None or str(cfg.trainer.accelerator) == "cpu":
+        return None
+    try:
+        estimate = estimate_recipe(name, list(overrides))
+    except ValueError as err:  # a data module whose batch shape the estimate does not know
+        return f"device memory not estimated: {err}"
+    if estimate.device_fits is not False:
+        return None
+    return (f"estimated device peak {gb(estimate.device_peak)} exceeds the {gb(stated)} device the recipe states; "
+            f"HINT: lightning-accel estimate {name} shows where it goes")
 
 
 def cmd_bench(name: str | None, args: Sequence[str]) -> int:

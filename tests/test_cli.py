@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,9 +154,11 @@ def test_cp_copies_a_runnable_recipe(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "already exists" in capsys.readouterr().err
 
 
-def test_validate_all(capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_all(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_accel.config.compose import recipe_names
 
+    # the device estimate of the three 24 GB recipes takes a minute; tests/estimate/test_regenerate.py checks their figures
+    monkeypatch.setattr(cli, "_device_warning", lambda *args: None)
     assert cli.main(["validate", "--all"]) == 0
     assert capsys.readouterr().out.count("ok  ") == len(recipe_names())
 
@@ -177,6 +180,19 @@ def test_validate_all_applies_the_overrides_to_every_recipe(monkeypatch: pytest.
     # a recipe name beside --all is neither: refused, with the usage
     assert cli.main(["validate", "--all", "gpt-tiny_cpu"]) == 2
     assert "validate takes one recipe or --all, then overrides" in capsys.readouterr().err
+
+
+def test_validate_warns_when_the_estimate_exceeds_the_stated_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """A recipe whose purpose states its device: one warning line when the estimated peak is larger
+    (gpt-small_bf16-accum_1gpu at batch 64 peaks at 1.65 GB), none when it fits; validation still passes."""
+    small = ["data.batch_size=64"]
+    assert cli.main(["validate", "gpt-small_bf16-accum_1gpu", "recipe.purpose='GPT small on one 1 GB GPU'", *small]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"warn  gpt-small_bf16-accum_1gpu  estimated device peak 1\.\d\d GB exceeds the 1\.00 GB device "
+                        r"the recipe states; HINT: lightning-accel estimate gpt-small_bf16-accum_1gpu shows where it goes", out[0])
+    assert out[1:] == ["ok  gpt-small_bf16-accum_1gpu"]
+    assert cli.main(["validate", "gpt-small_bf16-accum_1gpu", "recipe.purpose='GPT small on one 2 GB GPU'", *small]) == 0
+    assert capsys.readouterr().out.splitlines() == ["ok  gpt-small_bf16-accum_1gpu"]
 
 
 # Bad input caught by preflight, in process (no interpreter start-up per case): run and
@@ -280,6 +296,7 @@ def test_ls_and_validate_all_work_without_the_extras(monkeypatch: pytest.MonkeyP
     if "optuna.yaml" not in sweepers:
         pytest.skip("the sweep extra is not installed here")
     monkeypatch.delitem(sweepers, "optuna.yaml")  # as after `pip install .` (no extras)
+    monkeypatch.setattr(cli, "_device_warning", lambda *args: None)  # a minute of estimates, beside this test's point
     assert cli.main(["ls"]) == 0
     out = capsys.readouterr().out
     assert 'gpt-tiny_sweep_cpu' in out and '(needs the sweep extra: pip install "lightning-accel[sweep]")' in out

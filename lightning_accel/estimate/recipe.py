@@ -70,7 +70,7 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _stated_device_memory(cfg: DictConfig) -> int | None:
+def stated_device_memory(cfg: DictConfig) -> int | None:
     """The device size a recipe states in its purpose (``one 24 GB GPU``), if any."""
     match = re.search(r"(\d+)\s*GB", str(OmegaConf.select(cfg, "recipe.purpose", default="") or ""))
     return int(match.group(1)) * 10**9 if match else None
@@ -193,7 +193,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     with mode:  # tensors the step makes from Python values are fake too
         acts = measure_step(lambda: module.training_step(batch, 0), [b.module for b in blocks], trainable, autocast, checkpoint)
     ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch))
-    stated = _stated_device_memory(cfg)
+    stated = stated_device_memory(cfg)
     return Estimate(
         recipe=str(recipe), strategy=plan.strategy, ranks=ranks,
         device_memory=device_memory if device_memory is not None else stated,
