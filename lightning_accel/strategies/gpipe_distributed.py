@@ -80,7 +80,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.models.block_policy import BlockPolicy, find_blocks
+from lightning_accel.models.block_policy import BlockPolicy, check_one_stack, find_blocks
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.patching import swapped
 from lightning_accel.host_memory import available_host_bytes
@@ -355,6 +355,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         module, net = self.lightning_module, self._net()
         assert module is not None
         blocks = find_blocks(net, self.blocks)
+        check_one_stack(net, blocks, type(self).__name__)
         ranks = self.pipeline_parallel_size
         interleaved = SCHEDULE_TABLE[self.schedule].stages_per_rank > 1
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks
