@@ -1,7 +1,8 @@
 """A user script training models this project did not write with ``DistributedGPipeStrategy`` on 2 CPU processes.
 
 Run as ``python real_models_worker.py OUT_DIR CASES``: CASES is a comma-separated list of
-``model:schedule`` (models of ``tests/strategies/real_models.py`` plus ``qwen2`` and ``mistral``),
+``model:schedule`` (models of ``tests/strategies/real_models.py``, its encoder-decoders ``t5`` and ``bart``
+on their own loss and token pairs, plus ``qwen2`` and ``mistral``),
 one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts rank 1 from
 this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
 model's seeded initialization; rank 0 saves ``{model}-{schedule}.ckpt`` (the gathered
@@ -26,6 +27,7 @@ import real_models  # noqa: E402
 from real_models import VOCAB, lm_loader  # noqa: E402
 
 STEPS, CHUNKS = 4, 4
+SEQ2SEQ_SAMPLES = 32  # encoder-decoders (T5, BART): (source, target) pairs, 4 batches of 8
 
 
 def build_qwen2() -> torch.nn.Module:
@@ -76,7 +78,10 @@ def main() -> None:
     torch.set_num_threads(1)
     for name, schedule in cases:
         t = trainer(schedule, STEPS)
-        t.fit(task(name), shuffled())
+        if name in real_models.ENCODER_DECODERS:  # the decoder pipelined, the encoder on every rank (blocks='auto')
+            t.fit(real_models.seq2seq_task(name), DataLoader(real_models.seq2seq_data(SEQ2SEQ_SAMPLES), batch_size=8, shuffle=True))
+        else:
+            t.fit(task(name), shuffled())
         t.save_checkpoint(out / f"{name}-{schedule}.ckpt")
         if (name, schedule) == ("llama", "gpipe"):
             t = trainer(schedule, STEPS // 2, sampler=False)

@@ -122,6 +122,50 @@ class CausalLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
 
 
+def build_t5() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0))
+
+
+def build_bart() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0))
+
+
+ENCODER_DECODERS: dict[str, Callable[[], nn.Module]] = {"t5": build_t5, "bart": build_bart}
+
+
+class Seq2Seq(pl.LightningModule):
+    """An encoder-decoder's own loss on (source, target) token batches; AdamW."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.net(input_ids=batch[0], labels=batch[1]).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def seq2seq_task(name: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Seq2Seq:
+    """``name`` (one of ENCODER_DECODERS) built with ``seed``, in ``dtype``, inside a Seq2Seq."""
+    torch.manual_seed(seed)
+    return Seq2Seq(ENCODER_DECODERS[name]().to(dtype))
+
+
+def seq2seq_data(n: int = 12) -> TensorDataset:
+    """``n`` (source of 12, target of 10) token pairs, no padding."""
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(1, 64, (n, 12), generator=g), torch.randint(1, 64, (n, 10), generator=g))
+
+
 def real_task(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> CausalLM:
     """``name`` (one of REAL_MODELS) built with ``seed``, in ``dtype``, inside a CausalLM."""
     torch.manual_seed(seed)

@@ -8,6 +8,8 @@ the running block on the device" did not hold for half the model, and gpipe put 
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -20,39 +22,16 @@ from lightning_accel.offload import L2LExecutor
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
-
-def t5() -> torch.nn.Module:
-    return transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4, dropout_rate=0.0,
-        decoder_start_token_id=0, pad_token_id=0))
-
-
-def bart() -> torch.nn.Module:
-    return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0))
-
-
-class Seq2Seq(pl.LightningModule):
-    """The model's own loss on (source, target) token batches; AdamW."""
-
-    def __init__(self, net: torch.nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.net(input_ids=batch[0], labels=batch[1]).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_models import Seq2Seq, seq2seq_data  # noqa: E402
+from real_models import build_bart as bart  # noqa: E402
+from real_models import build_t5 as t5  # noqa: E402
 
 
 def train(build, strategy, callbacks: list[pl.Callback] | None = None) -> Seq2Seq:
     torch.manual_seed(0)
     task = Seq2Seq(build().double())
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randint(1, 64, (12, 12), generator=g), torch.randint(1, 64, (12, 10), generator=g))
+    data = seq2seq_data()
     pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
                enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(task, DataLoader(data, batch_size=4))
     return task
