@@ -69,3 +69,12 @@ def test_no_hand_written_memory_arithmetic_is_left() -> None:
 )
 def test_quoted_figures_are_the_estimates(recipes: list[str]) -> None:
     assert regenerate(recipes, check=True) == []
+
+
+def test_an_unknown_recipe_is_refused_with_where_to_look(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel.estimate.regenerate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--check", "no-such_recipe"])
+    assert exit_info.value.code == 2
+    assert "no shipped recipe no-such_recipe; see lightning-accel ls" in capsys.readouterr().err
