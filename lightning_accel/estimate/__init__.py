@@ -12,6 +12,7 @@ add up every rank's device and host bytes by component:
 - :mod:`.components`: the arithmetic per strategy;
 - :mod:`.report`: table, verdict and JSON;
 - :mod:`.recipe`: from a recipe to an estimate.
+- :mod:`.regenerate`: the figures README.md and the recipes quote, written from the estimate.
 """
 
 from lightning_accel.estimate.components import Plan, RankEstimate, estimate_ranks
