@@ -284,7 +284,7 @@ def _check_balance(strategy: Any, net: Any) -> None:
     from lightning_accel.pipeline.partition import check_balance
 
     try:
-        blocks = find_blocks(net, strategy.blocks)
+        blocks = find_blocks(net, strategy.blocks, stacks="all")  # as the strategy finds them: every repeated stack
         check_balance(strategy.balance, len(blocks), len(strategy.devices))
     except ValueError as err:
         raise UserError(f"strategy.balance={list(strategy.balance)}: {_first_line(err)}") from None
