@@ -168,8 +168,9 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     datamodule = instantiate(cfg.data)
     net = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
     try:
-        streamed = _kind(strategy, 1) in (L2L, L2L_DDP)  # L2L streams every stack (an encoder-decoder's both), a pipeline cuts one
-        blocks = find_blocks(net, getattr(strategy, "blocks", "auto"), stacks="all" if streamed else "one")
+        # L2L streams every stack (an encoder-decoder's both) and gpipe pipelines them in turn; gpipe_distributed cuts one
+        every = _kind(strategy, 1) in (L2L, L2L_DDP, GPIPE)
+        blocks = find_blocks(net, getattr(strategy, "blocks", "auto"), stacks="all" if every else "one")
     except ValueError:
         blocks = []  # plain training needs no blocks; the strategies that do refused the recipe in preflight
     plan = plan_of(cfg, strategy, blocks, datamodule, notes)
