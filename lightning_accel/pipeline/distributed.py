@@ -6,7 +6,7 @@ the other ranks' blocks are receive and send points
 own loop with masks, position ids or rotary tables (transformers, litgpt) runs
 unchanged, and what it computes before the first block is recomputed on every rank. A
 :class:`StageModule` per stage hands that to a :class:`PipelineStage`, and one of
-PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``;
+PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``interleaved_zb``, ``zbv``, ``dualpipev``;
 :data:`lightning_accel.pipeline.schedule.SCHEDULE_TABLE`) sends activations forward and
 gradients back between ranks. The blocks of other ranks' stages are on the ``meta``
 device; what is outside the blocks (embeddings, final norm, head, tied weights) is on
@@ -66,7 +66,7 @@ inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
 from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
@@ -114,6 +114,15 @@ class StageModule(nn.Module):
         self.pipe, self.stage, self.remat_stop, self.microbatch = pipe, stage, remat_stop, 0
         self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
         self.recorder: StepRecorder | None = None
+        self.split_backward = False  # set by _Stage while torch runs an input- or weight-gradient half of a backward
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The stage's blocks' parameters; during a split backward (zero-bubble schedules) also the trainable ones outside
+        the blocks, which this stage's forward may use (an embedding, a head): torch computes the weight half for exactly
+        ``submod.parameters()``, so those would otherwise get no gradient."""
+        yield from super().parameters(recurse)
+        if self.split_backward:
+            yield from (p for p in self.pipe.resident if p.requires_grad)
 
     def forward(self, *xs: Tensor) -> Tensor | tuple[Tensor, ...]:
         # stage 0: the micro-batch index; a later stage: the previous stage's tensors (one, or a block output's several)
@@ -197,6 +206,15 @@ class _Stage(PipelineStage):
     """torch's stage, whose shape metadata also carries the structure of the block outputs it sends
     (:attr:`StageBoundaries.structures`), so the next stage's rank never runs another rank's block for it."""
 
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]] | None]:
+        self.submod.split_backward = backward_type != "full"
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        finally:
+            self.submod.split_backward = False
+
     def _send_meta(self, meta: Any, dst_stage: int) -> None:
         super()._send_meta((meta, dict(self.submod.pipe.boundaries.structures)), dst_stage)
 
@@ -223,8 +241,10 @@ def _rng_kept(device: torch.device) -> Any:
 
 
 def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
-    """Stages rank ``rank`` runs: one, or two for ``interleaved_1f1b`` (``rank`` and ``rank + world_size``)."""
-    return [rank + k * world_size for k in range(SCHEDULE_TABLE[schedule].stages_per_rank)]
+    """Stages rank ``rank`` runs: one, or two for an interleaved schedule (``rank`` and ``rank + world_size``; V-wise
+    ``rank`` and ``2 * world_size - 1 - rank`` for ``zbv`` and ``dualpipev``), in stage order."""
+    stages = SCHEDULE_TABLE[schedule].stages_per_rank * world_size
+    return [s for s in range(stages) if stage_rank(s, world_size, schedule) == rank]
 
 
 class RankPipeline:
@@ -377,6 +397,10 @@ class RankPipeline:
         for m in self.modules:
             m.microbatch = 0
 
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage`` (:func:`lightning_accel.pipeline.schedule.stage_rank`)."""
+        return stage_rank(stage, self.world_size, self.schedule_name)
+
     def _global(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
@@ -488,7 +512,7 @@ class RankPipeline:
     def resident_rank(self, p: Tensor) -> int:
         """The pipeline rank whose value of ``p`` (outside the blocks) counts: its first user, or before any step the
         last stage's rank (every rank then holds the same value)."""
-        return self.resident_owner.get(id(p), (len(self.balance) - 1) % self.world_size)
+        return self.resident_owner.get(id(p), stage_rank(len(self.balance) - 1, self.world_size, self.schedule_name))
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

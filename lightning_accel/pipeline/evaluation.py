@@ -97,7 +97,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                     continue
                 x = None if s == 0 else ready.pop((s, i), None)
                 if s > 0 and x is None:
-                    x = recv_activation(pipe._global((s - 1) % pipe.world_size), pipe.device, pipe.group)
+                    x = recv_activation(pipe._global(pipe.stage_rank(s - 1)), pipe.device, pipe.group)
                 if s == last and whole_on_last:
                     arrived.append(x)
                     continue
@@ -105,7 +105,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                     arrived.append(pipe.boundaries.run(s, x, lambda i=i: run(i)))
                     continue
                 y = pipe.boundaries.run(s, x, lambda i=i: run(i))
-                nxt = (s + 1) % pipe.world_size
+                nxt = pipe.stage_rank(s + 1)
                 if nxt == pipe.rank:
                     ready[(s + 1, i)] = y
                 else:

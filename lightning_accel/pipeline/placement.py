@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_accel.pipeline.partition import check_balance, stage_of_block
+from lightning_accel.pipeline.schedule import stage_rank
 from lightning_accel.stored import plain_parts
 
 __all__ = ["RankLayout", "broadcast_shared", "check_split", "keep_own_parameters", "owners", "send_initial_weights"]
@@ -112,32 +113,42 @@ def keep_own_parameters(
     return full, kept
 
 
-def owners(tensors: Sequence[Tensor], blocks: Sequence[nn.Module], balance: Sequence[int], ranks: int) -> tuple[list[int], list[bool]]:
+def owners(
+    tensors: Sequence[Tensor], blocks: Sequence[nn.Module], balance: Sequence[int], ranks: int, schedule: str = "gpipe"
+) -> tuple[list[int], list[bool]]:
     """Per tensor of ``tensors``: the pipeline rank whose stage trains it, and whether it is outside every block (on
     every rank; its owner is then the last stage's rank). ``blocks`` in order, split by ``balance`` over ``ranks``
-    ranks (stage ``s`` on rank ``s % ranks``: two stages per rank for an interleaved schedule)."""
+    ranks (stage ``s`` on rank :func:`~lightning_accel.pipeline.schedule.stage_rank` under ``schedule``: ``s % ranks``,
+    or V-wise for ``zbv`` and ``dualpipev``)."""
     stage_of: dict[int, int] = {}
     for k, s in enumerate(stage_of_block(balance)):
         for t in [*blocks[k].parameters(), *blocks[k].buffers()]:
             stage_of.setdefault(id(t), s)
     last = len(balance) - 1
-    return [stage_of.get(id(t), last) % ranks for t in tensors], [id(t) not in stage_of for t in tensors]
+    return [stage_rank(stage_of.get(id(t), last), ranks, schedule) for t in tensors], [id(t) not in stage_of for t in tensors]
 
 
 def check_split(
-    previous: tuple[int, bool, tuple[int, ...]] | None,
+    previous: tuple[int, str, tuple[int, ...]] | None,
     ranks: int,
-    interleaved: bool,
+    placement: str,
     schedule: str,
     requested: Sequence[int] | str,
     stages: int,
     num_blocks: int,
     choose: Callable[[], list[int]],
 ) -> list[int]:
-    """The balance of this split: ``previous`` (``(ranks, interleaved, balance)`` of an earlier split of the same module,
-    which must match) or ``choose()``; checked against ``stages`` and ``num_blocks`` before any weights move."""
+    """The balance of this split: ``previous`` (``(ranks, placement, balance)`` of an earlier split of the same module,
+    which must match; ``placement``: :attr:`~lightning_accel.pipeline.schedule.ScheduleSpec.placement`) or ``choose()``;
+    checked against ``stages`` and ``num_blocks`` before any weights move."""
+    if num_blocks < stages:
+        raise ValueError(
+            f"schedule {schedule!r} on {ranks} ranks runs {stages} stages ({stages // ranks} per rank) but the model has "
+            f"{num_blocks} blocks; give it at least {stages} blocks, run fewer ranks, or choose a schedule with one stage "
+            "per rank ('1f1b')"
+        )
     balance = choose() if previous is None else list(previous[2])
-    if previous is not None and previous != (ranks, interleaved, tuple(balance)):
+    if previous is not None and previous != (ranks, placement, tuple(balance)):
         raise ValueError(
             f"this module was split for {previous[0]} ranks with balance {list(previous[2])} by an earlier run; it "
             f"cannot be split again for {ranks} ranks and schedule {schedule!r}; build a fresh model "

@@ -25,6 +25,7 @@ from lightning_accel.pipeline.checkpoint import gather_optimizer_state, local_op
 from lightning_accel.pipeline.deferred_init import agreed_seed, has_meta_tensors, materialize
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, owners, send_initial_weights
+from lightning_accel.pipeline.schedule import stage_rank
 
 __all__ = ["RankSplit", "split_module", "tensors_of"]
 
@@ -47,6 +48,8 @@ class RankSplit:
     # parameter id -> the pipeline rank that uses it (RankPipeline.resident_owner, filled at the first step): a rank
     # that does not use a parameter outside the blocks never steps it, so its value and optimizer state come from here
     resident_owner: dict[int, int] = field(default_factory=dict)
+    # the pipeline rank of the last stage: the last (-1), or rank 0 for a V-shaped schedule (zbv, dualpipev)
+    last_rank: int = -1
     kept_ids: list[list[int]] = field(default_factory=list)  # per optimizer: its parameters' ids, in state_dict order
 
     def counted_here(self, t: Tensor, layout: RankLayout) -> bool:
@@ -58,7 +61,7 @@ class RankSplit:
         """Leave in each optimizer only this rank's parameters (see :func:`lightning_accel.pipeline.placement.keep_own_parameters`);
         a parameter not in ``module`` counts as outside the blocks."""
         owner = {id(t): (o, sh) for t, o, sh in zip(tensors_of(module), self.owners, self.shared)}
-        default = (layout.pp_size - 1, True)
+        default = (self.last_rank % layout.pp_size, True)
         self.optimizer_index = [keep_own_parameters(o, owner, layout.pp_rank, default) for o in optimizers]
         self.kept_ids = [[id(p) for group in o.param_groups for p in group["params"]] for o in optimizers]
 
@@ -79,7 +82,7 @@ class RankSplit:
         return gather_optimizer_state(state, full, kept, layout)
 
     def _steps_here(self, pid: int, layout: RankLayout) -> bool:
-        return pid not in self.resident or self.resident_owner.get(pid, layout.pp_size - 1) == layout.pp_rank
+        return pid not in self.resident or self.resident_owner.get(pid, self.last_rank % layout.pp_size) == layout.pp_rank
 
     def local_optimizer_state(self, index: int, whole: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's part of optimizer ``index``'s whole-model state."""
@@ -96,7 +99,8 @@ def split_module(
     arguments), and where each tensor lives. ``first``: the module's first split, so its starting weights are placed
     (a split module keeps its own). The other ranks' blocks go to the ``meta`` device (names, shapes, dtypes stay)."""
     tensors = tensors_of(module)
-    owned, shared = owners(tensors, [b.module for b in blocks], balance, layout.pp_size)
+    schedule = pipeline.get("schedule", "gpipe")
+    owned, shared = owners(tensors, [b.module for b in blocks], balance, layout.pp_size, schedule)
     if first and has_meta_tensors(module):  # built on meta: each rank initializes its own part, nothing is sent
         mine = {id(t) for t, o, sh in zip(tensors, owned, shared) if sh or o == layout.pp_rank}
         materialize(module, agreed_seed(), keep=lambda t: id(t) in mine)
@@ -106,4 +110,5 @@ def split_module(
         module, balance, device=layout.device, group=layout.pp_group, blocks=[Block(b.name, b.module) for b in blocks],
         **pipeline,
     )
-    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident}, resident_owner=pipe.resident_owner)
+    last = stage_rank(len(balance) - 1, layout.pp_size, schedule)
+    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident}, resident_owner=pipe.resident_owner, last_rank=last)

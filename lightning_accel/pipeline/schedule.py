@@ -11,6 +11,10 @@ picture and the bubble figure are read off the same data.
 - 1F1B (PipeDream-flush): stage ``s`` runs ``S - s - 1`` warm-up forwards, then
   alternates one forward and one backward, then drains; at most ``S - s`` micro-batches
   are alive on stage ``s``. Same bubble as GPipe, less activation memory.
+- Zero-bubble (``interleaved_zb``, ``zbv``) and DualPipeV (``dualpipev``): torch's own
+  schedules, which split each backward into its input-gradient and weight-gradient
+  halves and fill the bubble with the weight halves; ``zbv`` and ``dualpipev`` place
+  two stages per rank V-wise (:func:`stage_rank`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "ideal_speedup",
     "one_f_one_b_order",
     "simulate",
+    "stage_rank",
 ]
 
 @dataclass(frozen=True)
@@ -43,7 +48,9 @@ class ScheduleSpec:
     micro-batches as stages (1F1B's steady state); ``rounds``: micro-batches go in rounds of
     the stage count, so ``chunks`` must be a multiple of the rounds; ``eval_whole_on_pairs``:
     evaluation sends the batch whole where two ranks send each other activations off the
-    CPU (NCCL would deadlock on crossing streamed sends; see ``RankPipeline.eval_chunks``).
+    CPU (NCCL would deadlock on crossing streamed sends; see ``RankPipeline.eval_chunks``);
+    ``v_shape``: rank ``r`` of ``W`` holds stages ``r`` and ``2W - 1 - r`` (torch's "v" style),
+    not ``r`` and ``r + W`` (looped).
     """
 
     name: str
@@ -52,6 +59,12 @@ class ScheduleSpec:
     needs_chunks_per_stage: bool = False
     rounds: bool = False
     eval_whole_on_pairs: bool = False
+    v_shape: bool = False
+
+    @property
+    def placement(self) -> str:
+        """Where a rank's stages sit: ``"one"`` stage per rank, ``"looped"`` (``r``, ``r + W``) or ``"v"``."""
+        return "v" if self.v_shape else "looped" if self.stages_per_rank > 1 else "one"
 
     def build(self, stages: Sequence[Any], **kwargs: Any) -> Any:
         """The torch schedule over this rank's ``PipelineStage`` objects (one, or several for a looped schedule)."""
@@ -70,9 +83,26 @@ SCHEDULE_TABLE: dict[str, ScheduleSpec] = {
             "interleaved_1f1b", "ScheduleInterleaved1F1B", stages_per_rank=2, needs_chunks_per_stage=True, rounds=True,
             eval_whole_on_pairs=True,
         ),
+        ScheduleSpec(
+            "interleaved_zb", "ScheduleInterleavedZeroBubble", stages_per_rank=2, needs_chunks_per_stage=True,
+            rounds=True, eval_whole_on_pairs=True,
+        ),
+        ScheduleSpec("zbv", "ScheduleZBVZeroBubble", stages_per_rank=2, eval_whole_on_pairs=True, v_shape=True),
+        ScheduleSpec(
+            "dualpipev", "ScheduleDualPipeV", stages_per_rank=2, needs_chunks_per_stage=True, eval_whole_on_pairs=True,
+            v_shape=True,
+        ),
     )
 }
 SCHEDULES = tuple(SCHEDULE_TABLE)
+
+
+def stage_rank(stage: int, world_size: int, schedule: str) -> int:
+    """The pipeline rank that runs ``stage`` under ``schedule``: ``stage % world_size`` (looped), or V-wise for ``zbv``
+    and ``dualpipev`` (stages ``0 .. W-1`` down the ranks, ``W .. 2W-1`` back up: rank 0 holds the first and the last)."""
+    if SCHEDULE_TABLE[schedule].v_shape and stage >= world_size:
+        return 2 * world_size - 1 - stage
+    return stage % world_size
 
 
 class Action(NamedTuple):
@@ -177,7 +207,7 @@ def check_schedule(name: str, chunks: int, stages: int) -> None:
     rounds = max(1, chunks // stages)
     if spec.rounds and chunks % rounds != 0:
         raise ValueError(
-            f"schedule 'interleaved_1f1b' runs micro-batches in rounds of {stages} and needs chunks to be a "
+            f"schedule {name!r} runs micro-batches in rounds of {stages} and needs chunks to be a "
             f"multiple of the {rounds} rounds (chunks={chunks}, stages={stages}); set chunks={rounds * stages}"
         )
 

@@ -98,11 +98,11 @@ from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
 from lightning_accel.pipeline.rank_step import eval_step, train_step
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
 from lightning_accel.pipeline.step_result import broadcast_step_result
 from lightning_accel.strategies.user_hooks import overrides
 
-_LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, interleaved, balance)
+_LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
 
 
 def _to_device(module: nn.Module, device: torch.device) -> None:
@@ -143,10 +143,14 @@ class DistributedGPipeStrategy(DDPStrategy):
             not a multiple) trains in equal micro-batches of another count: fewer (a divisor of its size), or more where
             the schedule needs them; a size no count fits is refused before the first step.
         schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (fewer
-            activations alive) or ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
-            needs ``chunks`` >= stages).
+            activations alive), ``"interleaved_1f1b"`` (two stages per rank, smaller bubble;
+            needs ``chunks`` >= stages), or torch's zero-bubble schedules, which split each backward into its
+            input- and weight-gradient halves and fill the bubble with the weight halves: ``"interleaved_zb"``
+            (looped as ``interleaved_1f1b``), ``"zbv"`` and ``"dualpipev"`` (two stages per rank placed V-wise: rank
+            ``r`` holds stages ``r`` and ``2W - 1 - r``, so rank 0 runs the first and the last; ``dualpipev`` needs
+            ``chunks`` >= stages). Two stages per rank need at least ``2W`` blocks.
         balance: blocks per stage (one entry per rank, two per rank for
-            ``interleaved_1f1b``), ``"by_size"`` (parameter and buffer bytes) or ``"by_time"``
+            the two-stage-per-rank schedules), ``"by_size"`` (parameter and buffer bytes) or ``"by_time"``
             (forward + backward seconds of each block on the LightningModule's
             ``example_input_array``, measured once on rank 0; see the module docstring).
         blocks: which submodules are the blocks that stages split at: a policy for
@@ -357,12 +361,12 @@ class DistributedGPipeStrategy(DDPStrategy):
         blocks = find_blocks(net, self.blocks)
         check_one_stack(net, blocks, type(self).__name__)
         ranks = self.pipeline_parallel_size
-        interleaved = SCHEDULE_TABLE[self.schedule].stages_per_rank > 1
+        placement = SCHEDULE_TABLE[self.schedule].placement
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks
         check_schedule(self.schedule, self.chunks, stages)
         layout = getattr(module, _LAYOUT, None)  # set when an earlier fit split this module
         balance = check_split(
-            layout, ranks, interleaved, self.schedule, self.balance, stages, len(blocks),
+            layout, ranks, placement, self.schedule, self.balance, stages, len(blocks),
             lambda: self._balance([b.module for b in blocks], stages),
         )
         self._cache_settings = disable_kv_cache(net)
@@ -377,8 +381,13 @@ class DistributedGPipeStrategy(DDPStrategy):
             deferred_batch_norm=self.deferred_batch_norm,
         )
         if layout is None:
-            object.__setattr__(module, _LAYOUT, (ranks, interleaved, tuple(balance)))
+            object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))
         self.model_to_device()
+
+    def _last_rank(self) -> int:
+        """The pipeline rank of the last stage: the last rank, or rank 0 for a V-shaped schedule (``zbv``, ``dualpipev``)."""
+        ranks = self.pipeline_parallel_size
+        return stage_rank(len(stage_indices(0, ranks, self.schedule)) * ranks - 1, ranks, self.schedule)
 
     def sync_weights(self) -> None:
         """Give every rank the current values of what lives outside the stages (all ranks must call this)."""
@@ -400,7 +409,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         # the last rank has the loss and the logs: every rank returns and logs the same
         layout = self._layout
         (loss, records, as_dict), self._step_signature_cache = broadcast_step_result(
-            result, self._step_signature_cache, layout.pp_global(layout.pp_size - 1), layout.pp_group, self.root_device,
+            result, self._step_signature_cache, layout.pp_global(self._last_rank()), layout.pp_group, self.root_device,
         )
         for name, value, kw in records:
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
@@ -507,7 +516,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         layout = self._layout
         return eval_step(
             pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
-            layout.pp_global(layout.pp_size - 1), self.root_device,
+            layout.pp_global(self._last_rank()), self.root_device,
             (lambda out: apply_to_collection(out, Tensor, lambda t: t.detach().cpu())) if return_output else None,
         )
 

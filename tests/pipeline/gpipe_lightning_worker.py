@@ -30,9 +30,18 @@ CASES = {  # schedule: (chunks, balance, training sequences)
     "gpipe": (4, [2, 2], 32),
     "1f1b": (2, [3, 1], 36),
     "interleaved_1f1b": (4, [1, 1, 1, 1], 32),
+    # torch's zero-bubble and DualPipeV schedules: two stages per rank, looped (interleaved_zb) or V-wise (rank 0 holds
+    # stages 0 and 3: the first and the last)
+    "interleaved_zb": (4, [1, 1, 1, 1], 32),
+    "zbv": (4, [1, 1, 1, 1], 32),
+    "dualpipev": (4, [1, 1, 1, 1], 32),
 }
+RESUMED = ("gpipe", "interleaved_zb", "zbv", "dualpipev")  # each resumes from its own checkpoint for one more epoch
 # re-materialization per schedule: each mode is checked against plain training by the same assertions
-CHECKPOINT = {"gpipe": "always", "1f1b": "except_last", "interleaved_1f1b": "never"}
+CHECKPOINT = {
+    "gpipe": "always", "1f1b": "except_last", "interleaved_1f1b": "never", "interleaved_zb": "never", "zbv": "never",
+    "dualpipev": "never",
+}
 
 
 class Losses(pl.Callback):
@@ -97,8 +106,8 @@ def main() -> None:
     torch.set_num_threads(1)
     for schedule in schedules:
         fit(out, schedule, epochs, schedule)
-        if schedule == "gpipe":
-            fit(out, schedule, 2 * epochs, "gpipe-resumed", ckpt_path=os.path.join(out, "gpipe.ckpt"))
+        if schedule in RESUMED:
+            fit(out, schedule, 2 * epochs, f"{schedule}-resumed", ckpt_path=os.path.join(out, f"{schedule}.ckpt"))
 
 
 if __name__ == "__main__":

@@ -39,15 +39,15 @@ def val_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=8)
 
 
-def stage_names(task: LanguageModelTask, balance: list[int], ranks: int) -> list[set[str]]:
-    """The parameter names each rank holds (stage ``s`` on rank ``s % ranks``): its stages' blocks, and everything
-    outside the blocks (pre and post: on every rank)."""
+def stage_names(task: LanguageModelTask, balance: list[int], ranks: int, rank_of: list[int] | None = None) -> list[set[str]]:
+    """The parameter names each rank holds (stage ``s`` on rank ``rank_of[s]``, by default ``s % ranks``): its stages'
+    blocks, and everything outside the blocks (pre and post: on every rank)."""
     net, names = task.net, [set() for _ in range(ranks)]
     outside = {f"net.{n}" for n, _ in net.named_parameters() if not n.startswith("blocks.")}
     for s, count in enumerate(balance):
         start = sum(balance[:s])
         for i in range(start, start + count):
-            names[s % ranks] |= {f"net.blocks.{i}.{n}" for n, _ in net.blocks[i].named_parameters()} | outside
+            names[rank_of[s] if rank_of else s % ranks] |= {f"net.blocks.{i}.{n}" for n, _ in net.blocks[i].named_parameters()} | outside
     return names
 
 

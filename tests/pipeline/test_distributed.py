@@ -253,6 +253,10 @@ def test_stage_boundaries_run_the_models_own_forward_stage_by_stage():
     torch.testing.assert_close(hidden, first.blocks[0](first.pre(x)))
     torch.testing.assert_close(StageBoundaries(list(last.blocks), [1, 3]).run(1, hidden, lambda: last(x)), expected)
     assert stage_indices(1, 2, "1f1b") == [1] and stage_indices(1, 2, "interleaved_1f1b") == [1, 3]
+    assert stage_indices(1, 2, "interleaved_zb") == [1, 3]
+    # V-wise: rank r of W holds r and 2W - 1 - r (on 4 ranks: 0 and 7, ..., 3 and 4)
+    assert [stage_indices(r, 2, "zbv") for r in range(2)] == [[0, 3], [1, 2]]
+    assert [stage_indices(r, 4, "dualpipev") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
 def test_stage_boundaries_restore_puts_back_a_forward_the_users_instance_already_had():

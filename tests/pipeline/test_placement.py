@@ -28,18 +28,33 @@ def test_owners_follow_the_stages_and_everything_outside_the_blocks_is_shared():
     assert by_name["1.weight"] == (0, False) and by_name["2.bias"] == (1, False)
     assert by_name["3.weight"] == (0, False) and by_name["4.weight"] == (1, False)
     assert by_name["0.weight"] == (1, True) and by_name["5.bias"] == (1, True)  # outside: the last stage's rank
+    # V-wise (zbv, dualpipev): rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; outside: rank 0, the last stage's
+    owned, shared = owners(tensors, blocks, [1, 1, 1, 1], 2, "zbv")
+    by_name = dict(zip(names, zip(owned, shared)))
+    assert [by_name[f"{k}.weight"] for k in range(1, 5)] == [(0, False), (1, False), (1, False), (0, False)]
+    assert by_name["0.weight"] == (0, True) and by_name["5.bias"] == (0, True)
 
 
 def test_a_second_split_must_keep_the_first_layout():
     choose = lambda: [2, 2]  # noqa: E731
-    assert check_split(None, 2, False, "gpipe", "by_size", 2, 4, choose) == [2, 2]
-    assert check_split((2, False, (3, 1)), 2, False, "gpipe", "by_size", 2, 4, choose) == [3, 1]
+    assert check_split(None, 2, "one", "gpipe", "by_size", 2, 4, choose) == [2, 2]
+    assert check_split((2, "one", (3, 1)), 2, "one", "gpipe", "by_size", 2, 4, choose) == [3, 1]
     with pytest.raises(ValueError, match=r"split for 2 ranks with balance \[3, 1\] by an earlier run.*; build a fresh"):
-        check_split((2, False, (3, 1)), 1, True, "interleaved_1f1b", "by_size", 2, 4, choose)
+        check_split((2, "one", (3, 1)), 1, "looped", "interleaved_1f1b", "by_size", 2, 4, choose)
     with pytest.raises(ValueError, match=r"balance \[2, 2\] differs from \[3, 1\], the split of this module"):
-        check_split((2, False, (3, 1)), 2, False, "gpipe", [2, 2], 2, 4, choose)
+        check_split((2, "one", (3, 1)), 2, "one", "gpipe", [2, 2], 2, 4, choose)
     with pytest.raises(ValueError, match=r"schedule 'gpipe' on 2 ranks runs 2 stages but balance has 3"):
-        check_split(None, 2, False, "gpipe", [1, 1, 2], 2, 4, lambda: [1, 1, 2])
+        check_split(None, 2, "one", "gpipe", [1, 1, 2], 2, 4, lambda: [1, 1, 2])
+    # the same ranks and balance, the stages placed V-wise instead of looped: rank 1 holds other blocks
+    with pytest.raises(ValueError, match=r"split for 2 ranks with balance \[1, 1, 1, 1\] by an earlier run.*'zbv'"):
+        check_split((2, "looped", (1, 1, 1, 1)), 2, "v", "zbv", "by_size", 4, 4, choose)
+
+
+def test_too_few_blocks_for_two_stages_per_rank_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^schedule 'zbv' on 2 ranks runs 4 stages \(2 per rank\) but the model has 3 "
+                       r"blocks; give it at least 4 blocks, run fewer ranks, or choose a schedule with one stage per rank "
+                       r"\('1f1b'\)$"):
+        check_split(None, 2, "v", "zbv", "by_size", 4, 3, lambda: [1, 1, 1])
 
 
 def test_ranks_per_pipeline_and_world_size():

@@ -20,11 +20,13 @@ from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrateg
 
 PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
-from gpipe_lightning_worker import CASES  # noqa: E402
+from gpipe_lightning_worker import CASES, RESUMED  # noqa: E402
 from gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
-SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+# the rank of each stage where it is not s % 2: V-wise, rank 0 holds the first and the last stage
+RANK_OF = {"zbv": [0, 1, 1, 0], "dualpipev": [0, 1, 1, 0]}
 
 
 class Losses(pl.Callback):
@@ -113,7 +115,8 @@ def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_rank
     _, balance, n = CASES[schedule]
     ref_weights = reference[0][n][1]
     ranks = _ranks(two_ranks, schedule)
-    expected = stage_names(gpt_task(), balance, 2)
+    rank_of = RANK_OF.get(schedule, [s % 2 for s in range(len(balance))])
+    expected = stage_names(gpt_task(), balance, 2, rank_of)
     outside = {n for n in ref_weights if not n.startswith("net.blocks.")}
     assert all(expected) and expected[0] & expected[1] == outside and expected[0] | expected[1] == set(ref_weights)
     nbytes = lambda names: sum(ref_weights[k].numel() * ref_weights[k].element_size() for k in names)  # noqa: E731
@@ -124,8 +127,9 @@ def test_each_rank_holds_only_its_stages_parameters_and_optimizer_state(two_rank
         resident_bytes = sum(t.numel() * t.element_size() for t in rank["resident"].values())
         assert resident_bytes == nbytes(expected[r]) < nbytes(ref_weights)
         assert set(rank["optimizer"]) == expected[r], f"rank {r}'s optimizer"
-        used = {n for n in outside if n.startswith(("net.pre.", "net.post.")[r])}
-        assert used and {n for n, sizes in rank["optimizer"].items() if sizes} == (expected[r] - outside) | used
+        # pre is used by the first stage's rank, post by the last's (V-wise both on rank 0, none on rank 1)
+        used = {n for n in outside if (n.startswith("net.pre.") and rank_of[0] == r) or (n.startswith("net.post.") and rank_of[-1] == r)}
+        assert {n for n, sizes in rank["optimizer"].items() if sizes} == (expected[r] - outside) | used
         for name, sizes in rank["optimizer"].items():
             if sizes:
                 assert sizes["exp_avg"] == sizes["exp_avg_sq"] == ref_weights[name].numel(), name
@@ -189,18 +193,22 @@ def test_the_whole_models_gradient_norm_is_one_call_on_every_rank(two_ranks, sch
     assert "trainer.strategy.grad_norm(2) gives the whole model's norm" in said
 
 
-def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference):
+@pytest.mark.parametrize("schedule", RESUMED)
+def test_resuming_from_the_gathered_checkpoint_is_exact(two_ranks, reference, schedule):
     """The pipeline resuming from its checkpoint (each rank taking its stages' weights and optimizer state), and plain
     Lightning resuming from that same checkpoint, both continue exactly as plain Lightning resuming from its own."""
     _, (ref_losses, ref_weights, _) = reference
-    resumed = _ranks(two_ranks, "gpipe-resumed")
-    plain_losses, plain_weights, _ = _plain_fit(2, ckpt_path=two_ranks / "gpipe.ckpt")
+    resumed = _ranks(two_ranks, f"{schedule}-resumed")
     torch.testing.assert_close(resumed[0]["returned"], ref_losses, rtol=1e-12, atol=0)
-    torch.testing.assert_close(plain_losses, ref_losses, rtol=1e-12, atol=0)
     weights = {**resumed[0]["resident"], **resumed[1]["resident"]}
     assert set(weights) == set(ref_weights)
     for name, weight in ref_weights.items():
         torch.testing.assert_close(weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
+    if schedule not in ("gpipe", "zbv"):  # plain Lightning reads one checkpoint per placement (one stage, V-wise)
+        return
+    plain_losses, plain_weights, _ = _plain_fit(2, ckpt_path=two_ranks / f"{schedule}.ckpt")
+    torch.testing.assert_close(plain_losses, ref_losses, rtol=1e-12, atol=0)
+    for name, weight in ref_weights.items():
         torch.testing.assert_close(plain_weights[name], weight, rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -292,7 +300,7 @@ def test_every_fit_in_a_process_shares_one_mesh_until_the_process_group_is_repla
 def test_bad_options_fail_before_any_work():
     with pytest.raises(ValueError, match=r"chunks must be a positive int.*got 0"):
         DistributedGPipeStrategy(chunks=0)
-    with pytest.raises(ValueError, match=r"schedule must be one of gpipe, 1f1b, interleaved_1f1b, got 'zb'"):
+    with pytest.raises(ValueError, match=r"schedule must be one of gpipe, 1f1b, interleaved_1f1b, interleaved_zb, zbv, dualpipev, got 'zb'"):
         DistributedGPipeStrategy(schedule="zb")
     with pytest.raises(ValueError, match=r"loss_reduction must be 'mean' or 'sum'"):
         DistributedGPipeStrategy(loss_reduction="max")
