@@ -2,7 +2,7 @@
 
 Run as ``python real_models_worker.py OUT_DIR CASES``: CASES is a comma-separated list of
 ``model:schedule`` (models of ``tests/strategies/real_models.py``, its encoder-decoders ``t5`` and ``bart``
-on their own loss and token pairs, plus ``qwen2`` and ``mistral``),
+on their own loss and token pairs, plus ``qwen2``, ``mistral`` and ``llama4``, a Llama of 4 layers),
 one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts rank 1 from
 this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
 model's seeded initialization; rank 0 saves ``{model}-{schedule}.ckpt`` (the gathered
@@ -50,7 +50,18 @@ def build_mistral() -> torch.nn.Module:
     return transformers.MistralForCausalLM(cfg)
 
 
-real_models.BUILDERS.update(qwen2=build_qwen2, mistral=build_mistral)
+def build_llama4() -> torch.nn.Module:
+    """Llama with 4 layers: the two-stage-per-rank schedules (zero-bubble, DualPipeV) need 4 blocks on 2 ranks."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+real_models.BUILDERS.update(qwen2=build_qwen2, mistral=build_mistral, llama4=build_llama4)
 
 
 def task(name: str) -> pl.LightningModule:

@@ -27,6 +27,8 @@ from user_script import run_user_script  # noqa: E402
 CASES = [
     ("llama", "gpipe"), ("llama", "1f1b"), ("gpt2-no-dropout", "gpipe"), ("gpt2-no-dropout", "1f1b"),
     ("litgpt", "gpipe"), ("litgpt", "1f1b"), ("qwen2", "gpipe"), ("mistral", "1f1b"),
+    # torch's zero-bubble schedules, two stages per rank (looped; V-wise: rank 0 runs the embedding and the head)
+    ("llama4", "interleaved_zb"), ("llama4", "zbv"), ("llama4", "dualpipev"),
 ]
 # encoder-decoders: blocks='auto' pipelines the decoder; the encoder runs on every rank, its gradients summed between them
 ENCODER_DECODER_CASES = [("t5", "1f1b"), ("bart", "gpipe")]
