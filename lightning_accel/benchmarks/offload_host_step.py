@@ -1,8 +1,10 @@
 """The host optimizer step of ``bench offload``: Mparam/s of L2L's host step against torch's
 kernels, DeepSpeed's CPU Adam (when importable) and a plain memory copy; the per-call cost
-of stepping block by block; the bf16 shadows written in the update's pass (:mod:`.shadow_fold`)
-or in a pass of their own after it; and the time spent in ``AdamW.step`` inside a Lightning
-fit, l2l_offload against plain training with ``AdamW(fused=True)``, in fp32 and in bf16.
+of stepping block by block; the bf16 shadows written in the update's pass (:mod:`.shadow_fold`),
+in a pass of their own after it, or chunk by chunk after torch's kernel; compiled kernels
+moving the bytes of AdamW and of the fold at trivial arithmetic (their memory limits); and the
+time spent in ``AdamW.step`` inside a Lightning fit, l2l_offload against plain training with
+``AdamW(fused=True)``, in fp32 and in bf16.
 
 All contenders step the same tensors (one AdamW state, shared) in interleaved rounds
 (A B C A B C ...), so a noisy neighbour hits all of them alike; each figure is the median
@@ -29,6 +31,61 @@ from lightning_accel.offload.host_step import host_update, step_params
 ADAMW_BYTES_PER_PARAM = 28
 
 _FOLDED = "l2l_offload host step, bf16 shadows folded (as on a GPU)"
+_LIMIT = "  the fold's bytes at trivial arithmetic (its memory limit)"
+# masters per chunk of the chunked contender: 1 MiB, the best of a 64 KiB..4 MiB sweep on the
+# 2-core x86_64 machine (64 KiB: 0.48x fused, 256 KiB: 0.73x, 1 MiB: 0.77x, 4 MiB: 0.77x)
+_CHUNK = 2**18
+
+
+def _streams(t: list[torch.Tensor]) -> None:
+    """AdamW's memory traffic (read p, g, m, v; write p, m, v) with one add per stream."""
+    p, g, m, v = t
+    p.copy_(p + g)
+    m.copy_(m + g)
+    v.copy_(v + g)
+
+
+def _streams_shadow(t: list[torch.Tensor], low: torch.Tensor) -> None:
+    """The same plus the bf16 shadow store: the bytes of the fold, 32 B a parameter with the
+    shadow's write-allocate (inductor emits no non-temporal stores)."""
+    _streams(t)
+    low.copy_(t[0])
+
+
+def _stream_rows(numel: int, compile: Callable[..., Any] = torch.compile) -> dict[str, Callable[[], None]]:
+    """Compiled kernels moving AdamW's bytes with and without the shadow store, over ``numel``
+    elements: the memory limit of each pass, whatever the arithmetic costs (``compile``: a test
+    passes the identity, saving two compilations)."""
+    t = [torch.zeros(numel) for _ in range(4)]
+    low = torch.empty(numel, dtype=torch.bfloat16)
+    try:
+        plain = compile(_streams, dynamic=True, fullgraph=True)
+        shadow = compile(_streams_shadow, dynamic=True, fullgraph=True)
+        plain(t), shadow(t, low)
+    except Exception:  # no C++ compiler here: no rows, as the fold then takes two passes
+        return {}
+    return {"  AdamW's bytes at trivial arithmetic (compiled)": lambda: plain(t), _LIMIT: lambda: shadow(t, low)}
+
+
+def _chunked(opt: torch.optim.Optimizer, shadows: dict[torch.Tensor, torch.Tensor]) -> Callable[[], None]:
+    """torch's fused AdamW kernel over ``_CHUNK``-element chunks, each chunk's shadow cast right
+    after its update, while its masters should still be in cache."""
+    group = opt.param_groups[0]
+    kw = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
+              eps=group["eps"], amsgrad=False, maximize=False)
+
+    def step() -> None:
+        for p in group["params"]:
+            state = opt.state[p]
+            state["step"] += 1
+            flat = [p.detach().view(-1), p.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+            low = shadows[p].view(-1) if p in shadows else None
+            for k in range(0, p.numel(), _CHUNK):
+                pc, gc, mc, vc = (t[k:k + _CHUNK] for t in flat)
+                torch._fused_adamw_([pc], [gc], [mc], [vc], [], [state["step"]], **kw)
+                if low is not None:
+                    low[k:k + _CHUNK].copy_(pc)
+    return step
 
 
 def _block(n_embd: int) -> list[nn.Parameter]:
@@ -123,12 +180,15 @@ def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tup
         "l2l_offload host step (fp32, as on a CPU device)": l2l_fp32,
         "  same, one optimizer call per block": per_block,
         "fused step, then bf16 shadow refresh as a separate pass": fused_then_refresh,
+        f"fused kernel in {_CHUNK * 4 // 2**20} MiB chunks, each cast to bf16 right after": _chunked(fused, shadows),
         _FOLDED: l2l_bf16,
+        **_stream_rows(copy_params),
         f"host memory copy of {ADAMW_BYTES_PER_PARAM // 2} B/param (the limit)": lambda: dst.copy_(src),
         "in-place a += b moving the same bytes": lambda: a.add_(b),
     }
     seconds = _rounds(contenders, rounds)
-    return f"{n / 1e6:.3g}M", {name: (copy_params if name.startswith(("host memory copy", "in-place")) else n) / s / 1e6
+    per_copy = ("host memory copy", "in-place", "  AdamW's bytes", _LIMIT)
+    return f"{n / 1e6:.3g}M", {name: (copy_params if name.startswith(per_copy) else n) / s / 1e6
                                for name, s in seconds.items()}
 
 
@@ -260,8 +320,9 @@ def host_step_report(args: argparse.Namespace) -> str:
     last = columns[list(columns)[-1]]
     ours = last["l2l_offload host step (fp32, as on a CPU device)"]
     folded = last[_FOLDED]
+    limit = f" (its memory limit: {last[_LIMIT] / last[fused_name]:.2f})" if _LIMIT in last else ""
     copy = next(v for k, v in last.items() if k.startswith("host memory copy"))
     out.append(f"host step: {_num(ours)} Mparam/s = {ours / last[fused_name]:.2f} x fused AdamW, "
-               f"{100 * ours / copy:.0f}% of copy bandwidth; bf16 shadows folded: {folded / last[fused_name]:.2f} x fused AdamW; "
+               f"{100 * ours / copy:.0f}% of copy bandwidth; bf16 shadows folded: {folded / last[fused_name]:.2f} x fused AdamW{limit}; "
                f"in a fit: {ratio32:.2f}x plain AdamW(fused=True)'s time in step, bf16: {ratio16:.2f}x")
     return "\n\n".join(out)
