@@ -69,6 +69,15 @@ def _parser() -> argparse.ArgumentParser:
                    "1-2 min on a quiet 2-core machine, 5x that under heavy load from other jobs)")
     p.add_argument("--plot", metavar="DIR", help="write the last step of our pipeline as DIR/pipeline-timeline.svg "
                    "and DIR/pipeline-trace.json (Chrome trace), with the measured bubble")
+    p.add_argument("--schedules", metavar="NAMES", help="instead: one row per schedule ('all', or a comma-separated list) "
+                   "on blocks of known cost, raw torch vs ours, bubble measured vs ideal, peak activations per rank "
+                   "(lightning_accel.benchmarks.pipeline_schedules)")
+    p.add_argument("--schedule-depth", type=int, default=4, help="--schedules: sleeping blocks (a multiple of 4)")
+    p.add_argument("--schedule-width", type=int, default=64, help="--schedules: block width")
+    p.add_argument("--schedule-rows", type=int, default=64, help="--schedules: rows per step")
+    p.add_argument("--cost-f", type=float, default=5.0, help="--schedules: ms each block sleeps per micro-batch in forward")
+    p.add_argument("--cost-i", type=float, default=5.0, help="--schedules: ms in the input-gradient half of backward")
+    p.add_argument("--cost-w", type=float, default=5.0, help="--schedules: ms in the weight-gradient half of backward")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -283,6 +292,10 @@ def main(argv: list[str]) -> int:
     if args.worker:
         _worker(args)
         return 0
+    if args.schedules:
+        from lightning_accel.benchmarks.pipeline_schedules import run_schedules
+
+        return run_schedules(args)
     if args.depth < 2 or args.batch % args.chunks or args.steps < 1 or args.rounds < 1:
         raise SystemExit(f"--depth {args.depth} / --batch {args.batch} / --chunks {args.chunks}: need depth >= 2, "
                          "batch divisible by chunks, steps and rounds >= 1")

@@ -1,0 +1,358 @@
+"""``lightning-accel bench pipeline --schedules``: every pipeline schedule on one workload of known cost.
+
+Each block of the workload sleeps a fixed time per micro-batch in its forward (``f``), in the
+input-gradient half of its backward (``i``) and in the weight-gradient half (``w``); its
+matrix products are small beside that. So a rank's work per step is known,
+``M x blocks per rank x (f + i + w)``, whatever the schedule, and
+
+- the measured bubble is ``1 - work / step``: the share of the step a rank was not computing
+  (waiting for a neighbour, or sending);
+- the ideal bubble is the same figure for the schedule's own order of actions (torch's
+  ``pipeline_order`` for the looped and V-shaped schedules, :func:`lightning_accel.pipeline.schedule.gpipe_order`
+  and ``one_f_one_b_order`` for the others) run with those costs and free communication
+  (:func:`ideal_step`);
+- the peak activation memory is the most bytes saved for backward alive at once on a rank
+  (``torch.autograd.graph.saved_tensors_hooks``), which counts what the schedule keeps for
+  every micro-batch in flight, split backwards included.
+
+Sleeping blocks make the table repeatable on a loaded machine: a sleep takes no core.
+Each schedule runs raw ``torch.distributed.pipelining`` (its class over the stages cut by
+hand) and :class:`lightning_accel.pipeline.distributed.RankPipeline` on the same blocks,
+their steps interleaved; "vs raw" is the median of per-step ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_accel.bench import format_table, machine_line
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, SCHEDULES, gpipe_order, one_f_one_b_order
+
+__all__ = ["SleepNet", "ideal_step", "picture", "run_schedules"]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, forward_s: float, backward_s: float) -> Tensor:
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.view_as(x)  # no copy: a weight passed through stays the weight's storage (not an activation)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepBlock(nn.Module):
+    """``tanh(x @ W)``, with ``f`` seconds in forward, ``i`` in the input gradient and ``w`` in the weight gradient."""
+
+    def __init__(self, hidden: int, f: float, i: float, w: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+        self.f, self.i, self.w = f, i, w
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _Sleep.apply(x, self.f, self.i)  # (rows, hidden): its backward is on the input-gradient path
+        weight = _Sleep.apply(self.weight, 0.0, self.w)  # its backward is on the weight-gradient path only
+        return torch.tanh(h @ weight)
+
+
+class SleepNet(nn.Module):
+    def __init__(self, depth: int, hidden: int, f: float, i: float, w: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SleepBlock(hidden, f, i, w) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _orders(name: str, ranks: int, chunks: int, schedule: Any = None) -> dict[int, list[tuple[str, int, int]]]:
+    """Per rank, its actions in order as (kind, stage, micro-batch), kind in F, I, W, B (a whole backward)."""
+    if SCHEDULE_TABLE[name].stages_per_rank > 1:  # torch's own order (the one-stage schedules': ours, as in the tests)
+        out: dict[int, list[tuple[str, int, int]]] = {}
+        for rank, actions in schedule.pipeline_order.items():
+            flat = []
+            for a in actions:
+                if a is None:
+                    continue
+                for sub in a.sub_actions or (a,):
+                    kind = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}.get(
+                        sub.computation_type.name
+                    )
+                    if kind is not None:
+                        flat.append((kind, sub.stage_index, sub.microbatch_index))
+            out[rank] = flat
+        return out
+    order = gpipe_order(chunks, ranks) if name == "gpipe" else one_f_one_b_order(chunks, ranks)
+    return {s: [(a.kind, a.stage, a.microbatch) for a in actions] for s, actions in enumerate(order)}
+
+
+def ideal_step(
+    orders: dict[int, list[tuple[str, int, int]]], stages: int, cost: dict[str, float],
+    starts: dict[int, list[tuple[float, str, int, int]]] | None = None,
+) -> float:
+    """Seconds the per-rank ``orders`` take with ``cost`` per action of one stage and free communication: each rank runs
+    its actions in order, each as soon as what it needs is done (F after the previous stage's F; I or B after this
+    stage's F and the next stage's I or B; W after this stage's I). ``starts``: filled with each rank's (start, kind,
+    stage, micro-batch)."""
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(orders, 0.0)
+    position = dict.fromkeys(orders, 0)
+    total = sum(len(o) for o in orders.values())
+    while len(done) < total:
+        moved = False
+        for rank, actions in orders.items():
+            while position[rank] < len(actions):
+                kind, s, m = actions[position[rank]]
+                if kind == "F":
+                    deps = [("F", s - 1, m)] if s > 0 else []
+                elif kind in ("I", "B"):
+                    deps = [("F", s, m)] + ([("G", s + 1, m)] if s < stages - 1 else [])
+                else:
+                    deps = [("G", s, m)]
+                if not all(d in done for d in deps):
+                    break
+                start = max([clock[rank], *(done[d] for d in deps)])
+                if starts is not None:
+                    starts.setdefault(rank, []).append((start, kind, s, m))
+                clock[rank] = done[(kind, s, m)] = start + cost[kind]
+                if kind in ("I", "B"):
+                    done[("G", s, m)] = clock[rank]  # the input gradient sent back
+                    total += 1
+                position[rank] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the schedule's orders deadlock under the simulation")
+    return max(clock.values())
+
+
+@contextmanager
+def _activation_meter(peak: list[int], weights: set[int]) -> Iterator[None]:
+    """Bytes saved for backward alive at once: ``peak[0]`` the most, ``peak[1]`` now; tensors on the storage of
+    ``weights`` (data pointers) are not activations."""
+
+    class Held:
+        def __init__(self, t: Tensor) -> None:
+            self.t = t
+
+    def pack(t: Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in weights:
+            return t  # a weight is not an activation
+        held, n = Held(t), t.numel() * t.element_size()
+        peak[1] += n
+        peak[0] = max(peak[0], peak[1])
+        weakref.finalize(held, lambda: peak.__setitem__(1, peak[1] - n))  # freed with the graph's saved tensors
+        return held
+
+    def unpack(h: Any) -> Tensor:
+        return h if isinstance(h, Tensor) else h.t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def _worker(args: Any) -> None:
+    """One of the 2 ranks: per schedule, interleaved steps of raw torch and RankPipeline; rank 0 prints the result."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    f, i, w = args.cost_f / 1e3, args.cost_i / 1e3, args.cost_w / 1e3
+    results: dict[str, Any] = {}
+    for name in args.schedule_names:
+        spec = SCHEDULE_TABLE[name]
+        stages = spec.stages_per_rank * ranks
+        per = args.depth // stages
+        balance = [per] * stages
+        torch.manual_seed(0)
+        x, y = torch.randn(args.rows, args.width), torch.randn(args.rows, args.width)
+        # raw: the stages cut by hand, the loss on the last one's output
+        torch.manual_seed(0)
+        raw_net = SleepNet(args.depth, args.width, f, i, w)
+        mine = stage_indices(rank, ranks, name)
+        raw_stages = [
+            PipelineStage(nn.Sequential(*raw_net.blocks[s * per:(s + 1) * per]), s, stages, torch.device("cpu"))
+            for s in mine
+        ]
+        raw_schedule = spec.build(raw_stages, n_microbatches=args.chunks, loss_fn=F.mse_loss)
+        raw_opt = torch.optim.SGD(raw_net.parameters(), lr=1e-3)
+        first, last = 0 in mine, stages - 1 in mine
+
+        def raw() -> None:
+            raw_opt.zero_grad(set_to_none=True)
+            kwargs = {"target": y} if last else {}
+            raw_schedule.step(*((x,) if first else ()), **kwargs)
+            raw_opt.step()
+
+        torch.manual_seed(0)
+        net = SleepNet(args.depth, args.width, f, i, w)
+        pipe = RankPipeline(net, balance, args.chunks, schedule=name)
+        opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+        xs, ys = x.chunk(args.chunks), y.chunk(args.chunks)
+
+        def ours() -> None:
+            opt.zero_grad(set_to_none=True)
+            pipe.train_step(lambda k: F.mse_loss(net(xs[k]), ys[k]))
+            opt.step()
+
+        weights = {p.untyped_storage().data_ptr() for p in [*raw_net.parameters(), *net.parameters()]}
+        times: dict[str, list[float]] = {"raw": [], "ours": []}
+        peaks = {"raw": [0, 0], "ours": [0, 0]}
+        steps = {"raw": raw, "ours": ours}
+        for k in range(2 + args.steps):
+            for who in ("raw", "ours") if k % 2 else ("ours", "raw"):
+                dist.barrier()
+                start = time.perf_counter()
+                # metered after the warm-up (torch's shape inference at the first step runs an extra micro-batch)
+                with _activation_meter(peaks[who] if k >= 2 else [0, 0], weights):
+                    steps[who]()
+                dist.barrier()
+                if k >= 2:
+                    times[who].append(time.perf_counter() - start)
+        all_peaks: list[Any] = [None] * ranks
+        dist.all_gather_object(all_peaks, {who: p[0] for who, p in peaks.items()})
+        orders = _orders(name, ranks, args.chunks, raw_schedule)
+        results[name] = {"times": times, "peaks": all_peaks, "orders": {str(r): o for r, o in orders.items()}, "per": per}
+        pipe.restore()
+    if rank == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the interpreter's teardown with gloo groups still referenced (see benchmarks.pipeline._worker)
+
+
+def _launch(args: Any) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline_schedules", json.dumps(vars(args))]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=args.timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"the 2 pipeline ranks did not finish within --timeout {args.timeout} s") from None
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a pipeline rank failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def run_schedules(args: Any) -> int:
+    """Print the table: one row per schedule of ``args.schedules`` ("all" or a comma-separated list)."""
+    names = list(SCHEDULES) if args.schedules == "all" else args.schedules.split(",")
+    unknown = [n for n in names if n not in SCHEDULE_TABLE]
+    if unknown:
+        raise SystemExit(f"--schedules {args.schedules}: unknown {unknown}; choose 'all' or from {', '.join(SCHEDULES)}")
+    depth = args.schedule_depth
+    if depth % 4 or args.chunks < 4 or args.schedule_rows % args.chunks:
+        raise SystemExit(f"--schedule-depth {depth} / --chunks {args.chunks} / --schedule-rows {args.schedule_rows}: need "
+                         "depth a multiple of 4 (2 ranks x 2 stages), chunks >= 4 and rows divisible by chunks")
+    job = type("Job", (), {})()
+    job.__dict__.update(schedule_names=names, depth=depth, width=args.schedule_width, rows=args.schedule_rows,
+                        chunks=args.chunks, steps=args.steps, cost_f=args.cost_f, cost_i=args.cost_i,
+                        cost_w=args.cost_w, timeout=args.timeout)
+    results = _launch(job)
+    f, i, w = args.cost_f / 1e3, args.cost_i / 1e3, args.cost_w / 1e3
+    work = args.chunks * depth // 2 * (f + i + w)  # seconds one rank computes per step, whatever the schedule
+    rows: list[list[object]] = []
+    for name in names:
+        r = results[name]
+        per = r["per"]
+        cost = {"F": per * f, "I": per * i, "W": per * w, "B": per * (i + w)}
+        stages = SCHEDULE_TABLE[name].stages_per_rank * 2
+        ideal = ideal_step({int(k): [tuple(a) for a in v] for k, v in r["orders"].items()}, stages, cost)
+        raw, ours = statistics.median(r["times"]["raw"]), statistics.median(r["times"]["ours"])
+        ratio = statistics.median(a / b for a, b in zip(r["times"]["raw"], r["times"]["ours"]))
+        mb = " / ".join(f"{p['ours'] / 2**20:.2f}" for p in r["peaks"])
+        rows.append([name, raw, ours, ratio, 1 - work / ours, 1 - work / ideal, ideal, mb])
+    print(f"schedules on 2 ranks (gloo, 1 thread each), M={args.chunks}, {depth} sleeping blocks of width "
+          f"{args.schedule_width} (per block and micro-batch: forward {args.cost_f:g} ms, input gradient "
+          f"{args.cost_i:g} ms, weight gradient {args.cost_w:g} ms; {work * 1e3:.0f} ms of work per rank and step); "
+          f"median of {args.steps} steps, raw torch and RankPipeline interleaved")
+    print(format_table(
+        ["schedule", "raw torch s/step", "ours s/step", "vs raw", "bubble measured", "bubble ideal", "ideal s/step",
+         "peak activations MiB (rank 0 / 1)"], rows,
+    ))
+    by = {row[0]: row for row in rows}
+    if "1f1b" in by:
+        base = by["1f1b"]
+        bubble_s = base[2] * base[4]  # type: ignore[operator]
+        for name in ("interleaved_zb", "zbv", "dualpipev"):
+            if name in by:
+                gain = base[2] - by[name][2]  # type: ignore[operator]
+                verdict = "met" if gain >= bubble_s / 2 else "NOT met"
+                print(f"{name}: {gain * 1e3:.1f} ms below 1f1b's step; target >= half of 1f1b's measured bubble "
+                      f"({bubble_s / 2 * 1e3:.1f} ms): {verdict}")
+    worst = min(rows, key=lambda row: row[3])  # type: ignore[arg-type, return-value]
+    print(f"every row vs raw torch on the same schedule: lowest {worst[3]:.3f}x ({worst[0]}); target >= 0.95x: "
+          f"{'met' if worst[3] >= 0.95 else 'NOT met'}")  # type: ignore[operator]
+    for name in names:
+        if SCHEDULE_TABLE[name].stages_per_rank > 1:
+            r = results[name]
+            per = r["per"]
+            cost = {"F": per * f, "I": per * i, "W": per * w, "B": per * (i + w)}
+            orders = {int(k): [tuple(a) for a in v] for k, v in r["orders"].items()}
+            print(f"\n{name}, the schedule's order with the costs above and free communication (one column: "
+                  f"{per * f * 1e3 / 2:g} ms):")
+            print(picture(orders, 4, cost, per * f / 2))  # type: ignore[arg-type]
+    print(machine_line())
+    return 0
+
+
+def picture(orders: dict[int, list[tuple[str, int, int]]], stages: int, cost: dict[str, float], unit: float) -> str:
+    """Text timeline of ``orders`` run as :func:`ideal_step` runs them: per rank one line, each action drawn as its kind
+    and micro-batch over its length in ``unit`` columns (F3 = forward of micro-batch 3; B a whole backward, I and W its
+    input- and weight-gradient halves; lower case: the rank's second stage), ``.`` idle."""
+    starts: dict[int, list[tuple[float, str, int, int]]] = {}
+    ideal_step(orders, stages, cost, starts)
+    lines = []
+    for rank in sorted(starts):
+        mine = sorted({s for _, _, s, _ in starts[rank]})
+        row: list[str] = []
+        for start, kind, s, m in sorted(starts[rank]):
+            at = round(start / unit)
+            row += ["."] * (at - len(row))
+            label = (kind if s == mine[0] else kind.lower()) + str(m)
+            width = round(cost[kind] / unit)
+            row += list(label.ljust(width, "-"))[:width] if width >= len(label) else list(label[:width])
+        lines.append(f"rank {rank}: " + "".join(row))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from types import SimpleNamespace
+
+    _worker(SimpleNamespace(**json.loads(sys.argv[1])))

@@ -1,0 +1,38 @@
+"""The schedule bench's ideal: its simulation of a schedule's order against the closed forms (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_accel.benchmarks.pipeline_schedules import SleepNet, _orders, ideal_step, picture
+from lightning_accel.pipeline.schedule import bubble_fraction
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("m", "s"), [(8, 2), (4, 4), (3, 2)])
+def test_ideal_step_of_one_stage_per_rank_is_the_fill_drain_closed_form(name, m, s):
+    cost = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    step = ideal_step(_orders(name, s, m), s, cost)
+    assert step == (m + s - 1) * 3.0  # (M + S - 1) x (F + B)
+    assert 1 - m * 3.0 / step == pytest.approx(bubble_fraction(m, s))
+
+
+def test_ideal_step_orders_split_backwards_and_draws_them():
+    # one stage per rank, backward split by hand: W waits for its own I, the previous stage's I for the next one's
+    orders = {0: [("F", 0, 0), ("I", 0, 0), ("W", 0, 0)], 1: [("F", 1, 0), ("I", 1, 0), ("W", 1, 0)]}
+    cost = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    assert ideal_step(orders, 2, cost) == 5.0  # F0 F1 I1 I0 W0, with rank 1's W beside rank 0's I
+    assert picture(orders, 2, cost, 0.5) == "rank 0: F0....I0W0\nrank 1: ..F0I0W0"
+    with pytest.raises(ValueError, match="deadlock"):
+        ideal_step({0: [("I", 0, 0), ("F", 0, 0)]}, 1, cost)
+
+
+def test_sleep_blocks_compute_tanh_of_a_product():
+    torch.manual_seed(0)
+    net = SleepNet(2, 8, 0.0, 0.0, 0.0)
+    x = torch.randn(4, 8)
+    expected = torch.tanh(torch.tanh(x @ net.blocks[0].weight) @ net.blocks[1].weight)
+    torch.testing.assert_close(net(x), expected)
+    net(x).sum().backward()
+    assert all(p.grad is not None for p in net.parameters())
