@@ -36,3 +36,18 @@ def test_sleep_blocks_compute_tanh_of_a_product():
     torch.testing.assert_close(net(x), expected)
     net(x).sum().backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+@pytest.mark.slow  # 2 subprocess ranks, 2 schedules: ~15 s on a quiet 2-core machine
+def test_shrunk_schedule_table_prints_a_row_per_schedule_and_the_v_timeline(capsys):
+    from lightning_accel.benchmarks.pipeline import main
+
+    assert main(["--schedules", "1f1b,zbv", "--steps", "1", "--cost-f", "1", "--cost-i", "1", "--cost-w", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("1f1b ", "zbv "))}
+    assert set(rows) == {"1f1b", "zbv"}
+    assert rows["1f1b"][5] == "0.111"  # the fill-drain ideal bubble: (S - 1) / (M + S - 1) with S=2, M=8
+    assert "zbv: " in out and "below 1f1b's step" in out and "target >= 0.95x" in out
+    # the V: rank 0 runs stage 0's forwards (upper case) and the last stage's (lower case); rank 1 starts idle
+    timeline = out[out.index("zbv, the schedule's order"):].splitlines()
+    assert timeline[1].startswith("rank 0: F0F1F2f0") and timeline[2].startswith("rank 1: ..F0f0")
