@@ -9,8 +9,9 @@ Two places quote a recipe's memory, and both are written here, from
   line that does not start with ``#   ``: every component of each rank kind.
 
 ``--check`` writes nothing and exits 1 naming each figure that is not the estimate's (the test
-runs it); recipe names limit the work to those recipes. The README is the checkout's, so this
-runs in a source tree.
+runs it); recipe names limit the work to those recipes. The README is the checkout's (``--readme``,
+by default the one beside the package in a source tree, else ./README.md): an installed package
+ships no README.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from lightning_accel.estimate.report import Estimate, gb
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"  # in a source tree (an editable install); absent when installed
 COLUMN = "memory by estimate"
 MARKER = "# Memory by lightning-accel estimate"
 _BLOCK_LINE = "#   "
@@ -87,13 +88,14 @@ def rewrite_recipe(text: str, block: list[str]) -> str:
     return "\n".join([*lines[:start], *block, *lines[end:]])
 
 
-def regenerate(recipes: Sequence[str], check: bool) -> list[str]:
-    """Estimate ``recipes`` and write their figures (``check``: compare only); the files whose figures differed."""
+def regenerate(recipes: Sequence[str], check: bool, readme: Path = README) -> list[str]:
+    """Estimate ``recipes`` and write their figures into ``readme`` and the recipes (``check``: compare only);
+    the files whose figures differed."""
     from lightning_accel.config.compose import recipes_dir
     from lightning_accel.estimate import estimate_recipe
 
     estimates = {name: estimate_recipe(name, []) for name in recipes}
-    targets = {README: rewrite_table(README.read_text(), {n: table_cell(e) for n, e in estimates.items()})}
+    targets = {readme: rewrite_table(readme.read_text(), {n: table_cell(e) for n, e in estimates.items()})}
     for name, estimate in estimates.items():
         path = recipes_dir() / f"{name}.yaml"
         targets[path] = rewrite_recipe(path.read_text(), comment_block(estimate))
@@ -110,11 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_accel.estimate.regenerate", description=__doc__.split("\n")[0])
     parser.add_argument("recipes", nargs="*", help="recipes to regenerate (default: every shipped recipe)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a quoted figure is not the estimate's")
+    parser.add_argument("--readme", type=Path, default=README if README.exists() else Path("README.md"),
+                        help="the checkout's README.md (default: the one beside the package, else ./README.md)")
     args = parser.parse_args(argv)
+    if not args.readme.is_file():
+        parser.error(f"no README at {args.readme}; run from the checkout or pass --readme PATH")
     unknown = sorted(set(args.recipes) - set(recipe_names()))
     if unknown:
         parser.error(f"no shipped recipe {', '.join(unknown)}; see lightning-accel ls")
-    stale = regenerate(args.recipes or recipe_names(), args.check)
+    stale = regenerate(args.recipes or recipe_names(), args.check, args.readme)
     for path in stale:
         print(f"{'stale' if args.check else 'rewrote'}: {path}")
     if args.check and stale:
