@@ -25,6 +25,7 @@ def test_installed_wheel_finds_configs_and_recipes(tmp_path: Path) -> None:
     assert "lightning_accel/conf/train.yaml" in names
     assert "lightning_accel/conf/trainer/default.yaml" in names
     assert "lightning_accel/recipes/gpt-tiny_cpu.yaml" in names
+    assert "lightning_accel/offload/shadow_kernel.c" in names  # built at first use by the installed copy
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_accel.offload import shadow_fold
+from lightning_accel.offload import shadow_fold, shadow_kernel
 from lightning_accel.offload.host_step import host_update
 from lightning_accel.offload.partition import partition_units
 from lightning_accel.offload.shadow_fold import ShadowFold, fold_report
@@ -18,8 +18,9 @@ from lightning_accel.offload.shadow_fold import ShadowFold, fold_report
 Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 # shapes folded (at least FOLD_MIN_NUMEL = 256 x 256 elements; 300 x 257 with a remainder past the last
-# multiple of 64), a small matrix that takes torch's kernel and a cast, a vector (no shadow)
-_SHAPES = [(300, 257), (256, 256), (5,), (3, 200)]
+# multiple of 64), a small matrix folded only by the C kernel (a whole number of 64-element units), one
+# that takes torch's kernel and a cast (a remainder, too small to pay a call of its own), a vector (no shadow)
+_SHAPES = [(300, 257), (256, 256), (2, 64), (5,), (3, 200)]
 
 
 def _twins(dtype: torch.dtype) -> tuple[list[nn.Parameter], list[nn.Parameter], dict[Tensor, Tensor], dict[Tensor, Tensor]]:
@@ -62,20 +63,28 @@ def _step_both(make: Make, dtype: torch.dtype, steps: int = 3) -> tuple[list[lis
 
 
 def _folded(kind: str) -> None:
-    """The compiled update was used for ``kind`` (skips where this machine cannot compile)."""
+    """The one-pass update was used for ``kind``: the C kernel where it builds here, else the compiled
+    update (skips where this machine can build neither)."""
     report = {k: v for k, v in fold_report().items() if k.startswith(kind + ",")}
     if any(v.startswith("torch.compile failed") for v in report.values()):
-        pytest.skip(f"torch.compile cannot build kernels here: {report}")
-    assert report and all(v == "folded" for v in report.values()), report
+        pytest.skip(f"neither the C kernel nor torch.compile can build kernels here: {report}")
+    expected = "folded (C kernel)" if shadow_kernel.kernel() is not None else "folded (torch.compile; C kernel not built"
+    assert report and all(v.startswith(expected) for v in report.values()), report
 
 
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["C-kernel", "torch.compile"])
 @pytest.mark.parametrize(("make", "kind", "dtype"), [
     (functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, fused=True), "sgd", torch.bfloat16),
     (functools.partial(torch.optim.Adam, lr=3e-3, weight_decay=0.01, fused=True), "adam", torch.float16),
     (functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True), "adamw", torch.bfloat16),
     (functools.partial(torch.optim.Adagrad, lr=0.05, lr_decay=0.01, weight_decay=0.01, fused=True), "adagrad", torch.bfloat16),
 ], ids=["SGD-nesterov", "Adam-fp16", "AdamW", "Adagrad"])
-def test_one_pass_equals_the_fused_kernel_then_a_cast(make: Make, kind: str, dtype: torch.dtype) -> None:
+def test_one_pass_equals_the_fused_kernel_then_a_cast(make: Make, kind: str, dtype: torch.dtype, c_kernel: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the C kernel where it builds, and the compiled update that stands in where it does not
+    monkeypatch.setattr(shadow_fold, "_FOLDS", shadow_fold._Folds())
+    if not c_kernel:
+        monkeypatch.setattr(shadow_kernel, "kernel", lambda: None)
     written, shadows = _step_both(make, dtype)
     assert all(set(w) == set(shadows) for w in written)
     _folded(kind)
@@ -103,6 +112,7 @@ def _no_compiler(update: object, **options: object) -> Callable[..., object]:
 def test_a_fold_that_is_not_torchs_kernel_bit_for_bit_is_not_used(compiled: Callable[..., object], says: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shadow_fold, "_FOLDS", shadow_fold._Folds())
+    monkeypatch.setattr(shadow_kernel, "kernel", lambda: None)  # no C kernel either
     monkeypatch.setattr(torch, "compile", compiled)
     _step_both(functools.partial(torch.optim.AdamW, lr=3e-3, fused=True), torch.bfloat16, steps=2)
     (why,) = fold_report().values()
