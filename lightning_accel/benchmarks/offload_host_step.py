@@ -25,13 +25,16 @@ from torch import nn
 
 from lightning_accel.bench import format_table
 from lightning_accel.offload.host_step import host_update, step_params
+from lightning_accel.offload import shadow_kernel
+from lightning_accel.offload.shadow_fold import without_c_kernel
 
 # bytes an AdamW step moves per parameter: reads param, grad, exp_avg, exp_avg_sq (16),
 # writes param, exp_avg, exp_avg_sq (12); a copy moving as much copies 14 bytes each way
 ADAMW_BYTES_PER_PARAM = 28
 
-_FOLDED = "l2l_offload host step, bf16 shadows folded (as on a GPU)"
-_LIMIT = "  the fold's bytes at trivial arithmetic (its memory limit)"
+_FOLDED = "l2l_offload host step, bf16 shadows folded"
+_COMPILED = "  same, folded by torch.compile (no C kernel)"
+_LIMIT = "  the compiled fold's bytes at trivial arithmetic (its memory limit)"
 # masters per chunk of the chunked contender: 1 MiB, the best of a 64 KiB..4 MiB sweep on the
 # 2-core x86_64 machine (64 KiB: 0.48x fused, 256 KiB: 0.73x, 1 MiB: 0.77x, 4 MiB: 0.77x)
 _CHUNK = 2**18
@@ -46,8 +49,9 @@ def _streams(t: list[torch.Tensor]) -> None:
 
 
 def _streams_shadow(t: list[torch.Tensor], low: torch.Tensor) -> None:
-    """The same plus the bf16 shadow store: the bytes of the fold, 32 B a parameter with the
-    shadow's write-allocate (inductor emits no non-temporal stores)."""
+    """The same plus the bf16 shadow store: the bytes of the compiled fold, 32 B a parameter with
+    the shadow's write-allocate (inductor emits no non-temporal stores; the C kernel's do not
+    read the line first: 30 B)."""
     _streams(t)
     low.copy_(t[0])
 
@@ -148,8 +152,12 @@ def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tup
         with host_update(opt, True):
             opt.step()
 
-    def l2l_bf16() -> None:  # bf16 compute: each matrix's shadow written in the update's pass
+    def l2l_bf16() -> None:  # bf16 compute, as on a GPU: each matrix's shadow written in the update's pass
         with host_update(opt, True, lambda: shadows):
+            opt.step()
+
+    def l2l_bf16_compiled() -> None:  # the same where the C kernel cannot be built
+        with without_c_kernel(), host_update(opt, True, lambda: shadows):
             opt.step()
 
     def fused_then_refresh() -> None:  # what l2l_offload did before: the shadows in a second pass
@@ -181,7 +189,8 @@ def host_step_table(total_params: float, rounds: int, n_embd: int = 1024) -> tup
         "  same, one optimizer call per block": per_block,
         "fused step, then bf16 shadow refresh as a separate pass": fused_then_refresh,
         f"fused kernel in {_CHUNK * 4 // 2**20} MiB chunks, each cast to bf16 right after": _chunked(fused, shadows),
-        _FOLDED: l2l_bf16,
+        **({f"{_FOLDED} (C kernel)": l2l_bf16, _COMPILED: l2l_bf16_compiled} if shadow_kernel.kernel() is not None
+           else {f"{_FOLDED} (torch.compile; no C kernel: {shadow_kernel.why_not()})"[:90]: l2l_bf16}),
         **_stream_rows(copy_params),
         f"host memory copy of {ADAMW_BYTES_PER_PARAM // 2} B/param (the limit)": lambda: dst.copy_(src),
         "in-place a += b moving the same bytes": lambda: a.add_(b),
@@ -319,10 +328,11 @@ def host_step_report(args: argparse.Namespace) -> str:
     out.append(fit)
     last = columns[list(columns)[-1]]
     ours = last["l2l_offload host step (fp32, as on a CPU device)"]
-    folded = last[_FOLDED]
+    folded = next(v for k, v in last.items() if k.startswith(_FOLDED))
+    compiled = f"; by torch.compile: {last[_COMPILED] / last[fused_name]:.2f}" if _COMPILED in last else ""
     limit = f" (its memory limit: {last[_LIMIT] / last[fused_name]:.2f})" if _LIMIT in last else ""
     copy = next(v for k, v in last.items() if k.startswith("host memory copy"))
     out.append(f"host step: {_num(ours)} Mparam/s = {ours / last[fused_name]:.2f} x fused AdamW, "
-               f"{100 * ours / copy:.0f}% of copy bandwidth; bf16 shadows folded: {folded / last[fused_name]:.2f} x fused AdamW{limit}; "
+               f"{100 * ours / copy:.0f}% of copy bandwidth; bf16 shadows folded: {folded / last[fused_name]:.2f} x fused AdamW{compiled}{limit}; "
                f"in a fit: {ratio32:.2f}x plain AdamW(fused=True)'s time in step, bf16: {ratio16:.2f}x")
     return "\n\n".join(out)

@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +195,8 @@ class _Folds:
     """The one-pass updates, each checked against torch's kernel on a probe before its first use: the
     C kernel (:mod:`.shadow_kernel`) where it builds and agrees, else the ``torch.compile`` update."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        self.native = native  # try the C kernel first
         self._lock = threading.Lock()
         self._compiled: dict[Callable[..., None], Callable[..., None]] = {}
         self._native: dict[tuple[Any, ...], bool] = {}  # key -> the C kernel folds it (else the compiled update)
@@ -250,8 +252,10 @@ class _Folds:
     def _check_native(self, key: tuple[Any, ...], kind: str, func: Callable[..., Any], kw: dict[str, Any], step: float,
                       dtype: torch.dtype, sc: Tensor, flags: dict[str, bool]) -> bool:
         """Whether the C kernel folds this kernel and flag set bit for bit (else :attr:`c_kernel_why` says why not)."""
-        native = shadow_kernel.kernel()
-        if native is None:
+        native = shadow_kernel.kernel() if self.native else None
+        if not self.native:
+            self.c_kernel_why[key] = "C kernel switched off"
+        elif native is None:
             self.c_kernel_why[key] = f"C kernel not built: {shadow_kernel.why_not()}"
         elif not self._probe(kind, func, kw, step, dtype, flags, lambda t, s: native(kind, flags, sc, t, s)):
             self.c_kernel_why[key] = f"the C kernel's {kind} update differs from torch {torch.__version__}'s fused kernel on this CPU"
@@ -292,6 +296,19 @@ def _bits_equal(a: Tensor, b: Tensor) -> bool:
 
 
 _FOLDS = _Folds()
+_COMPILED_ONLY = _Folds(native=False)
+
+
+@contextmanager
+def without_c_kernel() -> Generator[None, None, None]:
+    """Inside, the fold takes the ``torch.compile`` update even where the C kernel builds (``bench
+    offload`` compares the two). Process-wide: not for use while another thread steps."""
+    global _FOLDS
+    saved, _FOLDS = _FOLDS, _COMPILED_ONLY
+    try:
+        yield
+    finally:
+        _FOLDS = saved
 
 
 def fold_report() -> dict[str, str]:

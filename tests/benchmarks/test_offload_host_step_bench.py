@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_accel.benchmarks import offload_host_step
 from lightning_accel.benchmarks.offload import main
+from lightning_accel.offload import shadow_kernel
 
 _TINY = ["--only", "host-step", "--host-params", "0.5", "1", "--host-width", "32", "--host-rounds", "1", "--rounds", "1",
          "--fit-preset", "tiny", "--fit-layers", "2", "--fit-seq", "8", "--fit-steps", "3", "--warmup", "1"]
@@ -30,19 +31,22 @@ def test_host_step_tables(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert "host optimizer step, blocks shaped like GPT blocks of width 32" in out
     assert _row(out, "torch AdamW(fused=True)")[3:] == ["1.00", "1.00"]  # the baseline of the "x fused" columns
     for label in ("torch AdamW, foreach/fused unset", "l2l_offload host step (fp32", "  same, one optimizer call per block",
-                  "fused step, then bf16 shadow refresh", "l2l_offload host step, bf16 shadows folded", "host memory copy",
+                  "fused step, then bf16 shadow refresh", "l2l_offload host step, bf16 shadows folded (", "host memory copy",
                   "fused kernel in 1 MiB chunks, each cast to bf16", "  AdamW's bytes at trivial arithmetic",
-                  "  the fold's bytes at trivial arithmetic (its memory limit)",
+                  "  the compiled fold's bytes at trivial arithmetic (its memory limit)",
                   "in-place a += b"):
         assert all(float(v) > 0 for v in _row(out, label)[1:])
     assert "(no DeepSpeedCPUAdam row: " in out or "DeepSpeedCPUAdam " in out
+    if shadow_kernel.kernel() is not None:  # the C kernel's row and the compiled fold's, side by side
+        assert all(float(v) > 0 for v in _row(out, "  same, folded by torch.compile (no C kernel)")[1:])
+        assert _row(out, "l2l_offload host step, bf16 shadows folded (C kernel)")
     assert _row(out, "tiny")[2] != "0"  # the per-call table
     assert _row(out, "l2l_offload, AdamW() (default)")
     assert float(_row(out, "plain Lightning bf16-mixed, AdamW(fused=True)")[2]) == 1.0  # the bf16 rows' baseline
     assert float(_row(out, "l2l_offload bf16-mixed, AdamW() (default)")[2]) > 0
     closing = out.rstrip().splitlines()[-2]
     assert re.fullmatch(r"host step: [\d.]+ Mparam/s = \d+\.\d\d x fused AdamW, \d+% of copy bandwidth; "
-                        r"bf16 shadows folded: \d+\.\d\d x fused AdamW \(its memory limit: \d+\.\d\d\); "
+                        r"bf16 shadows folded: \d+\.\d\d x fused AdamW(; by torch.compile: \d+\.\d\d)? \(its memory limit: \d+\.\d\d\); "
                         r"in a fit: \d+\.\d\dx plain AdamW\(fused=True\)'s time in step, bf16: \d+\.\d\dx", closing), closing
     assert out.rstrip().splitlines()[-1].startswith("machine:")
 
