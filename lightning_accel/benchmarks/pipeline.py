@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -40,6 +38,7 @@ from torch import nn
 
 from lightning_accel.bench import format_table, machine_line, register_benchmark
 from lightning_accel.benchmarks.pipeline_memory import memory_rows, print_memory
+from lightning_accel.benchmarks.two_ranks import rank_result, run_two_ranks
 from lightning_accel.benchmarks.pipeline_workload import DEFAULTS, MODELS, Workload, step_times, workload
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.microbatch import scatter
@@ -245,32 +244,13 @@ def _worker(args: argparse.Namespace) -> None:
 def _two_processes(args: argparse.Namespace) -> tuple[dict[str, list[float]], list[dict[str, float]], float | None]:
     """Per-step seconds of each 2-process contender (from rank 0), each rank's median CPU seconds per step of each,
     and the measured bubble with ``--plot``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline", "--worker", "--model", args.model,
+    argv = ["-m", "lightning_accel.benchmarks.pipeline", "--worker", "--model", args.model,
             "--depth", str(args.depth), "--hidden", str(args.hidden), "--batch", str(args.batch), "--seq", str(args.seq),
             "--vocab", str(args.vocab), "--chunks", str(args.chunks), "--steps", str(args.steps),
             "--rounds", str(args.rounds)] + (["--plot", args.plot] if args.plot else [])
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + args.timeout
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"the 2 pipeline ranks did not finish within --timeout {args.timeout} s") from None
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a pipeline rank failed:\n" + "\n".join(o[-2000:] for o in outputs))
-    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
+    outputs = run_two_ranks(argv, args.timeout)
     bubble = [float(ln.split()[1]) for ln in outputs[0].splitlines() if ln.startswith("BUBBLE ")]
-    result = json.loads(line[len("RESULT "):])
+    result = rank_result(outputs[0])
     return result["wall"], result["cpu"], (bubble[0] if bubble else None)
 
 

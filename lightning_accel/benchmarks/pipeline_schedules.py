@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import weakref
@@ -42,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_accel.bench import format_table, machine_line
+from lightning_accel.benchmarks.two_ranks import rank_result, run_two_ranks
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, SCHEDULES, gpipe_order, one_f_one_b_order
 
 __all__ = ["SleepNet", "ideal_step", "picture", "run_schedules"]
@@ -247,27 +246,8 @@ def _worker(args: Any) -> None:
 
 
 def _launch(args: Any) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "lightning_accel.benchmarks.pipeline_schedules", json.dumps(vars(args))]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=args.timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise RuntimeError(f"the 2 pipeline ranks did not finish within --timeout {args.timeout} s") from None
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a pipeline rank failed:\n" + "\n".join(o[-3000:] for o in outputs))
-    line = next(ln for ln in outputs[0].splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    outputs = run_two_ranks(["-m", "lightning_accel.benchmarks.pipeline_schedules", json.dumps(vars(args))], args.timeout)
+    return rank_result(outputs[0])
 
 
 def run_schedules(args: Any) -> int:
