@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +57,26 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     return env
 
 
+
+
+class CliProcesses:
+    """``python -m lightning_accel ARGS`` started now and collected later, so that two runs can go side by side:
+    most of a short run is importing Lightning, on one core."""
+
+    def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "lightning_accel", *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def finish(self, proc: subprocess.Popen[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(map(str, proc.args))} ran past {timeout} s:\n{err[-3000:]}") from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture
+def cli_processes() -> CliProcesses:
+    return CliProcesses()

@@ -32,9 +32,13 @@ SHORT = ["trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.limit_
 NOISE = ("Failed to load", "is an Enum subclass", "is_gradient_checkpointing", "Traceback")
 
 
+def with_tests_path(env: dict[str, str]) -> dict[str, str]:
+    return env | {"PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
+
+
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = env | {"PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=with_tests_path(env), capture_output=True,
+                          text=True, timeout=600)
 
 
 def run_dirs(outputs: Path, recipe: str) -> list[Path]:
@@ -108,14 +112,19 @@ def completed(outputs: Path, recipe: str, steps: int) -> Path:
 
 @pytest.mark.slow
 def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapters(cli_env: dict[str, str], tmp_path: Path,
-                                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+                                                                                  capsys: pytest.CaptureFixture[str],
+                                                                                  cli_processes) -> None:
     """A save_pretrained base fine-tuned through the command line is exported and reloaded with peft; the same fine-tune
     killed at step 6 and resumed with ckpt_path=last ends on the uninterrupted one's adapters, bit for bit."""
     save_base(tmp_path / "base")
     args = ["llama-tiny_lora_cpu", "model.net.config=null", f"model.net.pretrained_path={tmp_path / 'base'}", *SHORT,
             "trainer.max_steps=8", "trainer.val_check_interval=4",
             "model.adapter.dropout=0.1"]  # dropout on: the RNG has to continue too
-    reference = run_cli(["run", *args], cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "ref")})
+    # the uninterrupted run and the one killed at step 6 side by side (each is mostly importing Lightning, on one core)
+    crashed = cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "crashed")}
+    reference = cli_processes.start(["run", *args], with_tests_path(cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "ref")}))
+    killed = run_cli(["run", *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], crashed)
+    reference = cli_processes.finish(reference)
     assert reference.returncode == 0, reference.stderr[-3000:]
     for noise in NOISE:
         assert noise not in reference.stdout + reference.stderr, noise
@@ -123,8 +132,6 @@ def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapter
     reference_dir = completed(tmp_path / "ref", "llama-tiny_lora_cpu", 8)
     check_export(reference_dir, tmp_path / "base", tmp_path / "adapter", nf4=False, capsys=capsys)
 
-    crashed = cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "crashed")}
-    killed = run_cli(["run", *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], crashed)
     assert killed.returncode == -9, killed.stderr[-3000:]
     resumed = run_cli(["run", *args, "ckpt_path=last"], crashed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -20,24 +20,13 @@ SMALL = ["trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_v
          "data.block_size=32", "data.batch_size=4", "trainer.enable_progress_bar=false"]
 
 
-def start_cli(args: list[str], env: dict[str, str], outputs: Path) -> subprocess.Popen[str]:
-    env = env | {"LIGHTNING_ACCEL_OUTPUTS": str(outputs), "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "lightning_accel", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(proc.args)} ran past {timeout} s:\n{err[-3000:]}") from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def cli_env_for(env: dict[str, str], outputs: Path) -> dict[str, str]:
+    return env | {"LIGHTNING_ACCEL_OUTPUTS": str(outputs), "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
 
 
 def run_cli(args: list[str], env: dict[str, str], outputs: Path) -> subprocess.CompletedProcess[str]:
-    return finish(start_cli(args, env, outputs))
+    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=cli_env_for(env, outputs), capture_output=True,
+                          text=True, timeout=300)
 
 
 def run_dirs(outputs: Path, recipe: str) -> list[Path]:
@@ -62,15 +51,15 @@ def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, float
     # one pipeline over two processes: both stages read the same batches (dp=1 shard)
     ("gpt-tiny_gpipe-2proc_cpu", []),
 ], ids=["plain", "l2l_offload", "gpipe", "ddp-2proc", "gpipe-2proc"])
-def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: list[str], cli_env: dict[str, str], tmp_path: Path) -> None:
+def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: list[str], cli_env: dict[str, str], tmp_path: Path,
+                                                            cli_processes) -> None:
     args = [*SMALL, *extra]
     # the uninterrupted run and the one that is killed side by side: most of each is importing Lightning,
     # one core each (the 2-process cases start two ranks each: Lightning picks each job's free port)
     crashed = tmp_path / "crashed"
-    reference = start_cli(["run", recipe, *args], cli_env, tmp_path / "ref")
-    killed = finish(start_cli(["run", recipe, *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"],
-                              cli_env, crashed))
-    reference = finish(reference)
+    reference = cli_processes.start(["run", recipe, *args], cli_env_for(cli_env, tmp_path / "ref"))
+    killed = run_cli(["run", recipe, *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], cli_env, crashed)
+    reference = cli_processes.finish(reference, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert killed.returncode == -9, killed.stderr[-3000:]
     (killed_dir,) = run_dirs(crashed, recipe)
