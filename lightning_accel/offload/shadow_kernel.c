@@ -20,99 +20,143 @@ enum { SHADOW_BF16 = 1, SHADOW_FP16 = 2 };
 
 static inline __m256 bc(float x) { return _mm256_set1_ps(x); }
 /* maximize's grad * -1. Values: any form gives the same. NaNs: torch's build (gcc, no -ffast-math) folds
- * x * -1 into a flip of the sign bit, -g + p * wd into fmsub(p, wd, g) (which keeps g's NaN as it is) and
- * (c * -g) * -g into (c * g) * g; the forms below are those, so a NaN gradient's sign comes out as torch's. */
+ * x * -1 into a flip of the sign bit, -g + p * wd into fmsub(p, wd, g) (which keeps g's NaN as it is) and,
+ * in the loop it runs on several threads, (c * -g) * -g into (c * g) * g; the forms below are those (its
+ * one-thread loop squares -g: a NaN gradient's NaN in exp_avg_sq has the other sign there). */
 static inline __m256 neg(__m256 x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.0f)); }
 
-/* torch's cvtfp32_bf16 (vec256_bfloat16.h): round to nearest even, NaN -> 0xffff */
-static inline __m128i to_bf16(__m256 x) {
+/* torch's cvtfp32_bf16 (vec256_bfloat16.h), bits in the low half of each 32-bit lane: round to
+ * nearest even, NaN -> 0xffff (a NaN's lanes are or-ed with all ones before the shift) */
+static inline __m256i bf16_lanes(__m256 x) {
     __m256i bits = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i t = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    t = _mm256_srli_epi32(t, 16);
-    __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
-    t = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), t, ordered);
-    /* 8 x 32-bit (high halves zero) -> 8 x 16-bit, in order */
-    __m256i packed = _mm256_packus_epi32(t, t);
-    packed = _mm256_permute4x64_epi64(packed, 0xd8);
-    return _mm256_castsi256_si128(packed);
+    t = _mm256_or_si256(t, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    return _mm256_srli_epi32(t, 16);
 }
 
-static inline void store_shadow(void *shadow, int64_t i, __m256 x, int kind, int stream) {
-    __m128i h = kind == SHADOW_BF16 ? to_bf16(x) : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-    __m128i *dst = (__m128i *)((uint16_t *)shadow + i);
-    if (stream) _mm_stream_si128(dst, h); else _mm_storeu_si128(dst, h);
+/* the shadows of 16 elements (a: the first 8), one 32-byte store */
+static inline void store_shadow16(void *shadow, int64_t i, __m256 a, __m256 b, int kind, int stream) {
+    __m256i h;
+    if (kind == SHADOW_BF16) {  /* pack the two halves' lanes in order: a0-3 b0-3 a4-7 b4-7 -> a0-7 b0-7 */
+        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_lanes(a), bf16_lanes(b)), 0xd8);
+    } else {
+        h = _mm256_set_m128i(_mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+    }
+    __m256i *dst = (__m256i *)((uint16_t *)shadow + i);
+    if (stream) _mm256_stream_si256(dst, h); else _mm256_storeu_si256(dst, h);
 }
+
+/* the shadows of 8 elements (a range's last 8, where its length is an odd multiple of 8) */
+static inline void store_shadow8(void *shadow, int64_t i, __m256 a, int kind) {
+    __m128i h;
+    if (kind == SHADOW_BF16) {
+        __m256i t = bf16_lanes(a);
+        h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(t, t), 0xd8));
+    } else {
+        h = _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT);
+    }
+    _mm_storeu_si128((__m128i *)((uint16_t *)shadow + i), h);
+}
+
+/* Each update steps the 8 elements at i and returns the new parameters. */
+
+typedef struct { __m256 wd, w, beta2, c2, bc2, eps, neg_step; } adam_k;
+
+static inline __m256 adam8(const adam_k *k, int flags, float *p, const float *g, float *m, float *v, int64_t i) {
+    __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
+    __m256 mv = _mm256_loadu_ps(m + i), vv = _mm256_loadu_ps(v + i);
+    __m256 p0 = pv, gsq = gv;  /* gsq: the gradient squared into exp_avg_sq */
+    const int l2 = (flags & F_DECAY) && !(flags & F_ADAMW);
+    if (l2) gv = (flags & F_MAXIMIZE) ? _mm256_fmsub_ps(pv, k->wd, gv) : _mm256_fmadd_ps(pv, k->wd, gv);
+    else if (flags & F_MAXIMIZE) gv = neg(gv);
+    if (l2) gsq = gv;
+    if ((flags & F_DECAY) && (flags & F_ADAMW)) p0 = _mm256_mul_ps(pv, k->wd);
+    __m256 diff = _mm256_sub_ps(gv, mv);  /* exp_avg.lerp_(grad, 1 - beta1) */
+    __m256 m1 = _mm256_fmadd_ps(k->w, diff, (flags & F_LERP_SMALL) ? mv : gv);
+    __m256 v1 = _mm256_fmadd_ps(_mm256_mul_ps(k->c2, gsq), gsq, _mm256_mul_ps(vv, k->beta2));
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), k->bc2), k->eps);
+    __m256 p1 = _mm256_add_ps(p0, _mm256_div_ps(_mm256_mul_ps(k->neg_step, m1), denom));
+    _mm256_storeu_ps(p + i, p1);
+    _mm256_storeu_ps(m + i, m1);
+    _mm256_storeu_ps(v + i, v1);
+    return p1;
+}
+
+typedef struct { __m256 wd, mom, damp1, neg_lr; } sgd_k;
+
+static inline __m256 sgd8(const sgd_k *k, int flags, float *p, const float *g, float *b, int64_t i) {
+    __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
+    if (flags & F_MAXIMIZE) gv = neg(gv);
+    if (flags & F_DECAY) gv = _mm256_fmadd_ps(pv, k->wd, gv);
+    if (flags & F_MOMENTUM) {
+        __m256 b1 = _mm256_fmadd_ps(k->damp1, gv, _mm256_mul_ps(_mm256_loadu_ps(b + i), k->mom));
+        _mm256_storeu_ps(b + i, b1);
+        gv = (flags & F_NESTEROV) ? _mm256_fmadd_ps(b1, k->mom, gv) : b1;
+    }
+    __m256 p1 = _mm256_fmadd_ps(gv, k->neg_lr, pv);
+    _mm256_storeu_ps(p + i, p1);
+    return p1;
+}
+
+typedef struct { __m256 wd, eps, clr; } adagrad_k;
+
+static inline __m256 adagrad8(const adagrad_k *k, int flags, float *p, const float *g, float *acc, int64_t i) {
+    __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
+    if (flags & F_DECAY) gv = (flags & F_MAXIMIZE) ? _mm256_fmsub_ps(pv, k->wd, gv) : _mm256_fmadd_ps(pv, k->wd, gv);
+    else if (flags & F_MAXIMIZE) gv = neg(gv);
+    __m256 a1 = _mm256_fmadd_ps(gv, gv, _mm256_loadu_ps(acc + i));
+    __m256 p1 = _mm256_sub_ps(pv, _mm256_div_ps(_mm256_mul_ps(k->clr, gv), _mm256_add_ps(_mm256_sqrt_ps(a1), k->eps)));
+    _mm256_storeu_ps(p + i, p1);
+    _mm256_storeu_ps(acc + i, a1);
+    return p1;
+}
+
+/* [lo, hi) of one tensor, 16 elements an iteration (two updates, one 32-byte shadow store) */
+#define RANGE(UPDATE)                                                             \
+    int64_t i = lo;                                                               \
+    for (; i + 16 <= hi; i += 16) {                                               \
+        __m256 first_ = UPDATE(i), second_ = UPDATE(i + 8);                       \
+        if (skind) store_shadow16(shadow, i, first_, second_, skind, stream);     \
+    }                                                                             \
+    if (i < hi) {                                                                 \
+        __m256 last_ = UPDATE(i);                                                 \
+        if (skind) store_shadow8(shadow, i, last_, skind);                        \
+    }
 
 static void adam_range(int flags, const float *sc, float *p, const float *g, float *m, float *v,
                        void *shadow, int skind, int stream, int64_t lo, int64_t hi) {
     /* sc: wd (AdamW: 1 - lr*wd), lerp weight (w or w - 1), beta2, 1 - beta2, sqrt(bc2), eps, -lr/bc1 */
-    const __m256 wd = bc(sc[0]), w = bc(sc[1]), beta2 = bc(sc[2]), c2 = bc(sc[3]), bc2 = bc(sc[4]),
-                 eps = bc(sc[5]), neg_step = bc(sc[6]);
-    for (int64_t i = lo; i < hi; i += 8) {
-        __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
-        __m256 mv = _mm256_loadu_ps(m + i), vv = _mm256_loadu_ps(v + i);
-        __m256 p0 = pv, gsq = gv;  /* gsq: the gradient squared into exp_avg_sq */
-        const int l2 = (flags & F_DECAY) && !(flags & F_ADAMW);
-        if (l2) gv = (flags & F_MAXIMIZE) ? _mm256_fmsub_ps(pv, wd, gv) : _mm256_fmadd_ps(pv, wd, gv);
-        else if (flags & F_MAXIMIZE) gv = neg(gv);
-        if (l2) gsq = gv;
-        if ((flags & F_DECAY) && (flags & F_ADAMW)) p0 = _mm256_mul_ps(pv, wd);
-        __m256 diff = _mm256_sub_ps(gv, mv);  /* exp_avg.lerp_(grad, 1 - beta1) */
-        __m256 m1 = _mm256_fmadd_ps(w, diff, (flags & F_LERP_SMALL) ? mv : gv);
-        __m256 v1 = _mm256_fmadd_ps(_mm256_mul_ps(c2, gsq), gsq, _mm256_mul_ps(vv, beta2));
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2), eps);
-        __m256 p1 = _mm256_add_ps(p0, _mm256_div_ps(_mm256_mul_ps(neg_step, m1), denom));
-        _mm256_storeu_ps(p + i, p1);
-        _mm256_storeu_ps(m + i, m1);
-        _mm256_storeu_ps(v + i, v1);
-        if (skind) store_shadow(shadow, i, p1, skind, stream);
-    }
+    const adam_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2]), bc(sc[3]), bc(sc[4]), bc(sc[5]), bc(sc[6])};
+#define ADAM8(j) adam8(&k, flags, p, g, m, v, (j))
+    RANGE(ADAM8)
 }
 
 static void sgd_range(int flags, const float *sc, float *p, const float *g, float *b, void *shadow, int skind,
                       int stream, int64_t lo, int64_t hi) {
     /* sc: wd, momentum, 1 - dampening, -lr */
-    const __m256 wd = bc(sc[0]), mom = bc(sc[1]), damp1 = bc(sc[2]), neg_lr = bc(sc[3]);
-    for (int64_t i = lo; i < hi; i += 8) {
-        __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
-        if (flags & F_MAXIMIZE) gv = neg(gv);
-        if (flags & F_DECAY) gv = _mm256_fmadd_ps(pv, wd, gv);
-        if (flags & F_MOMENTUM) {
-            __m256 b1 = _mm256_fmadd_ps(damp1, gv, _mm256_mul_ps(_mm256_loadu_ps(b + i), mom));
-            _mm256_storeu_ps(b + i, b1);
-            gv = (flags & F_NESTEROV) ? _mm256_fmadd_ps(b1, mom, gv) : b1;
-        }
-        __m256 p1 = _mm256_fmadd_ps(gv, neg_lr, pv);
-        _mm256_storeu_ps(p + i, p1);
-        if (skind) store_shadow(shadow, i, p1, skind, stream);
-    }
+    const sgd_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2]), bc(sc[3])};
+#define SGD8(j) sgd8(&k, flags, p, g, b, (j))
+    RANGE(SGD8)
 }
 
 static void adagrad_range(int flags, const float *sc, float *p, const float *g, float *acc, void *shadow, int skind,
                           int stream, int64_t lo, int64_t hi) {
     /* sc: wd, eps, lr / (1 + (step - 1) * lr_decay) */
-    const __m256 wd = bc(sc[0]), eps = bc(sc[1]), clr = bc(sc[2]);
-    for (int64_t i = lo; i < hi; i += 8) {
-        __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
-        if (flags & F_DECAY) gv = (flags & F_MAXIMIZE) ? _mm256_fmsub_ps(pv, wd, gv) : _mm256_fmadd_ps(pv, wd, gv);
-        else if (flags & F_MAXIMIZE) gv = neg(gv);
-        __m256 a1 = _mm256_fmadd_ps(gv, gv, _mm256_loadu_ps(acc + i));
-        __m256 p1 = _mm256_sub_ps(pv, _mm256_div_ps(_mm256_mul_ps(clr, gv), _mm256_add_ps(_mm256_sqrt_ps(a1), eps)));
-        _mm256_storeu_ps(p + i, p1);
-        _mm256_storeu_ps(acc + i, a1);
-        if (skind) store_shadow(shadow, i, p1, skind, stream);
-    }
+    const adagrad_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2])};
+#define ADAGRAD8(j) adagrad8(&k, flags, p, g, acc, (j))
+    RANGE(ADAGRAD8)
 }
 
 /* One tensor: p, g and the state (s1: exp_avg / momentum buffer / sum; s2: exp_avg_sq) over n
  * elements, the shadow (skind 0: none) written as it goes; n a multiple of 8, split over up to
- * nthreads OpenMP threads in ranges of whole 64-element units. Returns 0, or -1 for bad input. */
+ * nthreads OpenMP threads in ranges of whole 64-element units (each range starts 128 bytes into
+ * the shadow past the previous one: a 32-byte aligned shadow stays aligned). Returns 0, or -1 for bad input. */
 int la_step(int kind, int flags, const float *sc, float *p, const float *g, float *s1, float *s2,
             void *shadow, int skind, int64_t n, int nthreads) {
     if (n % 8 || (skind && !shadow) || kind < KIND_ADAM || kind > KIND_ADAGRAD) return -1;
-    /* the stream stores need 16-byte aligned destinations; an odd view keeps ordinary stores */
-    const int stream = skind && ((uintptr_t)shadow % 16 == 0);
+    /* the stream stores need 32-byte aligned destinations; another view keeps ordinary stores */
+    const int stream = skind && ((uintptr_t)shadow % 32 == 0);
     const int64_t units = (n + 63) / 64;
     if (nthreads < 1 || n < (1 << 16)) nthreads = 1;
     if (nthreads > units) nthreads = (int)units;

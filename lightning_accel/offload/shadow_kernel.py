@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("shadow_kernel.c")
 # no -ffast-math (it reorders and flushes denormals); contraction off: the source's FMAs are explicit
-FLAGS = ("-O2", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
+FLAGS = ("-O3", "-std=c11", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
          "-fPIC", "-shared")
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 KIND = {"adam": 0, "adamw": 0, "sgd": 1, "adagrad": 2}
@@ -91,7 +91,8 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
     try:
         done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["?"])[0][:160]
+            lines = done.stderr.strip().splitlines() or ["?"]
+            first = next((line for line in lines if "error" in line), lines[0])[:160]
             raise RuntimeError(f"{Path(cc).name} failed on {SOURCE.name} ({first})")
         os.replace(tmp, target)
     finally:
