@@ -112,10 +112,18 @@ static inline __m256 adagrad8(const adagrad_k *k, int flags, float *p, const flo
     return p1;
 }
 
-/* [lo, hi) of one tensor, 16 elements an iteration (two updates, one 32-byte shadow store) */
-#define RANGE(UPDATE)                                                             \
+/* Software prefetch of each stream read, PREFETCH_AHEAD elements (2 KiB) ahead: on one core of the 2-core
+ * AMD EPYC this took the update with its bf16 shadow from 0.86-0.94x to 0.95-1.07x torch's fused AdamW
+ * (50M parameters of GPT blocks); prefetching past an array's end is harmless (no fault). */
+#define PREFETCH_AHEAD 512
+static inline void prefetch(const float *x) { _mm_prefetch((const char *)(x + PREFETCH_AHEAD), _MM_HINT_T0); }
+
+/* [lo, hi) of one tensor, 16 elements (a 64-byte line of each stream) an iteration: two updates, one
+ * 32-byte shadow store */
+#define RANGE(UPDATE, PREFETCH)                                                   \
     int64_t i = lo;                                                               \
     for (; i + 16 <= hi; i += 16) {                                               \
+        PREFETCH(i);                                                              \
         __m256 first_ = UPDATE(i), second_ = UPDATE(i + 8);                       \
         if (skind) store_shadow16(shadow, i, first_, second_, skind, stream);     \
     }                                                                             \
@@ -129,7 +137,8 @@ static void adam_range(int flags, const float *sc, float *p, const float *g, flo
     /* sc: wd (AdamW: 1 - lr*wd), lerp weight (w or w - 1), beta2, 1 - beta2, sqrt(bc2), eps, -lr/bc1 */
     const adam_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2]), bc(sc[3]), bc(sc[4]), bc(sc[5]), bc(sc[6])};
 #define ADAM8(j) adam8(&k, flags, p, g, m, v, (j))
-    RANGE(ADAM8)
+#define ADAM_PREFETCH(j) (prefetch(p + (j)), prefetch(g + (j)), prefetch(m + (j)), prefetch(v + (j)))
+    RANGE(ADAM8, ADAM_PREFETCH)
 }
 
 static void sgd_range(int flags, const float *sc, float *p, const float *g, float *b, void *shadow, int skind,
@@ -137,7 +146,8 @@ static void sgd_range(int flags, const float *sc, float *p, const float *g, floa
     /* sc: wd, momentum, 1 - dampening, -lr */
     const sgd_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2]), bc(sc[3])};
 #define SGD8(j) sgd8(&k, flags, p, g, b, (j))
-    RANGE(SGD8)
+#define SGD_PREFETCH(j) (prefetch(p + (j)), prefetch(g + (j)), (flags & F_MOMENTUM) ? prefetch(b + (j)) : (void)0)
+    RANGE(SGD8, SGD_PREFETCH)
 }
 
 static void adagrad_range(int flags, const float *sc, float *p, const float *g, float *acc, void *shadow, int skind,
@@ -145,7 +155,8 @@ static void adagrad_range(int flags, const float *sc, float *p, const float *g, 
     /* sc: wd, eps, lr / (1 + (step - 1) * lr_decay) */
     const adagrad_k k = {bc(sc[0]), bc(sc[1]), bc(sc[2])};
 #define ADAGRAD8(j) adagrad8(&k, flags, p, g, acc, (j))
-    RANGE(ADAGRAD8)
+#define ADAGRAD_PREFETCH(j) (prefetch(p + (j)), prefetch(g + (j)), prefetch(acc + (j)))
+    RANGE(ADAGRAD8, ADAGRAD_PREFETCH)
 }
 
 /* One tensor: p, g and the state (s1: exp_avg / momentum buffer / sum; s2: exp_avg_sq) over n
