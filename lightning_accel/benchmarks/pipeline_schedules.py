@@ -41,7 +41,8 @@ from torch import Tensor, nn
 
 from lightning_accel.bench import format_table, machine_line
 from lightning_accel.benchmarks.two_ranks import rank_result, run_two_ranks
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, SCHEDULES, gpipe_order, one_f_one_b_order
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, SCHEDULES
+from lightning_accel.pipeline.schedule_clock import schedule_orders, step_time
 
 __all__ = ["SleepNet", "ideal_step", "picture", "run_schedules"]
 
@@ -87,63 +88,18 @@ class SleepNet(nn.Module):
 
 
 def _orders(name: str, ranks: int, chunks: int, schedule: Any = None) -> dict[int, list[tuple[str, int, int]]]:
-    """Per rank, its actions in order as (kind, stage, micro-batch), kind in F, I, W, B (a whole backward)."""
-    if SCHEDULE_TABLE[name].stages_per_rank > 1:  # torch's own order (the one-stage schedules': ours, as in the tests)
-        out: dict[int, list[tuple[str, int, int]]] = {}
-        for rank, actions in schedule.pipeline_order.items():
-            flat = []
-            for a in actions:
-                if a is None:
-                    continue
-                for sub in a.sub_actions or (a,):
-                    kind = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}.get(
-                        sub.computation_type.name
-                    )
-                    if kind is not None:
-                        flat.append((kind, sub.stage_index, sub.microbatch_index))
-            out[rank] = flat
-        return out
-    order = gpipe_order(chunks, ranks) if name == "gpipe" else one_f_one_b_order(chunks, ranks)
-    return {s: [(a.kind, a.stage, a.microbatch) for a in actions] for s, actions in enumerate(order)}
+    """Per rank, its actions in order as (kind, stage, micro-batch), kind in F, I, W, B (a whole backward)
+    (:func:`lightning_accel.pipeline.schedule_clock.schedule_orders`; ``schedule``: unused, torch's order is rebuilt)."""
+    return schedule_orders(name, ranks, chunks)
 
 
 def ideal_step(
     orders: dict[int, list[tuple[str, int, int]]], stages: int, cost: dict[str, float],
     starts: dict[int, list[tuple[float, str, int, int]]] | None = None,
 ) -> float:
-    """Seconds the per-rank ``orders`` take with ``cost`` per action of one stage and free communication: each rank runs
-    its actions in order, each as soon as what it needs is done (F after the previous stage's F; I or B after this
-    stage's F and the next stage's I or B; W after this stage's I). ``starts``: filled with each rank's (start, kind,
-    stage, micro-batch)."""
-    done: dict[tuple[str, int, int], float] = {}
-    clock = dict.fromkeys(orders, 0.0)
-    position = dict.fromkeys(orders, 0)
-    total = sum(len(o) for o in orders.values())
-    while len(done) < total:
-        moved = False
-        for rank, actions in orders.items():
-            while position[rank] < len(actions):
-                kind, s, m = actions[position[rank]]
-                if kind == "F":
-                    deps = [("F", s - 1, m)] if s > 0 else []
-                elif kind in ("I", "B"):
-                    deps = [("F", s, m)] + ([("G", s + 1, m)] if s < stages - 1 else [])
-                else:
-                    deps = [("G", s, m)]
-                if not all(d in done for d in deps):
-                    break
-                start = max([clock[rank], *(done[d] for d in deps)])
-                if starts is not None:
-                    starts.setdefault(rank, []).append((start, kind, s, m))
-                clock[rank] = done[(kind, s, m)] = start + cost[kind]
-                if kind in ("I", "B"):
-                    done[("G", s, m)] = clock[rank]  # the input gradient sent back
-                    total += 1
-                position[rank] += 1
-                moved = True
-        if not moved:
-            raise ValueError("the schedule's orders deadlock under the simulation")
-    return max(clock.values())
+    """Seconds the per-rank ``orders`` take with ``cost`` per action kind (every stage alike) and free communication:
+    :func:`lightning_accel.pipeline.schedule_clock.step_time`, the clock ``schedule="auto"`` predicts with."""
+    return step_time(orders, stages, lambda kind, _stage: cost[kind], starts)
 
 
 @contextmanager
