@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
                    "1-2 min on a quiet 2-core machine, 5x that under heavy load from other jobs)")
     p.add_argument("--plot", metavar="DIR", help="write the last step of our pipeline as DIR/pipeline-timeline.svg "
                    "and DIR/pipeline-trace.json (Chrome trace), with the measured bubble")
-    p.add_argument("--schedules", metavar="NAMES", help="instead: one row per schedule ('all', or a comma-separated list) "
+    p.add_argument("--schedules", metavar="NAMES", help="instead: one row per schedule ('all', or a comma-separated list; 'auto': schedule='auto' vs the sweep) "
                    "on blocks of known cost, raw torch vs ours, bubble measured vs ideal, peak activations per rank "
                    "(lightning_accel.benchmarks.pipeline_schedules)")
     p.add_argument("--schedule-depth", type=int, default=4, help="--schedules: sleeping blocks (a multiple of 4)")
@@ -77,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-f", type=float, default=5.0, help="--schedules: ms each block sleeps per micro-batch in forward")
     p.add_argument("--cost-i", type=float, default=5.0, help="--schedules: ms in the input-gradient half of backward")
     p.add_argument("--cost-w", type=float, default=5.0, help="--schedules: ms in the weight-gradient half of backward")
+    p.add_argument("--skew", type=float, default=1.0, help="--schedules auto: the start's last stage sleeps this many times as long")
+    p.add_argument("--overhead", type=float, default=1.0, help="--schedules auto: ms each block adds per action and micro-batch")
+    p.add_argument("--auto-start", default="1f1b", help="--schedules auto: the schedules auto starts from (comma-separated)")
+    p.add_argument("--auto-max-chunks", type=int, default=16, help="--schedules auto: the most micro-batches considered")
+    p.add_argument("--auto-steps", type=int, default=3, help="--schedules auto: measured steps per micro-batch count")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -272,6 +277,10 @@ def main(argv: list[str]) -> int:
     if args.worker:
         _worker(args)
         return 0
+    if args.schedules == "auto":  # schedule="auto" against the sweep of what it could choose
+        from lightning_accel.benchmarks.pipeline_auto import run_auto
+
+        return run_auto(args)
     if args.schedules:
         from lightning_accel.benchmarks.pipeline_schedules import run_schedules
 

@@ -63,16 +63,22 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepBlock(nn.Module):
-    """``tanh(x @ W)``, with ``f`` seconds in forward, ``i`` in the input gradient and ``w`` in the weight gradient."""
+    """``tanh(x @ W)``, with ``f`` seconds in forward, ``i`` in the input gradient and ``w`` in the weight gradient.
+
+    ``rows``: when set, those times are for a micro-batch of ``rows`` rows and scale with its rows, plus ``overhead``
+    seconds per action (what a real stage's time looks like: a part per row, a part per call); unset, fixed."""
 
     def __init__(self, hidden: int, f: float, i: float, w: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
         self.f, self.i, self.w = f, i, w
+        self.rows: int | None = None
+        self.overhead = 0.0
 
     def forward(self, x: Tensor) -> Tensor:
-        h = _Sleep.apply(x, self.f, self.i)  # (rows, hidden): its backward is on the input-gradient path
-        weight = _Sleep.apply(self.weight, 0.0, self.w)  # its backward is on the weight-gradient path only
+        k, o = (x.shape[0] / self.rows if self.rows else 1.0), self.overhead
+        h = _Sleep.apply(x, o + self.f * k, o + self.i * k)  # (rows, hidden): its backward is on the input-gradient path
+        weight = _Sleep.apply(self.weight, 0.0, o + self.w * k)  # its backward is on the weight-gradient path only
         return torch.tanh(h @ weight)
 
 

@@ -198,7 +198,8 @@ def choose(
             f"schedule='auto': every candidate's predicted peak activations exceed max_activation_bytes="
             f"{max_activation_bytes:.0f}; raise it, or set checkpoint='always'"
         )
-    best = min(considered, key=lambda p: (p.step_s, p.setting[1]))  # a tie: fewer micro-batches
+    # a tie: the current setting, then fewer activations (1f1b over gpipe), then fewer micro-batches
+    best = min(considered, key=lambda p: (p.step_s, p.setting != current, p.peak_bytes, p.setting[1]))
     measured = mean(measured_s)
     here = spread(list(measured_s))
     there = here * best.step_s / now.step_s if now.step_s > 0 else here

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -84,6 +85,7 @@ from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter
 from lightning_accel.pipeline.partition import check_balance
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
 from lightning_accel.pipeline.evaluation import stream_evaluate
+from lightning_accel.pipeline.stage_meter import StageMeter
 from lightning_accel.pipeline.stage_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
 
@@ -215,6 +217,25 @@ class _Stage(PipelineStage):
         finally:
             self.submod.split_backward = False
 
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        meter = self.submod.pipe.meter
+        with meter.action("F", self.stage_index) if meter is not None else nullcontext():
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> None:
+        meter = self.submod.pipe.meter  # measuring (schedule="auto"): a whole backward as its two halves, each timed
+        if meter is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with meter.action("I", self.stage_index):
+            super().backward_one_chunk(bwd_chunk_id, loss, False, last_backward)
+        if full_backward:
+            self.backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        meter = self.submod.pipe.meter
+        with meter.action("W", self.stage_index) if meter is not None else nullcontext():
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
     def _send_meta(self, meta: Any, dst_stage: int) -> None:
         super()._send_meta((meta, dict(self.submod.pipe.boundaries.structures)), dst_stage)
 
@@ -336,7 +357,22 @@ class RankPipeline:
         self._losses: list[Tensor] = []
         self._raised: tuple[Exception, int] | None = None  # what a stage's forward raised in this step, and the stage
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
+        self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)
+
+    def reschedule(self, schedule: str, chunks: int) -> None:
+        """Run the next steps under ``schedule`` in ``chunks`` micro-batches; between steps only, and only to a schedule
+        whose stages sit on the same ranks (:func:`lightning_accel.pipeline.auto_schedule.same_placement`): the
+        parameters and optimizer state stay where they are."""
+        if stage_indices(self.rank, self.world_size, schedule) != self.indices:
+            raise ValueError(
+                f"cannot reschedule from {self.schedule_name!r} to {schedule!r}: its stages sit on other ranks; "
+                "choose a schedule of the same placement"
+            )
+        check_schedule(schedule, chunks, len(self.balance))
+        self.schedule_name, self.chunks = schedule, chunks
+        self._by_shape = {}
+        self.schedule = self._build_schedule(chunks)
 
     def restore(self) -> None:
         """Take the stage boundaries off the blocks: their forwards are the model's own again.

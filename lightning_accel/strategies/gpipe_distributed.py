@@ -60,6 +60,7 @@ the last rank runs the user's step once on the whole batch and every rank logs w
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -99,6 +100,8 @@ from lightning_accel.pipeline.rank_balance import choose_balance, example_block_
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
 from lightning_accel.pipeline.rank_step import eval_step, train_step
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
+from lightning_accel.pipeline.auto_schedule import AutoSchedule
+from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.step_result import broadcast_step_result
 from lightning_accel.strategies.user_hooks import overrides
 
@@ -148,7 +151,11 @@ class DistributedGPipeStrategy(DDPStrategy):
             input- and weight-gradient halves and fill the bubble with the weight halves: ``"interleaved_zb"``
             (looped as ``interleaved_1f1b``), ``"zbv"`` and ``"dualpipev"`` (two stages per rank placed V-wise: rank
             ``r`` holds stages ``r`` and ``2W - 1 - r``, so rank 0 runs the first and the last; ``dualpipev`` needs
-            ``chunks`` >= stages). Two stages per rank need at least ``2W`` blocks.
+            ``chunks`` >= stages). Two stages per rank need at least ``2W`` blocks. ``"auto"`` (or
+            :class:`~lightning_accel.pipeline.auto_schedule.AutoSchedule` for its start, steps and
+            ``max_activation_bytes``): starts on ``1f1b``, measures each stage over the first steps and switches once
+            to the schedule and ``chunks`` its clock predicts fastest, among those of the start's placement
+            (:mod:`lightning_accel.pipeline.schedule_tuner`; one line on rank 0 says what and why).
         balance: blocks per stage (one entry per rank, two per rank for
             the two-stage-per-rank schedules), ``"by_size"`` (parameter and buffer bytes) or ``"by_time"``
             (forward + backward seconds of each block on the LightningModule's
@@ -183,7 +190,7 @@ class DistributedGPipeStrategy(DDPStrategy):
     def __init__(
         self,
         chunks: int = 1,
-        schedule: str = "gpipe",
+        schedule: str | AutoSchedule = "gpipe",
         balance: Sequence[int] | str = "by_size",
         loss_reduction: str = "mean",
         checkpoint: str = "never",
@@ -382,6 +389,8 @@ class DistributedGPipeStrategy(DDPStrategy):
         )
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))
+        fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        self._tuner = ScheduleTuner(self.pipeline, self._auto) if self._auto is not None and fitting else None
         self.model_to_device()
 
     def _last_rank(self) -> int:
@@ -401,11 +410,19 @@ class DistributedGPipeStrategy(DDPStrategy):
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        tuner = self._tuner if self._tuner is not None and not self._tuner.done else None
+        if tuner is not None:
+            tuner.before_step(batch_size(batch))
+        start = time.perf_counter()
         with self.precision_plugin.train_step_context():
             result, self._pending = train_step(
                 pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
                 self.loss_reduction, getattr(self.precision_plugin, "scaler", None),
             )
+        choice = tuner.after_step(time.perf_counter() - start) if tuner is not None else None
+        if choice is not None:  # the next step runs the choice (its placement is this one's)
+            self.schedule, self.chunks = choice.chosen
+            rank_zero_info(f"DistributedGPipeStrategy: {choice.report()}")
         # the last rank has the loss and the logs: every rank returns and logs the same
         layout = self._layout
         (loss, records, as_dict), self._step_signature_cache = broadcast_step_result(

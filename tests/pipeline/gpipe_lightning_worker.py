@@ -21,6 +21,7 @@ import sys
 import lightning.pytorch as pl
 import torch
 
+from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,12 +36,15 @@ CASES = {  # schedule: (chunks, balance, training sequences)
     "interleaved_zb": (4, [1, 1, 1, 1], 32),
     "zbv": (4, [1, 1, 1, 1], 32),
     "dualpipev": (4, [1, 1, 1, 1], 32),
+    # schedule="auto" from gpipe at chunks=8: 3 + 3 steps of measurement (at 8 and 4 micro-batches), then its choice
+    "auto": (8, [2, 2], 64),
 }
+AUTO = AutoSchedule("gpipe", steps=2)
 RESUMED = ("gpipe", "interleaved_zb", "zbv", "dualpipev")  # each resumes from its own checkpoint for one more epoch
 # re-materialization per schedule: each mode is checked against plain training by the same assertions
 CHECKPOINT = {
     "gpipe": "always", "1f1b": "except_last", "interleaved_1f1b": "never", "interleaved_zb": "never", "zbv": "never",
-    "dualpipev": "never",
+    "dualpipev": "never", "auto": "never",
 }
 
 
@@ -62,11 +66,17 @@ def _val(trainer: pl.Trainer) -> dict[str, float]:
     return {k: float(trainer.callback_metrics[k]) for k in ("val/loss", "val/ppl")}
 
 
-def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None = None) -> None:
-    chunks, balance, n = CASES[schedule]
+def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None = None, chunks: int | None = None) -> tuple[str, int]:
+    """Returns the schedule and chunks trained last: ``schedule="auto"``'s choice (every rank makes the same), which it
+    also saves in ``auto-chosen.txt`` (rank 0)."""
+    case_chunks, balance, n = CASES["auto" if name == "auto-chosen" else schedule]
+    chunks = chunks or case_chunks
     losses, held = Losses(), HeldAtTrainEnd()
     task = gpt_task()
-    strategy = DistributedGPipeStrategy(chunks=chunks, schedule=schedule, balance=balance, checkpoint=CHECKPOINT[schedule], timeout=60)
+    strategy = DistributedGPipeStrategy(
+        chunks=chunks, schedule=AUTO if schedule == "auto" else schedule, balance=balance,
+        checkpoint=CHECKPOINT.get(schedule, "never"), timeout=60,
+    )
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False,
         gradient_clip_val=CLIP,
@@ -74,6 +84,9 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
     )
     # validation at the end of the epoch (and the sanity check before training) runs through the pipeline
     trainer.fit(task, gpt_loader(n=n), val_loader(), ckpt_path=ckpt_path)
+    if schedule == "auto" and trainer.global_rank == 0:
+        with open(os.path.join(out, "auto-chosen.txt"), "w") as f:
+            f.write(f"{strategy.schedule} {strategy.chunks}")
     in_fit = _val(trainer)
     # after fit, as after DDP: the module (rank 0's whole, the others' own stages) and what it computes
     after_fit = {n: t.detach().clone() for n, t in task.state_dict().items() if not t.is_meta}
@@ -99,13 +112,16 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
          "optimizer_entries": optimizer_entries},
         os.path.join(out, f"{name}-rank{trainer.global_rank}.pt"),
     )
+    return strategy.schedule, strategy.chunks
 
 
 def main() -> None:
     out, schedules, epochs = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     torch.set_num_threads(1)
     for schedule in schedules:
-        fit(out, schedule, epochs, schedule)
+        chosen = fit(out, schedule, epochs, schedule)
+        if schedule == "auto":  # a run started with auto's choice, for the weights to compare
+            fit(out, chosen[0], epochs, "auto-chosen", chunks=chosen[1])
         if schedule in RESUMED:
             fit(out, schedule, 2 * epochs, f"{schedule}-resumed", ckpt_path=os.path.join(out, f"{schedule}.ckpt"))
 

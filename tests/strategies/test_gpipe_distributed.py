@@ -56,7 +56,7 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
 
 def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None) -> subprocess.CompletedProcess:
     """Run the user script; Lightning starts rank 1 from it."""
-    args = args if args is not None else [str(out), ",".join(SCHEDULES), "1"]
+    args = args if args is not None else [str(out), ",".join([*SCHEDULES, "auto"]), "1"]
     return run_user_script(PIPELINE_TESTS / script, args, timeout, "2-process pipeline training")
 
 
@@ -425,3 +425,19 @@ def test_one_rank_predict_runs_the_stages_in_order(one_rank):
     got = pl.Trainer(strategy=DistributedGPipeStrategy(chunks=2), **kwargs).predict(piped, loader)
     assert [p.shape for p in got] == [(8, 3), (4, 3)]
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_auto_switches_once_between_steps_and_trains_as_a_run_started_with_its_choice(two_ranks):
+    """schedule="auto" from gpipe at chunks=8 on 64 sequences (8 steps): 6 steps of measurement (3 at 8 micro-batches,
+    3 at 4), one decision, 2 steps of its choice. Every step trained once: the losses and the weights equal a run
+    started with the choice, in float64 (to the order of float sums: another micro-batch count sums gradients in
+    another order; AdamW turns 1e-16 into 1e-14 on a near-zero bias); rank 0 said what it chose, once."""
+    chosen, chunks = (two_ranks / "auto-chosen.txt").read_text().split()
+    auto, ref = (torch.load(two_ranks / f"{n}.ckpt", weights_only=False) for n in ("auto", "auto-chosen"))
+    assert auto["global_step"] == ref["global_step"] == 8
+    for name, weight in ref["state_dict"].items():
+        torch.testing.assert_close(auto["state_dict"][name], weight, rtol=1e-10, atol=1e-12, msg=name)  # as against plain
+    torch.testing.assert_close(_ranks(two_ranks, "auto")[0]["returned"], _ranks(two_ranks, "auto-chosen")[0]["returned"],
+                               rtol=1e-12, atol=0)
+    lines = [ln for ln in (two_ranks / "stdout.txt").read_text().splitlines() if "schedule='auto':" in ln]
+    assert len(lines) == 1 and f"{chosen}/chunks={chunks}" in lines[0] and "candidates" in lines[0], lines
