@@ -203,8 +203,12 @@ class DistributedGPipeStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
+        self._auto = AutoSchedule() if schedule == "auto" else schedule if isinstance(schedule, AutoSchedule) else None
+        self._tuner: ScheduleTuner | None = None
+        if self._auto is not None:  # runs its start first; lightning_accel.pipeline.schedule_tuner switches once
+            schedule = self._auto.start
         if schedule not in SCHEDULE_TABLE:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_TABLE)}, got {schedule!r}; '1f1b' keeps the fewest activations alive")
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_TABLE)}, got {schedule!r}; or 'auto' (chosen by measurement); '1f1b' keeps the fewest activations alive")
         check_ranks_per_pipeline(pipeline_parallel_size, balance, SCHEDULE_TABLE[schedule].stages_per_rank, schedule)
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
