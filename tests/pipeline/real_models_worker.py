@@ -2,7 +2,9 @@
 
 Run as ``python real_models_worker.py OUT_DIR CASES``: CASES is a comma-separated list of
 ``model:schedule`` (models of ``tests/strategies/real_models.py``, its encoder-decoders ``t5`` and ``bart``
-on their own loss and token pairs, plus ``qwen2``, ``mistral`` and ``llama4``, a Llama of 4 layers),
+on their own loss and token pairs, plus ``qwen2``, ``mistral`` and ``llama4``, a Llama of 4 layers; ``row-NAME``: a regression row of
+``tests/strategies/regression_models.py``, its own task, dtype and data, 3 steps; ``row-NAME@PRECISION``: in Lightning's
+``PRECISION``, e.g. ``bf16-mixed``),
 one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts rank 1 from
 this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
 model's seeded initialization; rank 0 saves ``{model}-{schedule}.ckpt`` (the gathered
@@ -24,6 +26,7 @@ from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrateg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
 import real_models  # noqa: E402
+import regression_models  # noqa: E402
 from real_models import VOCAB, lm_loader  # noqa: E402
 
 STEPS, CHUNKS = 4, 4
@@ -68,13 +71,13 @@ def task(name: str) -> pl.LightningModule:
     return real_models.real_task(name, torch.float64)
 
 
-def trainer(schedule: str, steps: int, sampler: bool = True) -> pl.Trainer:
+def trainer(schedule: str, steps: int, sampler: bool = True, precision: str = "64-true") -> pl.Trainer:
     """Lightning's defaults (its distributed sampler replaces the user's shuffling one), or, for the resume case, the
     loader's own order: with Lightning's shuffling DistributedSampler a mid-epoch resume is not exact under Lightning's
     own DDP either (2.9e-2 after 4 steps on 2 ranks, a StatefulDataLoader)."""
     return pl.Trainer(
         accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, schedule=schedule, timeout=60),
-        max_steps=steps, precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_steps=steps, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=sampler,
     )
 
@@ -88,6 +91,12 @@ def main() -> None:
     out, cases = Path(sys.argv[1]), [c.split(":") for c in sys.argv[2].split(",")]
     torch.set_num_threads(1)
     for name, schedule in cases:
+        if name.startswith("row-"):  # the user's shuffling loader; the reference reads the sampler's order
+            row, _, precision = name[len("row-"):].partition("@")
+            t = trainer(schedule, regression_models.STEPS, precision=precision or "32-true")  # the row's own dtype
+            t.fit(regression_models.task(row), DataLoader(regression_models.dataset(row), batch_size=regression_models.BATCH, shuffle=True))
+            t.save_checkpoint(out / f"{name}-{schedule}.ckpt")
+            continue
         t = trainer(schedule, STEPS)
         if name in real_models.ENCODER_DECODERS:  # the decoder pipelined, the encoder on every rank (blocks='auto')
             t.fit(real_models.seq2seq_task(name), DataLoader(real_models.seq2seq_data(SEQ2SEQ_SAMPLES), batch_size=8, shuffle=True))

@@ -20,6 +20,7 @@ PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
 sys.path.insert(0, str(PIPELINE_TESTS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
+from regression_models import ROWS, max_difference, tolerance  # noqa: E402
 from real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, task  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
@@ -32,6 +33,10 @@ CASES = [
 ]
 # encoder-decoders: blocks='auto' pipelines the decoder; the encoder runs on every rank, its gradients summed between them
 ENCODER_DECODER_CASES = [("t5", "1f1b"), ("bart", "gpipe")]
+# the regression rows of docs/models.md (regression_models: BERT, GPT-NeoX, Gemma 3, Mamba, ViT, Llama frozen, LoRA, own
+# checkpointing, compiled layers, Mixtral and Qwen3-MoE in float32), 1f1b, in this same launch, each against its one
+# plain-Lightning reference; and Mixtral in bf16-mixed
+ROW_CASES = [*((f"row-{name}", "1f1b") for name in ROWS), ("row-mixtral@bf16-mixed", "1f1b")]
 
 
 def sampled(dataset=None):
@@ -46,7 +51,7 @@ def sampled(dataset=None):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("real_models")
-    cases = ",".join(f"{m}:{s}" for m, s in CASES + ENCODER_DECODER_CASES)
+    cases = ",".join(f"{m}:{s}" for m, s in CASES + ENCODER_DECODER_CASES + ROW_CASES)
     result = run_user_script(PIPELINE_TESTS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
@@ -76,6 +81,26 @@ def test_encoder_decoders_train_like_plain_lightning(two_ranks, name, schedule, 
     reference = seq2seq_task(name)
     fit(reference, steps=STEPS, precision="64-true", loader=sampled(seq2seq_data(SEQ2SEQ_SAMPLES)), accumulate_grad_batches=CHUNKS)
     assert_same_weights(reference, _loaded(name, two_ranks / f"{name}-{schedule}.ckpt", seq2seq_task), rtol=rtol, atol=rtol * 1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ROWS)
+def test_regression_rows_train_like_plain_lightning(two_ranks, name):
+    """The user's shuffling loader with Lightning's distributed sampler, 4 micro-batches of 2, 1f1b: the row's weights
+    after 3 steps against plain Lightning's on the sampler's order (no padding, so accumulating the micro-batches'
+    means is the batch's mean: one reference with l2l_offload and gpipe, test_regression_rows.py)."""
+    state = torch.load(two_ranks / f"row-{name}-1f1b.ckpt", weights_only=False)["state_dict"]
+    difference = max_difference(name, state)
+    assert difference <= tolerance(name), f"{name}: max abs weight difference {difference:.2e} from plain Lightning"
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_in_bf16_mixed_trains_like_plain_lightning_on_the_same_micro_batches(two_ranks):
+    """Mixtral in bf16-mixed (autocast; its experts' grouped_mm in bf16): equal (measured 0.0) to plain Lightning in
+    bf16-mixed accumulating the pipeline's 4 micro-batches; bf16 rounds differently over one whole batch (1.1e-2)."""
+    state = torch.load(two_ranks / "row-mixtral@bf16-mixed-1f1b.ckpt", weights_only=False)["state_dict"]
+    assert max_difference("mixtral", state, "bf16-mixed", accumulate=CHUNKS) <= 1e-6
+    assert max_difference("mixtral", state, "bf16-mixed") > 1e-3  # the comparison tells micro-batches apart
 
 
 @pytest.mark.slow
