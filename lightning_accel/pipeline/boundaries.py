@@ -13,7 +13,9 @@ While :meth:`StageBoundaries.run` runs the model for stage ``s`` (blocks
 ``start .. end - 1``):
 
 - a block before ``start`` (another rank's, on the ``meta`` device) runs on ``meta``
-  (shapes only, no arithmetic, no storage); its output becomes zeros on this rank's
+  (shapes only, no arithmetic, no storage), or, where it has the class of the block
+  that hands the stage its input and that block's output structure came with torch's
+  shape metadata, does not run at all; its output becomes zeros on this rank's
   device, and the last one's output is the activation received from stage ``s - 1``,
   so the model's own code between blocks carries it to block ``start``. A block seen to
   return one bare tensor of the received activation's shape is not run at all after
@@ -245,6 +247,11 @@ class StageBoundaries:
                     return received
                 if k == active.start - 1 and self.structures.get(k) is not None:
                     return _fill(self.structures[k], received, self.names[k])
+                handed = self.structures.get(active.start - 1)
+                if handed is not None and type(self.blocks[k]) is type(self.blocks[active.start - 1]):
+                    # an earlier block of the stack's class: zeros in the structure the handing block has, never a run on
+                    # meta (a kernel may refuse meta tensors: MoE grouped_mm); block start - 1 replaces them anyway
+                    return _fill(handed, map_tensors(received, torch.zeros_like), self.names[k])
                 with torch.no_grad(), _on_meta(self.blocks[k]):
                     out = original(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
                 if isinstance(out, Tensor):

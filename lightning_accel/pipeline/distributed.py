@@ -83,6 +83,7 @@ from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
+from lightning_accel.pipeline.router_carry import RouterCarry
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
 from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_meter import StageMeter
@@ -130,7 +131,10 @@ class StageModule(nn.Module):
         # stage 0: the micro-batch index; a later stage: the previous stage's tensors (one, or a block output's several)
         index = int(xs[0].reshape(-1)[0]) if self.stage == 0 else self.microbatch
         self.microbatch += 1
-        received = None if self.stage == 0 else xs[0] if len(xs) == 1 else xs
+        router, carried, sent = self.pipe.router, None, xs
+        if router is not None and self.stage > 0:  # the previous stages' router sums ride last (router_carry)
+            *sent, carried = xs
+        received = None if self.stage == 0 else sent[0] if len(sent) == 1 else tuple(sent)
         remat = index < self.remat_stop
         recorder, mark = self.recorder, None
         if recorder is not None:
@@ -146,7 +150,10 @@ class StageModule(nn.Module):
             return sum((t * 0).sum() for t in floats).reshape(1)  # its gradients: dense zeros shaped like the inputs
         self.pipe._forwarding = True  # a micro-batch's forward (a recomputation in backward runs outside it)
         try:
-            out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+            with router.micro_batch(carried, last, self.pipe.device) if router is not None else nullcontext() as routed:
+                out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
+                if routed is not None and not last:
+                    out = routed.attach(out)
         except Exception as err:
             self.pipe._raised = (err, self.stage)  # the user's error: re-raised as itself after the schedule
             raise
@@ -348,6 +355,7 @@ class RankPipeline:
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         self.checkpoint = checkpoint
         self.step_chunks = chunks  # the micro-batches of the current step (fewer or more for a ragged batch)
+        self.router = RouterCarry.of(net)  # a mixture of experts' router loss: its sums carried between stages
         self.modules = [StageModule(self, s, checkpoint_stop(checkpoint, chunks)) for s in self.indices]
         self.recorder = StepRecorder() if record else None
         self._shapes: Any = None
@@ -382,6 +390,8 @@ class RankPipeline:
         """
         self.boundaries.restore()
         self.batch_norm.detach()
+        if self.router is not None:
+            self.router.remove()
 
     def _stage_range(self, stage: int) -> range:
         start = sum(self.balance[:stage])

@@ -82,6 +82,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.models.block_policy import BlockPolicy, check_one_stack, find_blocks
+from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.patching import swapped
 from lightning_accel.host_memory import available_host_bytes
@@ -386,6 +387,8 @@ class DistributedGPipeStrategy(DDPStrategy):
                 f"DistributedGPipeStrategy: set {', '.join(self._cache_settings)} = False for training (each micro-batch "
                 "and stage would write the KV cache again)"
             )
+        if (router := router_loss_notice(type(self).__name__, net, self.chunks)) is not None:
+            rank_zero_warn(router)  # each stage carries its routers' sums to the last (lightning_accel.pipeline.router_carry)
         self.pipeline, self._split_state = split_module(
             module, blocks, balance, self._layout, first=layout is None, chunks=self.chunks, schedule=self.schedule,
             scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,

@@ -184,6 +184,53 @@ def tiny_mixtral() -> pl.LightningModule:
     return CausalLM(transformers.MixtralForCausalLM(cfg))
 
 
+class RouterLM(pl.LightningModule):
+    """Mixtral's own loss with ``labels`` (cross-entropy plus 0.5 x the router's load-balancing loss over every layer),
+    the padding ``attention_mask`` given, as a user with ``output_router_logits=True`` writes it; 4 layers, so each of 2
+    ranks holds two MoE layers whose router statistics the loss needs."""
+
+    def __init__(self) -> None:
+        import transformers
+
+        sys.path.insert(0, STRATEGY_TESTS)
+        from real_models import VOCAB
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            output_router_logits=True, router_aux_loss_coef=0.5,
+        ))
+
+    def training_step(self, batch, batch_idx):
+        tokens, _, mask = batch
+        return self.net(input_ids=tokens, attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100)).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def run_router_loss(out: str) -> None:
+    """RouterLM, 3 steps of 8 sequences in 2 micro-batches, 1f1b, float32, the user's shuffling loader with Lightning's
+    defaults (its distributed sampler); rank 0 saves the trained state and what the strategy said about the router."""
+    import warnings
+
+    os.environ.pop("PL_GLOBAL_SEED", None)  # run_moe's seed_everything(1): Lightning's sampler would shuffle by it
+    task = RouterLM()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, schedule="1f1b", timeout=60), max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(task, DataLoader(moe_loader().dataset, batch_size=8, shuffle=True))
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, "moe-router.pt"))
+        said = [str(w.message) for w in caught if "output_router_logits" in str(w.message)]
+        Path(out, "moe-router-said.txt").write_text("\n".join(said))
+
+
 def run_moe(out: str) -> None:
     """A tiny Mixtral, 3 steps of 8 sequences in 2 micro-batches per step, float32; rank 0 saves the trained state."""
     task = tiny_mixtral()
@@ -288,6 +335,7 @@ def main() -> None:
             run_raising(out)
         if section == "moe":
             run_moe(out)
+            run_router_loss(out)
             continue
         run_cases(out, section)
 

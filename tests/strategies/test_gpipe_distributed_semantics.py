@@ -144,3 +144,35 @@ def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):
     piped = torch.load(two_ranks / "moe.pt", weights_only=False)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(piped[name], value, rtol=1e-4, atol=3e-5, msg=name)
+
+
+def test_the_router_loss_covers_every_layer_on_every_rank_per_micro_batch(two_ranks):
+    """Mixtral of 4 layers, 2 per rank, ``output_router_logits=True`` (coefficient 0.5) with a padding mask, 1f1b, 2
+    micro-batches, float32, the user's shuffling loader with Lightning's defaults: each stage carries its routers' sums
+    (expert counts, router probabilities, tokens) to the last, whose loss is transformers' over all 4 layers and whose
+    gradient reaches rank 0's routers through the sends. Equal to plain Lightning accumulating the same micro-batches
+    (measured 0.0); one whole-batch step differs (5.4e-2); said once. Before: the last rank's loss saw its own 2 layers
+    only (the weights then 5.6e-2 off the reference), and rank 1 ran rank 0's MoE layers on meta to learn their output,
+    which grouped_mm refuses in float32 (a 4-layer Mixtral crashed at its first step)."""
+    pytest.importorskip("transformers")
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_models import shuffled_order
+    from semantics_worker import RouterLM
+
+    def plain(batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
+        task, dataset = RouterLM(), moe_loader().dataset
+        pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(task, DataLoader(dataset, batch_size=batch_size, sampler=shuffled_order(len(dataset))))
+        return task.state_dict()
+
+    piped = torch.load(two_ranks / "moe-router.pt", weights_only=False)
+    for name, value in plain(4, accumulate=2).items():
+        torch.testing.assert_close(piped[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    whole = plain(8, accumulate=1)
+    assert max(float((whole[n] - piped[n]).abs().max()) for n in whole) > 1e-3
+    said = (two_ranks / "moe-router-said.txt").read_text().splitlines()
+    assert len(said) == 1 and said[0].startswith("DistributedGPipeStrategy(chunks=2): MixtralConfig.output_router_logits=True")
