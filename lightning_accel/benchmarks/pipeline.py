@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead", type=float, default=1.0, help="--schedules auto: ms each block adds per action and micro-batch")
     p.add_argument("--auto-start", default="1f1b", help="--schedules auto: the schedules auto starts from (comma-separated)")
     p.add_argument("--auto-max-chunks", type=int, default=16, help="--schedules auto: the most micro-batches considered")
-    p.add_argument("--auto-steps", type=int, default=3, help="--schedules auto: measured steps per micro-batch count")
+    p.add_argument("--auto-steps", type=int, default=4, help="--schedules auto: measured steps per micro-batch count")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
