@@ -113,8 +113,8 @@ static inline __m256 adagrad8(const adagrad_k *k, int flags, float *p, const flo
 }
 
 /* Software prefetch of each stream read, PREFETCH_AHEAD elements (2 KiB) ahead: on one core of the 2-core
- * AMD EPYC this took the update with its bf16 shadow from 0.86-0.94x to 0.95-1.07x torch's fused AdamW
- * (50M parameters of GPT blocks); prefetching past an array's end is harmless (no fault). */
+ * AMD EPYC this took the update with its bf16 shadow from 0.86-1.00x to 0.91-1.08x torch's fused AdamW
+ * (50M parameters of GPT blocks, noisy shared machine); prefetching past an array's end is harmless (no fault). */
 #define PREFETCH_AHEAD 512
 static inline void prefetch(const float *x) { _mm_prefetch((const char *)(x + PREFETCH_AHEAD), _MM_HINT_T0); }
 

@@ -207,3 +207,10 @@ def test_a_c_kernel_that_differs_from_torch_is_not_used(monkeypatch: pytest.Monk
         pytest.skip(f"torch.compile cannot build kernels here either: {why}")
     assert update is not None and not update.native
     assert why.startswith("folded (torch.compile; the C kernel's adamw update differs from torch")
+
+
+def test_the_kernel_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_ACCEL_NO_C_KERNEL", "1")
+    monkeypatch.setattr(shadow_kernel, "_loaded", None)
+    monkeypatch.setattr(shadow_kernel, "_why_not", None)
+    assert shadow_kernel.kernel() is None and shadow_kernel.why_not() == "LIGHTNING_ACCEL_NO_C_KERNEL is set"
