@@ -14,7 +14,7 @@ the measurements: ``bench offload``'s folded row 0.84-0.98x fused AdamW at 50M p
 
 It is plain C with raw pointers (no torch headers: compiling it takes a second and needs no
 torch build), compiled by the system's C compiler the first time it is needed into a shared
-object cached under ``$XDG_CACHE_HOME/lightning_accel/kernels`` (default ``~/.cache``), keyed
+object cached under ``$LIGHTNING_ACCEL_CACHE/kernels`` (default ``~/.cache/lightning_accel``), keyed
 by the source, the compiler's version and the flags; it is loaded with ``ctypes``. Its
 OpenMP runtime is the ``libgomp.so.1`` that torch already loaded (same soname), so its
 threads are torch's. The flags keep the float math as written (``-ffp-contract=off``, no
@@ -58,7 +58,10 @@ SERIAL_NUMEL = 2**16
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_accel" / "kernels"
+    """Under the project's one cache (``$LIGHTNING_ACCEL_CACHE``), which tests, CI and clusters redirect."""
+    from lightning_accel.data.corpus import default_cache_dir
+
+    return default_cache_dir() / "kernels"
 
 
 def _cpu_lacks() -> list[str]:
