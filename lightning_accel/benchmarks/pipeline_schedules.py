@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any

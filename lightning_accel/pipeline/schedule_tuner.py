@@ -58,7 +58,8 @@ class ScheduleTuner:
     def before_step(self, batch: int) -> None:
         if self.done:
             return
-        if self.batch is None:
+        if self.batch is None:  # the start runs the first batch in this many equal micro-batches (chunks, if it divides)
+            self.start = (self.start[0], self.pipe.microbatches(batch))
             self.batch, self.second = batch, self._second_count(batch)
             weights = {p.untyped_storage().data_ptr() for p in self.pipe.parameters() if not p.is_meta}
             self.meter = StageMeter(weights)
@@ -66,7 +67,7 @@ class ScheduleTuner:
         self._measuring = self._counted and self.step % (self.settings.steps + 1) != 0  # each count's first step warms up
         self.pipe.meter = self.meter if self._measuring else None
         if self._measuring:
-            self.meter.rows = batch / self.pipe.chunks
+            self.meter.rows = batch / self.pipe.microbatches(batch)
 
     def after_step(self, seconds: float) -> Choice | None:
         """Count the step; at the end of the measurement, decide and reschedule (every rank, collectively)."""
@@ -74,7 +75,7 @@ class ScheduleTuner:
         if self.done or not self._counted:
             return None
         if self._measuring:
-            self.times.setdefault(self.pipe.chunks, []).append(seconds)
+            self.times.setdefault(self.pipe.step_chunks, []).append(seconds)
         self.step += 1
         n = self.settings.steps
         if self.step == n + 1 and self.second is not None:
