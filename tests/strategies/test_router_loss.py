@@ -65,3 +65,15 @@ def test_the_notice_names_only_a_router_loss_under_micro_batches() -> None:
     assert router_loss_notice("GPipeStrategy", mixtral(), chunks=1) is None  # the whole batch: nothing to say
     assert router_loss_notice("GPipeStrategy", mixtral(router_logits=False), chunks=4) is None
     assert "accumulating 4 micro-batches" in router_loss_notice("GPipeStrategy", mixtral(), chunks=4)
+
+
+def test_l2l_offload_keeps_the_whole_batch_router_loss() -> None:
+    """L2L runs each batch whole (blocks streamed, nothing micro-batched): the router loss is plain Lightning's own."""
+    from lightning_accel import L2LOffloadStrategy
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offloaded = train(L2LOffloadStrategy(), batch_size=8, accumulate=1)
+    assert not [w for w in caught if "output_router_logits" in str(w.message)]  # nothing to say: no micro-batches
+    for name, tensor in train("auto", batch_size=8, accumulate=1).items():
+        torch.testing.assert_close(offloaded[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
