@@ -57,8 +57,6 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     return env
 
 
-
-
 class CliProcesses:
     """``python -m lightning_accel ARGS`` started now and collected later, so that two runs can go side by side:
     most of a short run is importing Lightning, on one core."""
