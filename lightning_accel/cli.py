@@ -244,20 +244,45 @@ def _is_override(arg: str) -> bool:
     return "=" in arg or arg.startswith("~")
 
 
-def cmd_estimate(recipe: str, overrides: Sequence[str], device_memory: str | None, host_memory: str | None, as_json: bool) -> int:
-    """Print the recipe's memory by rank and component, and whether it fits (:mod:`lightning_accel.estimate`)."""
+def cmd_estimate(
+    recipe: str, overrides: Sequence[str], device_memory: str | None, host_memory: str | None, as_json: bool, measure: int | None = None
+) -> int:
+    """Print the recipe's memory by rank and component, and whether it fits (:mod:`lightning_accel.estimate`); with
+    ``measure``, run that many steps on this machine's GPUs and print ``max_memory_allocated`` beside each rank's
+    device figure (:mod:`lightning_accel.estimate.measure`; exit 1 when a device is off by more than 10%)."""
     import json
 
     from lightning_accel.config.errors import UserError
     from lightning_accel.estimate import estimate_recipe, parse_size
 
+    from lightning_accel.estimate.report import device_size
+
     try:
-        sizes = [parse_size(s) if s is not None else None for s in (device_memory, host_memory)]
+        sizes = [size(s) if s is not None else None for size, s in ((device_size, device_memory), (parse_size, host_memory))]
     except ValueError as err:
         raise UserError(str(err)) from None
+    if measure is not None:
+        import torch
+
+        if measure < 1:
+            raise UserError(f"--measure takes a number of training steps, 1 or more; got {measure}")
+        if not torch.cuda.is_available():
+            raise UserError("--measure compares the device figure with torch.cuda.max_memory_allocated: it needs a CUDA GPU")
     estimate = estimate_recipe(recipe, list(overrides), *sizes)
-    print(json.dumps(estimate.as_json(), indent=2) if as_json else estimate.format())
-    return 0
+    if measure is None:
+        print(json.dumps(estimate.as_json(), indent=2) if as_json else estimate.format())
+        return 0
+    from lightning_accel.estimate.measure import compare, format_rows, run_and_measure
+
+    if estimate.on_cpu:
+        raise UserError(f"{recipe} trains on the CPU: --measure compares a GPU recipe's device figure")
+    print(estimate.format(), flush=True)
+    rows = compare(estimate, run_and_measure(recipe, list(overrides), measure))
+    if as_json:
+        print(json.dumps({**estimate.as_json(), "measured": [{**vars(r), "ratio": r.ratio} for r in rows]}, indent=2))
+    else:
+        print(format_rows(rows))
+    return 0 if all(r.within for r in rows) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,9 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="device and host memory of a recipe by rank and component, and whether it fits")
     est.add_argument("recipe", help="recipe name or path")
     est.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.batch_size=2")
-    est.add_argument("--device-memory", help="device size to judge against, e.g. 24GB (default: the size the recipe states)")
+    est.add_argument("--device-memory", help="device size to judge against: 24GB, 80GiB, H100, L4, A100-40GB, TPU v4 (default: the "
+                     "device the recipe's purpose states, else this machine's GPU)")
     est.add_argument("--host-memory", help="host size to judge against, e.g. 256GB (default: this machine's available memory)")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    est.add_argument("--measure", type=int, metavar="STEPS",
+                     help="then run STEPS training steps on this machine's GPUs and print torch.cuda.max_memory_allocated "
+                          "beside each rank's device figure (exit 1 when one is off by more than 10%%)")
     return parser
 
 
@@ -331,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "export":
             return cmd_export(ns.run_dir, ns.out)
         if ns.command == "estimate":
-            return cmd_estimate(ns.recipe, ns.overrides, ns.device_memory, ns.host_memory, ns.json)
+            return cmd_estimate(ns.recipe, ns.overrides, ns.device_memory, ns.host_memory, ns.json, ns.measure)
         return cmd_bench(ns.name, ns.args)
     except Exception as err:  # bad input becomes one line; anything else keeps its traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issues #8, #17, #27 and #38: every CUDA path, the offload / fine-tune / prefetch / pipeline benchmarks and the
+# Issues #8, #17, #27, #29 and #38: every CUDA path, the offload / fine-tune / prefetch / pipeline benchmarks and the
 # L2L recipes (full and LoRA fine-tunes) on one GPU machine.
 #
 #   scripts/gpu-verify.sh pack   # here (no GPU): copy the pure-Python packages the GPU image
@@ -10,10 +10,14 @@
 #   run(command="scripts/gpu-verify.sh run tests", carry=[".gpu-site"])    # -m cuda, then the suite
 #   run(command="scripts/gpu-verify.sh run bench", carry=[".gpu-site"])    # offload, finetune, prefetch, pipeline tables
 #   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, a 7B LoRA, measured
+#   run(command="scripts/gpu-verify.sh run estimate", carry=[".gpu-site"]) # a plain bf16 GPT's device estimate, measured
+# The recipes and estimate parts run each recipe through `lightning-accel estimate RECIPE ... --measure STEPS`
+# (issue #29): the estimate's table, the run, then each device's estimated peak beside
+# torch.cuda.max_memory_allocated (goal: within 10%; outside it the step reads FAILED (rc 1)).
 # Each step is cut at $STEP_LIMIT seconds (default 540) and then reads FAILED (rc 124) in the
 # table instead of losing the part's results. Full logs land in $OUT (or ./gpu-results):
 # versions.txt, tests-cuda.log, tests-all.log, bench-offload.txt, bench-finetune.txt, bench-prefetch.txt,
-# bench-pipeline.txt, recipe-llama-1b.log, recipe-qwen-7b-lora.log, summary.txt.
+# bench-pipeline.txt, recipe-llama-1b.log, recipe-qwen-7b-lora.log, estimate-gpt-small.log, summary.txt.
 # The package itself is used from the working tree (PYTHONPATH): the GPU image's torch
 # (2.11 + CUDA) stays, and nothing is fetched there.
 set -uo pipefail
@@ -38,7 +42,7 @@ pack() {
 
 run() {
     local part=${1:-all}
-    case "$part" in tests|bench|recipes|all) ;; *) echo "run: unknown part '$part'; use tests, bench, recipes or all" >&2; exit 2 ;; esac
+    case "$part" in tests|bench|recipes|estimate|all) ;; *) echo "run: unknown part '$part'; use tests, bench, recipes, estimate or all" >&2; exit 2 ;; esac
     local out="${OUT:-$repo/gpu-results}"
     mkdir -p "$out"
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
@@ -75,13 +79,18 @@ PY
         step "bench pipeline (memory vs M)" bench-pipeline.txt python3 -m lightning_accel.cli bench pipeline --memory-only
     fi
     if [ "$part" = recipes ] || [ "$part" = all ]; then
-        # the 1B recipe's memory figures are arithmetic in its header; this measures them (OffloadMonitor's
-        # summary line: peak device bytes) on 20 steps with the recipe's own settings
-        step "recipe llama-3.2-1b l2l bf16" recipe-llama-1b.log python3 -m lightning_accel.cli run llama-3.2-1b_l2l-bf16_1gpu \
-            trainer.max_steps=20 trainer.val_check_interval=20 trainer.limit_val_batches=2
+        # the 1B recipe's memory figures in its header are the estimate's; this runs 20 steps with the recipe's own
+        # settings (OffloadMonitor's summary line: peak device bytes) and puts max_memory_allocated beside the estimate
+        step "recipe llama-3.2-1b l2l bf16" recipe-llama-1b.log python3 -m lightning_accel.cli estimate llama-3.2-1b_l2l-bf16_1gpu \
+            trainer.val_check_interval=20 trainer.limit_val_batches=2 --measure 20
         # a 7B LoRA fine-tune on a random bf16 base (no download): 5 steps if the host has the ~16 GB for the base
-        step "recipe qwen2.5-7b lora l2l" recipe-qwen-7b-lora.log python3 -m lightning_accel.cli run qwen2.5-7b_lora-l2l_1gpu \
-            trainer.max_steps=5 trainer.val_check_interval=5 trainer.limit_val_batches=1
+        step "recipe qwen2.5-7b lora l2l" recipe-qwen-7b-lora.log python3 -m lightning_accel.cli estimate qwen2.5-7b_lora-l2l_1gpu \
+            trainer.val_check_interval=5 trainer.limit_val_batches=1 --measure 5
+    fi
+    if [ "$part" = estimate ] || [ "$part" = all ]; then
+        # plain Lightning (bf16-mixed, gradient accumulation) on one GPU: parameters, gradients, AdamW state, activations
+        step "estimate gpt-small bf16 1gpu" estimate-gpt-small.log python3 -m lightning_accel.cli estimate gpt-small_bf16-accum_1gpu \
+            trainer.val_check_interval=10 trainer.limit_val_batches=1 --measure 10
     fi
     {
         cat "$out/versions.txt"
@@ -95,5 +104,5 @@ PY
 case "${1:-}" in
     pack) pack ;;
     run) run "${2:-all}" ;;
-    *) echo "usage: $0 pack|run [tests|bench|recipes|all]  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|run [tests|bench|recipes|estimate|all]  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
 esac

@@ -11,8 +11,9 @@ add up every rank's device and host bytes by component:
 - :mod:`.params`: the model's tensors by unit, stored bytes (NF4) and optimizer state;
 - :mod:`.components`: the arithmetic per strategy;
 - :mod:`.report`: table, verdict and JSON;
-- :mod:`.recipe`: from a recipe to an estimate.
-- :mod:`.regenerate`: the figures README.md and the recipes quote, written from the estimate.
+- :mod:`.recipe`: from a recipe to an estimate;
+- :mod:`.regenerate`: the figures README.md and the recipes quote, written from the estimate;
+- :mod:`.measure`: ``--measure``: a real run's ``torch.cuda.max_memory_allocated`` beside each device's figure.
 """
 
 from lightning_accel.estimate.components import Plan, RankEstimate, estimate_ranks

@@ -7,7 +7,8 @@ the strategies' own:
 
 - plain / DDP (and XLA): parameters, gradients and optimizer state on every device in the
   parameters' dtype; a frozen base as stored; DDP's gradient buckets are one more copy of the
-  gradients (Lightning's ``gradient_as_bucket_view=False``);
+  gradients (Lightning's ``gradient_as_bucket_view=False``); XLA's SPMD data parallel is one
+  process whose devices each hold the model and the activations of their shard of the batch;
 - L2L offload (:class:`~lightning_accel.offload.host_store.HostStore`): the host keeps fp32
   masters, a low-precision shadow of each trainable matrix when the device computes in
   bf16/fp16, fp32 gradients, frozen weights as stored, pinned gradient staging on CUDA
@@ -18,8 +19,13 @@ the strategies' own:
   state by block over the ranks (:func:`~lightning_accel.offload.partition.partition_units`);
 - GPipe, per stage: its blocks' parameters, gradients and optimizer state (the first stage
   also the embeddings, the last the head); activations per micro-batch times the micro-batches
-  in flight (GPipe: all ``chunks``; 1F1B: ``stages - s`` on stage ``s``), a checkpointed one
-  keeping only its stage input, plus one micro-batch's backward.
+  in flight (GPipe: all ``chunks``; 1F1B: ``stages - s`` on stage ``s``), a re-materialized one
+  keeping only its stage input (``gpipe``) or its blocks' inputs (``gpipe_distributed``) and
+  what is outside the blocks (embedding, head, loss), plus one micro-batch's backward;
+  ``gpipe_distributed`` also keeps the weights outside the blocks on every rank (gradients and
+  state only where used), torch's per-micro-batch receive buffers and, while the schedule runs
+  backward inside ``training_step``, the last step's gradients; ``gpipe`` on the CPU is
+  one process whose stages share the memory and run one micro-batch's backward at a time.
 
 Nothing here imports Lightning or allocates a tensor.
 """
@@ -35,7 +41,8 @@ FP32 = 4
 
 # strategy kinds the estimate knows
 PLAIN, DDP, L2L, L2L_DDP, GPIPE, GPIPE_DIST = "plain", "ddp", "l2l_offload", "l2l_offload_ddp", "gpipe", "gpipe_distributed"
-KINDS = (PLAIN, DDP, L2L, L2L_DDP, GPIPE, GPIPE_DIST)
+XLA_SPMD = "xla_spmd"  # one process, the batch sharded over ``world`` XLA devices, the model replicated on each
+KINDS = (PLAIN, DDP, XLA_SPMD, L2L, L2L_DDP, GPIPE, GPIPE_DIST)
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class Plan:
     """A strategy's settings, as the estimate needs them (decided once from the recipe)."""
 
     strategy: str
-    world: int = 1  # processes
+    world: int = 1  # processes (xla_spmd: devices of the one process)
     on_cpu: bool = False  # the device is the host: device bytes are host bytes
     param_size: int = FP32  # bytes an element of the trainable parameters on the device (plain, GPipe)
     compute_size: int = FP32  # bytes an element of L2L's device copies of matrices
@@ -102,8 +109,11 @@ def _on_cpu(plan: Plan, rank: RankEstimate) -> RankEstimate:
 
 
 def plain(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
+    """Plain and DDP: every rank the same; XLA SPMD: every device the same (activations of its shard of the batch,
+    measured at that size) and the one process's loader on the host."""
     total = inv.total
-    rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
+    spmd = plan.strategy == XLA_SPMD
+    rank = RankEstimate("device" if plan.world == 1 else "xla device" if spmd else "rank", plan.world)
     _put(rank.device, "parameters", total.trainable * plan.param_size)
     _put(rank.device, "frozen/quantized weights", total.frozen_bytes)
     _put(rank.device, "buffers", total.buffer_bytes)
@@ -113,6 +123,10 @@ def plain(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimat
     _put(rank.device, "optimizer state", total.optimizer_bytes)
     _put(rank.device, "activations", acts.peak)
     _step_scratch(rank, plan.step_scratch, acts.peak)
+    if spmd and plan.world > 1:  # one process loads the whole batch
+        host = RankEstimate("host process", 1)
+        _loader(plan, host.host)
+        return [rank, host]
     _loader(plan, rank.host)
     return [_on_cpu(plan, rank)]
 
@@ -177,51 +191,101 @@ def _in_flight(plan: Plan, stage: int, stages: int) -> int:
     return plan.chunks  # gpipe; interleaved 1F1B counted as GPipe (an upper bound)
 
 
-def _stage_activations(acts: StepActivations, blocks: range, first: bool, last: bool, plan: Plan, stage: int, stages: int) -> int:
-    full = sum(acts.kept[i] for i in blocks) + (acts.before if first else 0) + (acts.after if last else 0)
-    kept_input = acts.inputs[blocks.start] if not first else acts.before
+def _stage_activations(acts: StepActivations, blocks: range, first: bool, last: bool, plan: Plan, stage: int, stages: int) -> tuple[int, int]:
+    """``(kept, working)``: the bytes a stage's micro-batches in flight keep, and the most one micro-batch's
+    backward adds on top of them (a re-materialized one's recompute and the gradients' transient).
+
+    What is outside the blocks (the embedding's output on the first stage, the head and the loss on the last) is
+    never re-materialized. A re-materialized micro-batch keeps, under ``gpipe``, its stage's input (the stage's
+    blocks run in one checkpoint) and, under ``gpipe_distributed``, each block's input (a checkpoint per block,
+    recomputed one block at a time)."""
+    outside = (acts.before if first else 0) + (acts.after if last else 0)
+    kept = [acts.kept[i] for i in blocks]
+    full = sum(kept) + outside
+    inputs = [acts.inputs[i] for i in blocks if not (first and i == blocks.start)]  # the first stage's input is in `before`
+    if plan.strategy == GPIPE:
+        light, recompute = (inputs[0] if inputs and not first else 0) + outside, sum(kept)
+    else:
+        light, recompute = sum(inputs) + outside, max(kept, default=0)
+    transient = max([acts.backward[i] for i in blocks] + ([acts.head_backward] if last else []))
     m = _in_flight(plan, stage, stages)
     if plan.checkpoint == "always":
-        stored, recompute = m * kept_input, full
-    elif plan.checkpoint == "except_last":
-        stored, recompute = (m - 1) * kept_input + full, full if m > 1 else 0
-    else:
-        stored, recompute = m * full, 0
-    transient = max([acts.backward[i] for i in blocks] + ([acts.head_backward] if last else []))
-    return stored + recompute + transient
+        return m * light, recompute + transient
+    if plan.checkpoint == "except_last" and plan.chunks > 1:
+        # the step's last micro-batch is kept whole; it is not alive while an earlier one is recomputed
+        return max(((m - 1) * light + full, transient), (m * light, recompute + transient), key=sum)
+    return m * full, transient
 
 
 def pipeline(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
-    """One row per pipeline rank (``gpipe_distributed``: ``count`` replicas of it; ``gpipe``: its stage device)."""
+    """One row per pipeline rank (``gpipe_distributed``: ``count`` replicas of it; ``gpipe``: its stage device), or,
+    for ``gpipe`` on the CPU, one row for the process whose memory every stage shares."""
     stages = len(plan.balance)
     ranks = stages // plan.stages_per_rank
     replicas = max(plan.world // ranks, 1) if plan.strategy == GPIPE_DIST else 1
     starts = [sum(plan.balance[:s]) for s in range(stages)]
-    out = []
+    what = f"activations ({plan.chunks} micro-batches, {plan.schedule}, checkpoint {plan.checkpoint})"
+    one_memory = plan.strategy == GPIPE and plan.on_cpu  # one process, its stages on the same device
+    out, every_part = [], []
     for r in range(ranks):
-        rank = RankEstimate(f"stage {r}" if plan.stages_per_rank == 1 else f"rank {r} (stages {', '.join(str(r + k * ranks) for k in range(plan.stages_per_rank))})", replicas)
-        for s in range(r, stages, ranks):
+        own = list(range(r, stages, ranks))
+        name = f"stage {r}" if plan.stages_per_rank == 1 else f"rank {r} (stages {', '.join(str(s) for s in own)})"
+        rank = RankEstimate(name, replicas)
+        held, parts = Tensors(), []
+        for s in own:
             blocks = range(starts[s], starts[s] + plan.balance[s])
             first, last = s == 0, s == stages - 1
-            held = sum((inv.blocks[i] for i in blocks), (inv.before if first else Tensors()) + (inv.after if last else Tensors()))
-            _put(rank.device, "parameters", held.trainable * plan.param_size)
-            _put(rank.device, "frozen/quantized weights", held.frozen_bytes)
-            _put(rank.device, "buffers", held.buffer_bytes)
-            _put(rank.device, "gradients", held.trainable * plan.param_size)
-            _put(rank.device, "optimizer state", held.optimizer_bytes)
-            what = f"activations ({plan.chunks} micro-batches, {plan.schedule}, checkpoint {plan.checkpoint})"
-            _put(rank.device, what, _stage_activations(acts, blocks, first, last, plan, s, stages))
-            share = held.trainable / max(inv.total.trainable, 1)  # the stage's parameters step on its device
-            _step_scratch(rank, int(plan.step_scratch * share), rank.device.get(what, 0))
+            held = sum((inv.blocks[i] for i in blocks), held + (inv.before if first else Tensors()) + (inv.after if last else Tensors()))
+            parts.append(_stage_activations(acts, blocks, first, last, plan, s, stages))
+        every_part += parts
+        _put(rank.device, "parameters", held.trainable * plan.param_size)
+        _put(rank.device, "frozen/quantized weights", held.frozen_bytes)
+        _put(rank.device, "buffers", held.buffer_bytes)
+        if plan.strategy == GPIPE_DIST:
+            # what is outside the blocks stays on every rank (a later rank still runs the embedding); only the
+            # ranks that use a parameter get its gradient and step it
+            unused = (inv.before if 0 not in own else Tensors()) + (inv.after if stages - 1 not in own else Tensors())
+            _put(rank.device, "weights outside the blocks, unused here", unused.weight_bytes(plan.param_size))
+        _put(rank.device, "gradients", held.trainable * plan.param_size)
+        if plan.strategy == GPIPE_DIST:
+            # the schedule runs backward inside training_step, and Lightning zeroes the last step's gradients only
+            # after it: they are set aside (pipeline.gradients.set_aside), alive beside the new ones
+            _put(rank.device, "last step's gradients (zeroed after training_step)", held.trainable * plan.param_size)
+        _put(rank.device, "optimizer state", held.optimizer_bytes)
+        _put(rank.device, what, sum(k for k, _ in parts) + max(w for _, w in parts))
+        if plan.strategy == GPIPE_DIST:
+            # torch's pipeline stage allocates a receive buffer per micro-batch for its input (not the first stage)
+            # and for its output's gradient (not the last), kept from the first step on
+            boundary = sum(acts.inputs[starts[s]] for s in own if s > 0) + sum(acts.inputs[starts[s + 1]] for s in own if s < stages - 1)
+            _put(rank.device, f"receive buffers ({plan.chunks} micro-batches)", plan.chunks * boundary)
+        share = held.trainable / max(inv.total.trainable, 1)  # the stage's parameters step on its device
+        _step_scratch(rank, int(plan.step_scratch * share), rank.device.get(what, 0))
         if plan.strategy == GPIPE_DIST or r == 0:  # every process loads the batch; gpipe is one process
             _loader(plan, rank.host)
-        out.append(_on_cpu(plan, rank))
-    return out
+        out.append(rank)
+    if one_memory and len(out) > 1:
+        out = [_one_process(out, every_part, what, plan.step_scratch)]
+    return [_on_cpu(plan, rank) for rank in out]
+
+
+def _one_process(stages: list[RankEstimate], parts: list[tuple[int, int]], what: str, step_scratch: int) -> RankEstimate:
+    """The stages of a one-process pipeline whose devices are one memory (the CPU): every stage's parameters, state and
+    kept activations together, and one micro-batch's backward at a time (the micro-batches run one after another)."""
+    rank = RankEstimate(f"process (stages 0-{len(stages) - 1})", 1)
+    for stage in stages:
+        for name, value in stage.device.items():
+            if name != what and not name.startswith("optimizer step scratch"):
+                _put(rank.device, name, value)
+        for name, value in stage.host.items():
+            _put(rank.host, name, value)
+    _put(rank.device, what, sum(k for k, _ in parts) + max(w for _, w in parts))
+    _step_scratch(rank, step_scratch, rank.device.get(what, 0))
+    return rank
 
 
 def estimate_ranks(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
     """The rank kinds of ``plan``'s strategy with their bytes by component."""
-    if plan.strategy in (PLAIN, DDP):
+    if plan.strategy in (PLAIN, DDP, XLA_SPMD):
         return plain(inv, acts, plan)
     if plan.strategy in (L2L, L2L_DDP):
         return l2l(inv, acts, plan)

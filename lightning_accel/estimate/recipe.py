@@ -22,10 +22,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_accel.estimate.activations import measure_step
 from lightning_accel.estimate.batch import batch_nbytes, fake_batch
-from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, Plan, estimate_ranks
+from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, XLA_SPMD, Plan, estimate_ranks
 from lightning_accel.estimate.fake import fake_attributes, fake_parameters
 from lightning_accel.estimate.params import inventory, measure_optimizer, nf4_weights
-from lightning_accel.estimate.report import Estimate
+from lightning_accel.estimate.report import Estimate, named_device
 from lightning_accel.models.block_policy import Block, find_blocks
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -45,9 +45,13 @@ def _kind(strategy: Any, world: int) -> str:
     from lightning_accel.strategies import GPipeStrategy, L2LOffloadDDPStrategy, L2LOffloadStrategy
     from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 
+    from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
+
     for cls, kind in ((L2LOffloadDDPStrategy, L2L_DDP), (L2LOffloadStrategy, L2L), (DistributedGPipeStrategy, GPIPE_DIST), (GPipeStrategy, GPIPE)):
         if isinstance(strategy, cls):
             return kind
+    if isinstance(strategy, XLAPJRTStrategy) and world > 1:  # several devices: SPMD in one process
+        return XLA_SPMD
     return DDP if world > 1 else PLAIN
 
 
@@ -70,10 +74,29 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def stated_device(cfg: DictConfig) -> tuple[int, str] | None:
+    """``(bytes, what)`` of the device a recipe's purpose states: a size (``one 24 GB GPU``) or an accelerator
+    of :data:`~.report.DEVICES` (``one TPU v4 chip``: 32 GiB); None if it states neither."""
+    purpose = str(OmegaConf.select(cfg, "recipe.purpose", default="") or "")
+    match = re.search(r"(\d+)\s*GB", purpose)
+    if match:
+        return int(match.group(1)) * 10**9, f"the recipe's purpose: {match.group(0)}"
+    named = named_device(purpose)
+    return (named[1], f"the recipe's purpose: {named[0]}") if named else None
+
+
 def stated_device_memory(cfg: DictConfig) -> int | None:
-    """The device size a recipe states in its purpose (``one 24 GB GPU``), if any."""
-    match = re.search(r"(\d+)\s*GB", str(OmegaConf.select(cfg, "recipe.purpose", default="") or ""))
-    return int(match.group(1)) * 10**9 if match else None
+    """The device size a recipe states in its purpose, if any (:func:`stated_device`)."""
+    stated = stated_device(cfg)
+    return stated[0] if stated else None
+
+
+def local_gpu() -> tuple[int, str] | None:
+    """``(bytes, what)`` of this machine's first CUDA GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.total_memory, f"this machine's {props.name}"
 
 
 def _loader_bytes(cfg: DictConfig, datamodule: Any, batch_size: int) -> int:
@@ -153,8 +176,9 @@ def _device_dtype(plan: Plan, blocks: list[Block], low: torch.dtype) -> Any:
 
 
 def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None = None, host_memory: int | None = None) -> Estimate:
-    """The recipe's estimate (see the module doc); ``device_memory`` defaults to the size the
-    recipe states, ``host_memory`` to this machine's available memory."""
+    """The recipe's estimate (see the module doc); ``device_memory`` defaults to the device the
+    recipe states (a size or an accelerator), else, for a GPU recipe, this machine's first GPU;
+    ``host_memory`` to this machine's available memory."""
     from lightning_accel.config.preflight import _quiet, preflight
     from lightning_accel.host_memory import available_host_bytes
     from lightning_accel.runner import build_model
@@ -187,17 +211,22 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     inv = inventory(net, blocks, stored, optimizer.state)
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))
-    micro = max(int(cfg.data.batch_size) // plan.chunks, 1)
+    micro = max(int(cfg.data.batch_size) // (plan.chunks * (plan.world if plan.strategy == XLA_SPMD else 1)), 1)
     batch = fake_batch(datamodule, micro, mode)
     trainable = [p for p in net.parameters() if p.requires_grad]
     checkpoint = plan.strategy in (L2L, L2L_DDP) and plan.checkpoint_blocks
     with mode:  # tensors the step makes from Python values are fake too
         acts = measure_step(lambda: module.training_step(batch, 0), [b.module for b in blocks], trainable, autocast, checkpoint)
     ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch))
-    stated = stated_device_memory(cfg)
+    if plan.on_cpu:
+        notes.append("these are tensor bytes; by default glibc keeps much of what a CPU step frees, and a run's peak RSS was "
+                     "1.2x-2.5x them on the CPU recipes; MALLOC_MMAP_THRESHOLD_=32768 gives it back (docs/estimate.md)")
+    device = (device_memory, "--device-memory") if device_memory is not None else stated_device(cfg)
+    if device is None and str(cfg.trainer.accelerator) in ("gpu", "cuda"):
+        device = local_gpu()
     return Estimate(
         recipe=str(recipe), strategy=plan.strategy, ranks=ranks,
-        device_memory=device_memory if device_memory is not None else stated,
+        device_memory=device[0] if device and not plan.on_cpu else None,
         host_memory=host_memory if host_memory is not None else available_host_bytes(),
-        on_cpu=plan.on_cpu, notes=notes,
+        on_cpu=plan.on_cpu, notes=notes, device_memory_from=device[1] if device and not plan.on_cpu else None,
     )

@@ -18,6 +18,46 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+# Memory of one accelerator a recipe's purpose or --device-memory may name (nominal; one GPU, one TPU chip). An A100
+# comes with 40 or 80 GB and is named with its size ("A100 80GB"), which the size itself gives.
+DEVICES = {
+    "H200": 141 * 10**9, "H100": 80 * 2**30, "L40S": 48 * 2**30, "L4": 24 * 2**30, "A10G": 24 * 2**30, "A10": 24 * 2**30,
+    "RTX 4090": 24 * 2**30, "RTX 3090": 24 * 2**30, "TPU v5p": 95 * 2**30, "TPU v5e": 16 * 2**30, "TPU v4": 32 * 2**30,
+}
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"[\s_-]", "", text).upper()
+
+
+def named_device(text: str) -> tuple[str, int] | None:
+    """``(name, bytes)`` of the first accelerator of :data:`DEVICES` that ``text`` names (``one TPU v4 chip``), else None."""
+    for name in DEVICES:
+        pattern = r"(?<![A-Za-z0-9])" + r"[\s_-]*".join(map(re.escape, _squash(name))) + r"(?![0-9])"
+        if re.search(pattern, text, flags=re.IGNORECASE):
+            return name, DEVICES[name]
+    return None
+
+
+def device_size(text: str) -> int:
+    """``--device-memory``: a size (``24GB``, ``80GiB``), an accelerator of :data:`DEVICES` (``H100``, ``L4``, ``TPU v4``),
+    or one named with its size (``A100-40GB``)."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        pass
+    sized = re.search(r"(\d+)\s*GB\b", text, flags=re.IGNORECASE)
+    if sized:
+        return int(sized.group(1)) * 10**9
+    named = next((n for n in DEVICES if _squash(n) == _squash(text)), None)
+    if named is None:
+        raise ValueError(
+            f"device {text!r} is not a size or an accelerator known here; write e.g. 24GB, 80GiB, A100-40GB or one of "
+            + ", ".join(DEVICES)
+        )
+    return DEVICES[named]
+
+
 def parse_size(text: str) -> int:
     """``"24GB"`` -> 24e9 bytes; ``"80GiB"``, ``"1.5TB"``, ``"512MB"``, plain bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
@@ -47,6 +87,7 @@ class Estimate:
     host_memory: int | None
     on_cpu: bool
     notes: list[str] = field(default_factory=list)
+    device_memory_from: str | None = None  # where the device size came from, said in the verdict
 
     @property
     def host_total(self) -> int:
@@ -82,6 +123,7 @@ class Estimate:
                 for r in self.ranks
             ],
             "device_memory_bytes": self.device_memory,
+            "device_memory_from": self.device_memory_from,
             "host_memory_bytes": self.host_memory,
             "host_total_bytes": self.host_total,
             "fits": self.fits,
@@ -106,7 +148,8 @@ class Estimate:
         elif self.device_memory is None:
             device = f"device: peak {gb(self.device_peak)} per rank, no device size known (pass --device-memory 24GB)"
         else:
-            device = (f"device: peak {gb(self.device_peak)} per rank of {gb(self.device_memory)}: "
+            source = f" ({self.device_memory_from})" if self.device_memory_from else ""
+            device = (f"device: peak {gb(self.device_peak)} per rank of {gb(self.device_memory)}{source}: "
                       + ("fits" if self.device_fits else "DOES NOT FIT"))
         if self.host_memory is None:
             host = f"host: {gb(self.host_total)} for all ranks, no host size known (pass --host-memory 256GB)"

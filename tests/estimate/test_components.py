@@ -7,7 +7,7 @@ import pytest
 from lightning_accel.estimate.activations import StepActivations
 from lightning_accel.estimate.components import Plan, estimate_ranks
 from lightning_accel.estimate.params import Inventory, Tensors
-from lightning_accel.estimate.report import Estimate, parse_size
+from lightning_accel.estimate.report import Estimate, device_size, named_device, parse_size
 
 N = 1_000_000  # elements of one block's matrices
 V = 1_000  # elements of one block's vectors (norm scales, biases)
@@ -74,10 +74,53 @@ def test_pipeline_checkpoint_always_keeps_stage_inputs() -> None:
     plan = Plan("gpipe", chunks=4, checkpoint="always", balance=(2, 2))
     ranks = estimate_ranks(_inventory(), _acts(), plan)
     key = "activations (4 micro-batches, gpipe, checkpoint always)"
-    # stage 1: 4 inputs of 10, one micro-batch recomputed (2 blocks of 100 and the head's 30), the loss's backward
-    assert ranks[1].device[key] == 4 * 10 + (200 + 30) + 200
+    # stage 1: 4 x (its input of 10 and the head's 30, outside the checkpoint), one micro-batch's 2 blocks of 100
+    # recomputed, the loss's backward
+    assert ranks[1].device[key] == 4 * (10 + 30) + 200 + 200
+    assert ranks[0].device[key] == 4 * 7 + 200 + 50  # the embedding's output is the stage's input
     assert ranks[1].device["parameters"] == 4 * 2 * (N + V)
     assert "loader batches (workers x prefetch)" not in ranks[1].host  # one process: counted once
+
+
+def test_gpipe_distributed_recomputes_block_by_block_and_keeps_every_block_input() -> None:
+    plan = Plan("gpipe_distributed", world=2, chunks=4, schedule="gpipe", checkpoint="always", balance=(2, 2))
+    ranks = estimate_ranks(_inventory(), _acts(), plan)
+    key = "activations (4 micro-batches, gpipe, checkpoint always)"
+    assert ranks[0].device[key] == 4 * (7 + 10) + 100 + 50  # the embedding's output and block 1's input; one block recomputed
+    assert ranks[1].device[key] == 4 * (10 + 10 + 30) + 100 + 200
+
+
+def test_gpipe_distributed_ranks_keep_outside_weights_receive_buffers_and_last_gradients() -> None:
+    inv = Inventory([Tensors(trainable=N, matrices=N, optimizer_bytes=8 * N)] * 4, Tensors(3 * V, 3 * V, optimizer_bytes=24 * V),
+                    Tensors(5 * V, 5 * V, optimizer_bytes=40 * V))
+    plan = Plan("gpipe_distributed", world=2, chunks=4, schedule="1f1b", balance=(2, 2))
+    first, last = estimate_ranks(inv, _acts(), plan)
+    # the head (5V) unused on the first rank, the embedding (3V) on the last: weights only, no gradient or state
+    assert first.device["weights outside the blocks, unused here"] == 4 * 5 * V
+    assert last.device["weights outside the blocks, unused here"] == 4 * 3 * V
+    assert first.device["gradients"] == 4 * (2 * N + 3 * V) and last.device["optimizer state"] == 8 * 2 * N + 40 * V
+    # the schedule's backward runs inside training_step, before Lightning zeroes the last step's gradients
+    assert first.device["last step's gradients (zeroed after training_step)"] == first.device["gradients"]
+    # per micro-batch: the first rank receives its output's gradient, the last its input (block 2's input: 10)
+    assert first.device["receive buffers (4 micro-batches)"] == last.device["receive buffers (4 micro-batches)"] == 4 * 10
+
+
+def test_gpipe_on_the_cpu_is_one_process_running_one_backward_at_a_time() -> None:
+    plan = Plan("gpipe", on_cpu=True, chunks=4, checkpoint="always", balance=(2, 2))
+    (process,) = estimate_ranks(_inventory(), _acts(), plan)
+    assert process.kind == "process (stages 0-1)" and process.device == {}
+    key = "activations (4 micro-batches, gpipe, checkpoint always)"
+    # both stages' kept micro-batches, and the larger of their recompute + backward (stage 1: the loss's 200)
+    assert process.host[key] == 4 * 7 + 4 * (10 + 30) + 200 + 200
+    assert process.host["parameters"] == 4 * (4 * (N + V) + 2 * N)
+
+
+def test_pipeline_except_last_keeps_the_last_micro_batch_whole() -> None:
+    plan = Plan("gpipe_distributed", world=2, chunks=4, schedule="gpipe", checkpoint="except_last", balance=(2, 2))
+    ranks = estimate_ranks(_inventory(), _acts(), plan)
+    key = "activations (4 micro-batches, gpipe, checkpoint except_last)"
+    # three light micro-batches and the whole last one (2 blocks + head), or four light ones and a recompute: the larger
+    assert ranks[1].device[key] == max(3 * 50 + 230 + 200, 4 * 50 + 100 + 200)
 
 
 def test_verdict_counts_every_rank_of_the_host() -> None:
@@ -102,3 +145,26 @@ def test_parse_size_refuses_an_unknown_unit() -> None:
 def test_optimizer_step_scratch_counts_only_beyond_the_freed_activations(scratch: int, extra: int) -> None:
     (rank,) = estimate_ranks(_inventory(), _acts(), Plan("plain", step_scratch=scratch))  # activations peak: 999
     assert rank.device.get("optimizer step scratch (beyond the activations)", 0) == extra
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("H100", 80 * 2**30), ("l4", 24 * 2**30), ("TPU v4", 32 * 2**30), ("A100-40GB", 40 * 10**9), ("24GB", 24 * 10**9)])
+def test_device_sizes_by_size_or_accelerator(text: str, nbytes: int) -> None:
+    assert device_size(text) == nbytes
+
+
+def test_an_a100_without_its_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="A100-40GB"):
+        device_size("A100")
+
+
+@pytest.mark.parametrize(("purpose", "name"), [("all 4 chips of a TPU v4-8", "TPU v4"), ("one L4 GPU", "L4"), ("an L40S card", "L40S"), ("GPT on one GPU", None)])
+def test_an_accelerator_named_in_a_purpose(purpose: str, name: str | None) -> None:
+    named = named_device(purpose)
+    assert (named[0] if named else None) == name
+
+
+def test_xla_spmd_devices_each_hold_the_model_and_one_process_loads() -> None:
+    device, host = estimate_ranks(_inventory(), _acts(), Plan("xla_spmd", world=4, loader_bytes=123))
+    assert (device.kind, device.count, host.kind, host.count) == ("xla device", 4, "host process", 1)
+    assert device.device["parameters"] == 4 * (4 * (N + V) + 2 * N) and "DDP gradient buckets" not in device.device
+    assert device.host == {} and host.host == {"loader batches (workers x prefetch)": 123}

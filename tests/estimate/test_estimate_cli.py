@@ -23,7 +23,8 @@ def test_table_ends_with_the_verdict(capsys: pytest.CaptureFixture[str]) -> None
     assert main(["estimate", "llama-tiny_cpu", "data.batch_size=4", "--host-memory", "8GB"]) == 0
     out = capsys.readouterr().out
     assert "optimizer state" in out and "activations" in out
-    assert "fits: device: the CPU" in out.splitlines()[-1]
+    verdict, note = out.splitlines()[-2:]
+    assert "fits: device: the CPU" in verdict and note.startswith("note: these are tensor bytes") and "MALLOC_MMAP_THRESHOLD_" in note
 
 
 def test_a_size_without_a_unit_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,3 +34,19 @@ def test_l2l_ddp_ranks_each_step_half_the_blocks() -> None:
     assert rank.host["masters (fp32)"] == 4 * blocks  # every process keeps the whole host store
     # 4 equal blocks, 2 owned by each rank: AdamW's two fp32 moments (and a step count) for half of them
     assert rank.host["optimizer state"] == pytest.approx(8 * blocks / 2, rel=0.01)
+
+
+def test_xla_spmd_shards_the_batch_over_its_devices_and_says_the_chip_it_judges_by() -> None:
+    overrides = ["data.batch_size=8", "data.block_size=32"]
+    spmd = estimate_recipe("gpt-small_bf16-spmd_4tpu", overrides)
+    one = estimate_recipe("gpt-small_bf16_1tpu", ["data.batch_size=2", "data.block_size=32"])
+    assert [(r.kind, r.count) for r in spmd.ranks] == [("xla device", 4), ("host process", 1)]
+    assert spmd.ranks[0].device["activations"] == one.ranks[0].device["activations"]  # 8 rows over 4 chips: 2 each
+    assert spmd.device_memory == 32 * 2**30 and "(the recipe's purpose: TPU v4)" in spmd.verdict()
+
+
+def test_a_gpu_recipe_stating_no_size_is_judged_by_this_machine_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30, "name": "NVIDIA H100"})())
+    estimate = estimate_recipe("gpt-small_bf16-accum_1gpu", ["data.batch_size=2", "data.block_size=32"])
+    assert estimate.device_memory == 80 * 2**30 and "(this machine's NVIDIA H100): fits" in estimate.verdict()
