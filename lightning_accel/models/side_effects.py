@@ -13,7 +13,7 @@ around block calls.
 What it handles:
 
 - transformers models: :func:`disable_kv_cache` turns ``config.use_cache`` off for
-  training, as transformers' own Trainer does under gradient checkpointing, and hands back
+  training (strategies go through :class:`KVCacheSwitch`, the one place they switch it), as transformers' own Trainer does under gradient checkpointing, and hands back
   the names it changed (to say so once) and a ``restore()`` for the end of fit. Only
   ``config.use_cache`` is touched: it is what a training forward reads;
   ``generation_config.use_cache`` is read by ``generate()`` alone, so generation after fit
@@ -53,6 +53,7 @@ __all__ = [
     "buffer_versions",
     "cache_argument",
     "disable_kv_cache",
+    "KVCacheSwitch",
     "describe_cache_refusal",
     "mutated_buffers",
 ]
@@ -104,6 +105,35 @@ def disable_kv_cache(model: nn.Module) -> CacheSettings:
             changed.append((f"{name}.config.use_cache" if name else "config.use_cache", config, True))
             config.use_cache = False
     return CacheSettings(changed)
+
+
+class KVCacheSwitch:
+    """The one way a strategy switches transformers' ``use_cache`` off for a fit and back at teardown.
+
+    A strategy that re-runs blocks holds one, calls :meth:`off` where it knows the blocks
+    will be re-run (its own condition: checkpointing on, more than one micro-batch), says
+    the notice it gets back once in its own voice (a warning, or an info line), and calls
+    :meth:`restore` at teardown. A second :meth:`off` before :meth:`restore` changes nothing
+    and says nothing, so a strategy may call it from a hook that runs more than once per fit.
+    """
+
+    def __init__(self, owner: str, recompute: str) -> None:
+        self.owner = owner  # who says it: "L2LOffloadStrategy"
+        self.recompute = recompute  # what the strategy does to blocks: "recomputing", "re-materializing"
+        self.settings: CacheSettings | None = None  # what was turned off; None before off() and after restore()
+
+    def off(self, model: nn.Module) -> str | None:
+        """Turn ``use_cache`` off on every config in ``model``; the one line to say, or None when nothing changed."""
+        if self.settings is not None:
+            return None
+        self.settings = disable_kv_cache(model)
+        return self.settings.notice(self.owner, self.recompute) if self.settings else None
+
+    def restore(self) -> None:
+        """Give the configs their ``use_cache`` back (idempotent)."""
+        if self.settings is not None:
+            self.settings.restore()
+            self.settings = None
 
 
 def _is_transformers_cache(value: Any) -> bool:

@@ -70,7 +70,7 @@ from typing_extensions import override
 
 from lightning_accel.cpu_budget import CpuBudget
 from lightning_accel.models.block_policy import BlockPolicy
-from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
+from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
@@ -127,7 +127,7 @@ class L2LOffloadHooks(Strategy):
         self._last_stats = OffloadStats()
         self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
         self._threads: HostThreads | None = None
-        self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
+        self._kv_cache = KVCacheSwitch("L2LOffloadStrategy", "recomputing")  # use_cache off for fit, restored at teardown
 
     @property
     def offload_stats(self) -> OffloadStats:
@@ -242,11 +242,9 @@ class L2LOffloadHooks(Strategy):
             init_worker=self._threads.init_worker, owner=type(self).__name__,
         )
         self._executor.attach()
-        if self._cache_settings is None and self.checkpoint_blocks:
-            # transformers models cache keys and values by default; a recomputed block would append them twice
-            self._cache_settings = disable_kv_cache(self.model)
-            if self._cache_settings:
-                rank_zero_warn(self._cache_settings.notice("L2LOffloadStrategy", "recomputing"))
+        # transformers models cache keys and values by default; a recomputed block would append them twice
+        if self.checkpoint_blocks and (notice := self._kv_cache.off(self.model)) is not None:
+            rank_zero_warn(notice)
         copies = (
             "the device is the host in fp32, so blocks compute on their masters (no copies)"
             if self._executor.streamer.alias
@@ -460,9 +458,7 @@ class L2LOffloadHooks(Strategy):
         if self._threads is not None:
             self._threads.restore()
             self._threads = None
-        if self._cache_settings is not None:
-            self._cache_settings.restore()
-            self._cache_settings = None
+        self._kv_cache.restore()
         super().teardown()
 
     def _base_setup(self, trainer: Trainer) -> None:

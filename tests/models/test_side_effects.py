@@ -8,6 +8,7 @@ from torch import nn
 
 from lightning_accel.models.side_effects import (
     BufferRestore,
+    KVCacheSwitch,
     buffer_versions,
     cache_argument,
     describe_cache_refusal,
@@ -40,6 +41,22 @@ def test_disable_kv_cache_names_each_config_once_and_restores() -> None:
     assert disable_kv_cache(net) == []  # nothing left to change
     changed.restore()
     assert net.config.use_cache is True and changed == []
+
+
+def test_kv_cache_switch_says_once_and_restores() -> None:
+    _, net = _llama()
+    switch = KVCacheSwitch("L2LOffloadStrategy", "recomputing")
+    assert switch.off(net) == (
+        "L2LOffloadStrategy: `use_cache=True` is incompatible with recomputing blocks (the KV cache would grow twice). "
+        "Setting `use_cache=False` (config.use_cache) for this run; restored at teardown"
+    )
+    net.config.use_cache = True  # changed behind its back within the fit: a second off() is a no-op until restore()
+    assert switch.off(net) is None and net.config.use_cache is True
+    net.config.use_cache = False
+    switch.restore()
+    assert net.config.use_cache is True and switch.settings is None
+    switch.restore()  # idempotent
+    assert KVCacheSwitch("x", "y").off(nn.Linear(2, 2)) is None  # nothing to change, nothing to say
 
 
 def test_disable_kv_cache_leaves_other_models_alone() -> None:
