@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.bench import format_table, machine_line, register_benchmark
+from lightning_accel.benchmarks.offload_workload import StepTimer, pinned_bandwidth_gbs
 from lightning_accel.models.extras import import_extra
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.stored import plain_parts
@@ -53,22 +53,6 @@ class _CausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
-
-
-class _StepTimer(pl.Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self._start = warmup, [], 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if trainer.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self._start)
 
 
 def _base(args: argparse.Namespace, nf4: bool) -> nn.Module:
@@ -111,7 +95,7 @@ def _same(before: dict[str, tuple[type, list[Tensor]]], after: dict[str, tuple[t
 
 def _fit(start: nn.Module, args: argparse.Namespace, strategy: Any, micro_batch: int | None = None, **kwargs: Any) -> dict[str, Any]:
     task = _CausalLM(copy.deepcopy(start), args.lr)
-    timer = _StepTimer(args.warmup)
+    timer = StepTimer(args.warmup)
     accumulate = args.batch // micro_batch if micro_batch else 1
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, strategy=strategy, max_steps=args.steps,
@@ -231,9 +215,7 @@ def main(argv: list[str]) -> int:
     print(finetune_table(args))
     bus = args.bus_gbs
     if bus is None:
-        from lightning_accel.benchmarks.offload import _pinned_bandwidth_gbs
-
-        bus = _pinned_bandwidth_gbs() if torch.cuda.is_available() else 25.0
+        bus = pinned_bandwidth_gbs() if torch.cuda.is_available() else 25.0
     print(arithmetic_table(args, bus))
     print(machine_line())
     return 0

@@ -32,51 +32,23 @@ measured in the same run (absolute times on shared machines are noise).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.bench import format_table, machine_line, register_benchmark
+from lightning_accel.benchmarks.offload_workload import StepTimer, pinned_bandwidth_gbs, token_data
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
-
-
-class _StepTimer(pl.Callback):
-    """Wall time of each training step after ``warmup`` steps (synchronising CUDA)."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._sync()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._sync()
-        if trainer.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self._start)
-
-
-def _data(batch: int, seq: int, steps: int) -> DataLoader:
-    tokens = torch.randint(0, 256, (batch * steps, seq + 1), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch)
 
 
 def _measure(net_kwargs: dict[str, Any], strategy: Any, plugins: list[Any], precision: Any, accelerator: str,
              batch: int, seq: int, steps: int, warmup: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = LanguageModelTask(GPT(**net_kwargs, block_size=seq))
-    timer = _StepTimer(warmup)
+    timer = StepTimer(warmup)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, plugins=plugins, precision=precision,
         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -85,7 +57,7 @@ def _measure(net_kwargs: dict[str, Any], strategy: Any, plugins: list[Any], prec
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.fit(model, _data(batch, seq, steps))
+        trainer.fit(model, token_data(batch, seq, steps))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"step_s": float("nan"), "oom": True}
@@ -98,18 +70,6 @@ def _measure(net_kwargs: dict[str, Any], strategy: Any, plugins: list[Any], prec
     if stats is not None:
         result["stats"] = stats
     return result
-
-
-def _pinned_bandwidth_gbs() -> float:
-    host = torch.empty(256 * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device="cuda")
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    return 10 * host.numel() / (time.perf_counter() - start) / 1e9
 
 
 def _cpu_table(args: argparse.Namespace) -> str:
@@ -180,7 +140,7 @@ def _cpu_contenders_table(args: argparse.Namespace, net: dict[str, Any], run: di
 def _cuda_table(args: argparse.Namespace) -> str:
     from lightning_accel.benchmarks.offload_contenders import CONTENDERS
 
-    bandwidth = _pinned_bandwidth_gbs()
+    bandwidth = pinned_bandwidth_gbs()
     rows = []
     skipped: dict[str, str] = {}
     run = dict(accelerator="gpu", batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_accel.benchmarks.offload import _data, _StepTimer
+from lightning_accel.benchmarks.offload_workload import StepTimer, token_data
 from lightning_accel.host_memory import PeakRSS
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.models.block_policy import find_blocks
@@ -86,7 +86,7 @@ class _HostOffloadModelParallelStrategy(ModelParallelStrategy):
 def _fit(task: pl.LightningModule, strategy: Any, precision: Any, accelerator: str, batch: int, seq: int, steps: int,
          warmup: int, **trainer_kwargs: Any) -> dict[str, Any]:
     """``task`` trained as ``_measure`` trains its contenders; the row ``_measure`` returns, with ``host_gib``."""
-    timer = _StepTimer(warmup)
+    timer = StepTimer(warmup)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
@@ -96,7 +96,7 @@ def _fit(task: pl.LightningModule, strategy: Any, precision: Any, accelerator: s
         torch.cuda.reset_peak_memory_stats()
     try:
         with PeakRSS() as host:
-            trainer.fit(task, _data(batch, seq, steps))
+            trainer.fit(task, token_data(batch, seq, steps))
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {"step_s": float("nan"), "oom": True}

@@ -267,7 +267,7 @@ def in_fit_table(args: argparse.Namespace) -> tuple[str, float, float]:
     """Time in AdamW.step inside a Lightning fit on an optimizer-dominated GPT (tiny batch), fp32
     and bf16-mixed (under l2l_offload: the bf16 shadows written by the host step). Returns the
     table and l2l's ratios to plain training with ``AdamW(fused=True)`` in fp32 and in bf16."""
-    from lightning_accel.benchmarks.offload import _data
+    from lightning_accel.benchmarks.offload_workload import token_data
     from lightning_accel.models import GPT, LanguageModelTask
     from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
@@ -290,7 +290,7 @@ def in_fit_table(args: argparse.Namespace) -> tuple[str, float, float]:
             trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy() if callable(strategy) else strategy,
                                  precision=precision, max_steps=args.fit_steps, logger=False, enable_checkpointing=False,
                                  enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
-            trainer.fit(model, _data(1, args.fit_seq, args.fit_steps))
+            trainer.fit(model, token_data(1, args.fit_seq, args.fit_steps))
             times[name].append(_median(clock.per_step))
             params = sum(p.numel() for p in model.parameters())
     median = {name: _median(t) for name, t in times.items()}

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from lightning_accel.benchmarks import offload, offload_contenders
-from lightning_accel.benchmarks.offload import _data
+from lightning_accel.benchmarks.offload_workload import token_data
 from lightning_accel.benchmarks.offload_contenders import fsdp2_offload, zero3_offload
 from lightning_accel.models import GPT, LanguageModelTask
 
@@ -32,7 +32,7 @@ def _plain_weights() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     task = LanguageModelTask(GPT(**_NET, block_size=_RUN["seq"]))
     pl.Trainer(accelerator="cpu", devices=1, max_steps=_RUN["steps"], logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False).fit(task, _data(_RUN["batch"], _RUN["seq"], _RUN["steps"]))
+               enable_progress_bar=False, enable_model_summary=False).fit(task, token_data(_RUN["batch"], _RUN["seq"], _RUN["steps"]))
     return {k: v.detach().clone() for k, v in task.net.state_dict().items()}
 
 
@@ -111,7 +111,7 @@ def test_bench_offload_cuda_table_sets_l2l_against_the_faster_contender(monkeypa
         return {"oom": False, "tokens_per_s": 200.0, "peak_gib": 4.0}
 
     monkeypatch.setattr(offload, "_measure", measure)
-    monkeypatch.setattr(offload, "_pinned_bandwidth_gbs", lambda: 25.0)
+    monkeypatch.setattr(offload, "pinned_bandwidth_gbs", lambda: 25.0)
     monkeypatch.setattr(offload_contenders, "CONTENDERS", {"FSDP2 offload, per block": fsdp2, "ZeRO-3 offload": zero3})
     out = offload._cuda_table(argparse.Namespace(gpu_layers=[12, 48], batch=1, seq=8, steps=3, warmup=1))
     assert _row(out, "12") == ["12", "1.50B", "400", "100", "200", "300", "0.75", "1.50", "70.0", "3.0", "4.0", "2.0", "nan"]
