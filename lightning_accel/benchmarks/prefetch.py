@@ -316,7 +316,7 @@ def _seed004(args: argparse.Namespace, tmp: str) -> list[str]:
         return [tuners[-1]]
 
     def second() -> list:
-        seconds.append(PrefetchTuner(cache_path=tuners[-1].cache_path))
+        seconds.append(PrefetchTuner(cache_path=tuners[-1].options.cache_path))
         return [seconds[-1]]
 
     def make(w: int) -> DataLoader:

@@ -34,18 +34,14 @@ from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.loader_rebuild import RebuildError
 from lightning_accel.prefetch.loader_state import is_stateful_loader
 from lightning_accel.prefetch.online import OnlineSearch
+from lightning_accel.prefetch.options import OPTION_NAMES, TunerOptions
 from lightning_accel.prefetch.plot import trials_svg
 from lightning_accel.prefetch.report import search_report, trials_csv
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
 from lightning_accel.prefetch.stateful_tunable import tunable_loader
-from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES, TunableLoader
+from lightning_accel.prefetch.tunable_loader import TunableLoader
 from lightning_accel.prefetch.wait_meter import WaitMeter, WaitStats
-
-
-def _positive_int(name: str, value: Any, hint: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer; pass {hint}")
 
 
 class PrefetchTuner(Callback):
@@ -76,8 +72,10 @@ class PrefetchTuner(Callback):
             ``"next_epoch"`` (default, loses no data) or ``"restart"`` (the tuned settings
             serve now and the stream starts again from its beginning).
 
-    The attributes ``early``, ``speculate``, ``guess``, ``max_lead``, ``remeasure`` and ``cpu_busy_threshold``
-    (see :class:`~lightning_accel.prefetch.online.OnlineSearch`) may be set before fit.
+    Every setting lives in :attr:`options` (:class:`~lightning_accel.prefetch.options.TunerOptions`),
+    which the search reads: the heuristics ``early``, ``speculate``, ``guess``, ``max_lead``,
+    ``remeasure`` and ``cpu_busy_threshold`` may be set there before fit
+    (``tuner.options.early = False``).
     """
 
     def __init__(
@@ -91,39 +89,12 @@ class PrefetchTuner(Callback):
         data_bound_fraction: float = 0.1,
         stream_switch: str = "next_epoch",
     ) -> None:
-        if max_workers is not None or memory_budget_bytes is not None:
-            # One-line errors now, before any work; a value left as None is checked as a valid placeholder.
-            Budget(1 if max_workers is None else max_workers, 1 if memory_budget_bytes is None else memory_budget_bytes)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 0; pass warmup_steps=1")
-        _positive_int("trial_steps", trial_steps, "trial_steps=3")
-        _positive_int("max_search_steps", max_search_steps, "max_search_steps=30")
-        if warmup_steps + trial_steps >= max_search_steps:
-            raise ValueError(
-                f"warmup_steps + trial_steps = {warmup_steps + trial_steps} leaves no room within "
-                f"max_search_steps={max_search_steps}; lower them or raise max_search_steps"
-            )
-        if not 0 < data_bound_fraction < 1:
-            raise ValueError(f"data_bound_fraction={data_bound_fraction!r} must lie strictly between 0 and 1; pass e.g. 0.1")
-        if stream_switch not in STREAM_SWITCHES:
-            raise ValueError(
-                f"stream_switch={stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
-                "or 'restart' (switch now, the stream starts again)"
-            )
-        self.stream_switch = stream_switch
-        self.max_workers = max_workers
-        self.memory_budget_bytes = memory_budget_bytes
-        self.warmup_steps = warmup_steps
-        self.trial_steps = trial_steps
-        self.max_search_steps = max_search_steps
-        self.cache_path = cache_path
-        self.data_bound_fraction = data_bound_fraction
-        self.early = True  # start the likely first candidate's workers while the start is measured
-        self.speculate = True  # ... already while the first batch loads, when it is slower than a worker's start
-        self.guess = True  # let the start's measurement pick where the doubling starts
-        self.max_lead = 16  # steps a candidate's workers may fill up before taking over
-        self.remeasure = 4  # an undecided candidate is measured on up to this many times its usual batches
-        self.cpu_busy_threshold = 0.5  # workers' CPU share above which items count as CPU-bound
+        # the single source of every setting: OnlineSearch and the wrap read it, nothing here keeps a copy
+        self.options = TunerOptions(
+            max_workers=max_workers, memory_budget_bytes=memory_budget_bytes, warmup_steps=warmup_steps,
+            trial_steps=trial_steps, max_search_steps=max_search_steps, cache_path=cache_path,
+            data_bound_fraction=data_bound_fraction, stream_switch=stream_switch,
+        )
         self.cpu: CpuBudget | None = None
         self.meter = WaitMeter()
         self.loader: TunableLoader | None = None
@@ -139,6 +110,18 @@ class PrefetchTuner(Callback):
         self._decided: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None  # a checkpoint's finished search, to serve at the next wrap
         self._cut_short = False  # the search was still running when training ended
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in OPTION_NAMES:  # once an attribute here; now nothing would read it
+            raise AttributeError(
+                f"PrefetchTuner.{name} is a setting of its options: set tuner.options.{name} = {value!r} before fit"
+            )
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in OPTION_NAMES:
+            raise AttributeError(f"PrefetchTuner has no attribute {name!r}; read tuner.options.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,7 +182,7 @@ class PrefetchTuner(Callback):
         self._decided = None
         cached = self._cached(loader, trainer, budget)
         try:
-            wrapped = tunable_loader(loader, cached, self.stream_switch)
+            wrapped = tunable_loader(loader, cached, self.options.stream_switch)
         except RebuildError as err:
             self._why_not = str(err)
             return loader
@@ -221,7 +204,7 @@ class PrefetchTuner(Callback):
         """A resumed fit: the checkpoint's finished search serves from the first batch, no search runs."""
         chosen = _settings(restored)
         try:
-            wrapped = tunable_loader(loader, chosen, self.stream_switch)
+            wrapped = tunable_loader(loader, chosen, self.options.stream_switch)
         except RebuildError as err:
             self._why_not = str(err)
             return loader
@@ -247,7 +230,7 @@ class PrefetchTuner(Callback):
 
     def _budget(self, trainer: pl.Trainer) -> Budget:
         self.cpu = cpu_budget(trainer.num_devices)
-        return default_budget(self.max_workers, self.memory_budget_bytes, trainer.num_devices)
+        return default_budget(self.options.max_workers, self.options.memory_budget_bytes, trainer.num_devices)
 
     def _refuse(self, why_not: str) -> None:
         self._reason = f"kept your loader: {why_not}"
@@ -257,24 +240,21 @@ class PrefetchTuner(Callback):
         """``loader`` serves from now on: with the cache's settings, or searched online from its own."""
         self.loader = loader
         if cached is not None:
-            self._chosen, self._reason = cached, f"from cache {self.cache_path}"
+            self._chosen, self._reason = cached, f"from cache {self.options.cache_path}"
             self._decided = _state(cached, self._reason, True)
             rank_zero_info(f"PrefetchTuner: {self._reason}: {cached.label()}")
             return
         self.online = OnlineSearch(
             self.loader, budget, self.cpu, self.meter, cuda=pl_module.device.type == "cuda",
-            warmup_steps=self.warmup_steps, trial_steps=self.trial_steps, max_search_steps=self.max_search_steps,
-            data_bound_fraction=self.data_bound_fraction, cache_path=self.cache_path, cache_key=self._cache_key,
-            early=self.early, speculate=self.speculate, guess=self.guess, max_lead=self.max_lead, remeasure=self.remeasure,
-            cpu_busy_threshold=self.cpu_busy_threshold, say=rank_zero_info, warn=rank_zero_warn,
+            options=self.options, cache_key=self._cache_key, say=rank_zero_info, warn=rank_zero_warn,
         )
         self.online.start()
 
     def _cached(self, loader: Any, trainer: pl.Trainer, budget: Budget) -> LoaderSettings | None:
-        if not self.cache_path or not hasattr(loader, "dataset"):
+        if not self.options.cache_path or not hasattr(loader, "dataset"):
             return None  # no cache, or not a DataLoader (the wrap says why it is kept)
         self._cache_key = cache.cache_key(loader.dataset, getattr(loader, "batch_size", None), trainer.num_devices)
-        cached = cache.load(self.cache_path, self._cache_key)
+        cached = cache.load(self.options.cache_path, self._cache_key)
         return cached if cached is not None and cached.num_workers <= budget.max_workers else None
 
     @override

@@ -7,6 +7,7 @@ wire it into a ``Trainer``.
 from lightning_accel.prefetch.device_copy import CudaPrefetchIterable
 from lightning_accel.prefetch.loader_rebuild import RebuildError, check_rebuildable, rebuild_loader, settings_of
 from lightning_accel.prefetch.online import OnlineSearch
+from lightning_accel.prefetch.options import TunerOptions
 from lightning_accel.prefetch.probe import Probe, batch_nbytes, measure_loader
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, Trial, default_budget
 from lightning_accel.prefetch.settings import LoaderSettings
@@ -24,6 +25,7 @@ __all__ = [
     "Probe",
     "RebuildError",
     "Trial",
+    "TunerOptions",
     "TunableLoader",
     "WaitMeter",
     "WaitStats",

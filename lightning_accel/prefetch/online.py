@@ -77,6 +77,7 @@ from lightning_accel.prefetch.first_batch import FirstBatchWorkers, restate_star
 from lightning_accel.prefetch.handover import handover_lead
 from lightning_accel.prefetch.inner_loader import worker_start_s
 from lightning_accel.prefetch.loader_rebuild import RebuildError
+from lightning_accel.prefetch.options import TunerOptions
 from lightning_accel.prefetch.probe import batch_nbytes
 from lightning_accel.prefetch.report import search_report
 from lightning_accel.prefetch.search import Budget, PrefetchSearch, Trial, spread
@@ -118,16 +119,13 @@ class OnlineSearch:
         cpu: the rank's CPU budget (``None``: one core).
         meter: times the steps (a simulated clock in tests); a fresh one by default.
         cuda: batches go to a CUDA device (pinning helps).
-        cache_path, cache_key: where the outcome is stored for the next run (not stored without a path).
-        early: start the likely first candidate's workers while the start is measured.
-        speculate: with ``early``, from a start without workers, start workers already while the
-            first batch loads, once it has taken longer than a worker takes to start.
-        guess: let the start's measurement pick where the doubling starts.
-        max_lead: steps a candidate's workers may fill up before taking over.
-        remeasure: an undecided candidate is measured on up to this many times its usual batches.
-        cpu_busy_threshold: workers' CPU share above which items count as CPU-bound.
+        options: the tuner's settings (:class:`~lightning_accel.prefetch.options.TunerOptions`), read
+            where they are used and never copied: ``warmup_steps``, ``trial_steps``,
+            ``max_search_steps``, ``data_bound_fraction``, ``cache_path`` (where the outcome is
+            stored for the next run; not stored without a path) and the heuristics ``early``,
+            ``speculate``, ``guess``, ``max_lead``, ``remeasure``, ``cpu_busy_threshold``.
+        cache_key: the outcome's key in the cache (the dataset, batch size and ranks).
         say, warn: where the one-line notes and the warnings go.
-        The others are :class:`~lightning_accel.callbacks.PrefetchTuner`'s.
     """
 
     def __init__(
@@ -138,29 +136,15 @@ class OnlineSearch:
         meter: WaitMeter | None = None,
         *,
         cuda: bool = False,
-        warmup_steps: int = 1,
-        trial_steps: int = 3,
-        max_search_steps: int = 30,
-        data_bound_fraction: float = 0.1,
-        cache_path: str | None = None,
+        options: TunerOptions | None = None,
         cache_key: str = "",
-        early: bool = True,
-        speculate: bool = True,
-        guess: bool = True,
-        max_lead: int = 16,
-        remeasure: int = 4,
-        cpu_busy_threshold: float = 0.5,
         say: Callable[[str], None] = _log.info,
         warn: Callable[[str], None] = warnings.warn,
     ) -> None:
         self.loader, self.budget, self.cpu, self.cuda = loader, budget, cpu, cuda
         self.meter = meter if meter is not None else WaitMeter()
-        self.warmup_steps, self.trial_steps, self.max_search_steps = warmup_steps, trial_steps, max_search_steps
-        self.data_bound_fraction = data_bound_fraction
-        self.cache_path, self.cache_key = cache_path, cache_key
-        self.early, self.guess, self.max_lead, self.remeasure = early, guess, max_lead, remeasure
-        self.speculate = speculate
-        self.cpu_busy_threshold = cpu_busy_threshold
+        self.options = options if options is not None else TunerOptions()  # read, never copied
+        self.cache_key = cache_key
         self.say, self.warn = say, warn
         self.done = False
         self.search: PrefetchSearch | None = None
@@ -178,16 +162,16 @@ class OnlineSearch:
         self._trying: LoaderSettings | None = None
         self._search_from = 0
         self._start_unverified = False  # measured on the warm-up step alone: _verify_start judges it
-        self._steps = StartSteps(self.meter, warmup_steps, trial_steps)  # those that measure the start
+        self._steps = StartSteps(self.meter, self.options.warmup_steps, self.options.trial_steps)  # those that measure the start
         # Per step: batches the loader had handed out when its batch arrived. The wait measured the fetch of the
         # last of them, which is the step's own batch, or the next one where the loop reads a batch ahead.
         self._fetched: list[int] = []
-        self._first_batch = FirstBatchWorkers(self._start, budget, cpu, cuda, cpu_busy_threshold)
+        self._first_batch = FirstBatchWorkers(self._start, budget, cpu, cuda, self.options.cpu_busy_threshold)
 
     def start(self) -> None:
         """Training is about to ask for its first batch."""
         self.meter.start()
-        if self.early and self.speculate and self._start.num_workers == 0 and self.loader.resumable:
+        if self.options.early and self.options.speculate and self._start.num_workers == 0 and self.loader.resumable:
             # Past a worker's start-up, a first batch loaded here has cost more than a worker would.
             self.loader.speculate(worker_start_s(), self._first_batch.choose)
 
@@ -229,13 +213,13 @@ class OnlineSearch:
                 self._start_search(stop=sum(1 for fetched in self._fetched if fetched <= took_over))
             elif self._steps.enough():
                 self._start_search()
-            elif self.started_early is None and self.early:
+            elif self.started_early is None and self.options.early:
                 self._start_early()
             self._steps.note(self.loader.starting)
         else:
             # The step time so far, past the warm-up: the median, so steps a background start of workers
             # disturbed do not move it (PrefetchSearch.restep says why it is re-measured).
-            self.search.restep(statistics.median(self.meter.steps[self.warmup_steps :] or self.meter.steps))
+            self.search.restep(statistics.median(self.meter.steps[self.options.warmup_steps :] or self.meter.steps))
             self._advance()
         if self.done:
             self.finished_step = len(self.meter)
@@ -287,12 +271,12 @@ class OnlineSearch:
         # none: the hand-over's batch is fetched after the step ``lead`` steps from now ends, either way.
         lead = 0
         if candidate is not None:  # as in _next_candidate: its verdict within the search's steps
-            room = self.max_search_steps - n - _verdict_after(candidate, self.cpu_bound)
+            room = self.options.max_search_steps - n - _verdict_after(candidate, self.cpu_bound)
             lead = max(min(self._lead(candidate), room), self._lead(candidate, starting=False))
         # One measured step is enough when this one waited over 3x as long as it computed: the candidate
         # serves a step sooner (seed004: a 0.53 s wait saved, the 8 workers' first items ready by then).
-        measuring = 1 if self.meter.waits[n - 1] > 3 * self.meter.steps[n - 1] else min(2, self.trial_steps)
-        lead = max(lead, self.warmup_steps + measuring - n)
+        measuring = 1 if self.meter.waits[n - 1] > 3 * self.meter.steps[n - 1] else min(2, self.options.trial_steps)
+        lead = max(lead, self.options.warmup_steps + measuring - n)
         self.search, self.measured, self.cpu_note = None, None, ""
         if candidate is None:
             return
@@ -307,7 +291,7 @@ class OnlineSearch:
         self.measured = measured
         start = self._start
         self.search = PrefetchSearch(
-            start, measured.step_s, self._batch_bytes, budget=self.budget, cuda=self.cuda, guess=self.guess
+            start, measured.step_s, self._batch_bytes, budget=self.budget, cuda=self.cuda, guess=self.options.guess
         )
         # The first steps already measured the start: without workers the loader works only while
         # the loop waits, so its time per batch is the wait; with workers, when data-bound, a batch
@@ -317,7 +301,7 @@ class OnlineSearch:
         self.search.record(start, sum(samples) / len(samples), spread(samples), min(samples))
         if start.num_workers == 0:
             self._hold_to_cpu_budget(measured.wait_cpu_share, "in this process, without workers")
-            if measured.wait_cpu_share < self.cpu_busy_threshold:
+            if measured.wait_cpu_share < self.options.cpu_busy_threshold:
                 self.search.headroom = 1.5  # I/O-bound: spare workers are cheap, a count that just keeps up is not
         else:
             self._hold_to_cpu_budget(self.loader.cpu_busy(), f"{start.num_workers} workers")
@@ -328,7 +312,7 @@ class OnlineSearch:
         measured = self.measured = self.meter.stats_of(clean)
         # Measured on the warm-up step alone (workers started while it loaded took over after it), the start
         # is judged once those workers have measured its items again (_verify_start).
-        if not self._start_unverified and measured.wait_fraction <= self.data_bound_fraction:
+        if not self._start_unverified and measured.wait_fraction <= self.options.data_bound_fraction:
             self._compute_bound(measured.wait_fraction)
             return
         self._new_search(measured, clean)
@@ -341,7 +325,7 @@ class OnlineSearch:
     def _compute_bound(self, wait_fraction: float, why: str = "") -> None:
         self.reason = (
             f"kept your loader: compute-bound ({100 * wait_fraction:.0f}% of the time waiting "
-            f"<= {100 * self.data_bound_fraction:.0f}%{why})"
+            f"<= {100 * self.options.data_bound_fraction:.0f}%{why})"
         )
         self.done = True
         if self.loader.settings != self._start or self.loader.preparing is not None:
@@ -359,7 +343,7 @@ class OnlineSearch:
                 f"where the warm-up step, its only measurement, waited {first:.0f} ms"
             )
         fraction = WaitStats(1, start.wait_s, self.search.step_s).wait_fraction
-        if fraction > self.data_bound_fraction:
+        if fraction > self.options.data_bound_fraction:
             return True
         self._compute_bound(fraction, f"; the first batch's {first:.0f} ms was one-off: workers made one in {1000 * item_s:.0f} ms")
         return False
@@ -374,7 +358,7 @@ class OnlineSearch:
     def _hold_to_cpu_budget(self, busy: float | None, where: str) -> None:
         """CPU-bound items: no more workers than the rank's CPU budget (more only share the same cores)."""
         assert self.search is not None
-        if busy is None or busy < self.cpu_busy_threshold:
+        if busy is None or busy < self.options.cpu_busy_threshold:
             return
         self.search.cpu_cores = self.cpu.cores if self.cpu is not None else 1
         if self.cpu is None or self.search.budget.max_workers <= self.cpu.cores:
@@ -402,7 +386,7 @@ class OnlineSearch:
             self.search.step_s,
             self.cpu.cores if self.cpu is not None else 1,
             cpu_share=share,
-            max_lead=self.max_lead,
+            max_lead=self.options.max_lead,
             start_s=candidate.num_workers * worker_start_s() if starting else 0.0,
         )
 
@@ -422,8 +406,8 @@ class OnlineSearch:
             # The verdict on a candidate needs 2 w of its batches after the hand-over. Steps served while the
             # workers start fit in what is left of the search's steps; past that, the hand-over waits for them.
             verdict = len(self.meter) + _verdict_after(candidate, self.cpu_bound)
-            lead = max(min(self._lead(candidate), self.max_search_steps - verdict), self._lead(candidate, starting=False))
-            if not over and verdict + lead > self.max_search_steps:
+            lead = max(min(self._lead(candidate), self.options.max_search_steps - verdict), self._lead(candidate, starting=False))
+            if not over and verdict + lead > self.options.max_search_steps:
                 candidate = None
         if candidate is None:
             self._finish()
@@ -462,7 +446,7 @@ class OnlineSearch:
         items = [max(0.0, stamps[j + w] - stamps[j]) for j in range(len(stamps) - w)]
         trial = self.search.record(candidate, sum(items) / len(items) / w, spread(items) / w, min(items) / w)
         # Too close to call where it would matter: the candidate serves anyway, so measure it longer (bounded).
-        if self.search.undecided(trial) and len(stamps) < self.remeasure * needed and len(self.meter) < self.max_search_steps:
+        if self.search.undecided(trial) and len(stamps) < self.options.remeasure * needed and len(self.meter) < self.options.max_search_steps:
             self.search.trials.pop()
             return
         self.remeasured += len(stamps) > needed
@@ -495,7 +479,7 @@ class OnlineSearch:
         if target == self._start:
             self.reason = f"kept your loader: no candidate of {len(self.search.trials) - 1} waited less by more than the noise"
             if self.remeasured:
-                self.reason += f" ({self.remeasured} measured longer, up to {self.remeasure}x, as their first samples could not decide)"
+                self.reason += f" ({self.remeasured} measured longer, up to {self.options.remeasure}x, as their first samples could not decide)"
             if cut_short:
                 self.reason += "; training ended before the search did"
         else:
@@ -503,8 +487,8 @@ class OnlineSearch:
             self.reason = f"best of {len(self.search.trials)} measured online in {steps} steps within the budget" + (
                 "; training ended before the search did (cached for the next run)" if cut_short else ", serving from the next batches"
             )
-        if self.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
-            cache.store(self.cache_path, self.cache_key, target)
+        if self.options.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
+            cache.store(self.options.cache_path, self.cache_key, target)
 
     def _search_cost(self, start_wait_s: float) -> float:
         """Extra waiting, against the start's, of the steps trained while candidates were tried."""
@@ -523,5 +507,5 @@ class OnlineSearch:
         if self.chosen is None:
             return
         self.say(f"PrefetchTuner: {self.chosen.label()} {probe.when}")
-        if self.cache_path:
-            cache.store(self.cache_path, self.cache_key, self.chosen)
+        if self.options.cache_path:
+            cache.store(self.options.cache_path, self.cache_key, self.chosen)

@@ -30,7 +30,7 @@ def test_data_bound_run_gets_workers_and_every_sample_once(sleepy, recorder, mak
     # Online: training ran on each candidate in turn, then on the best if the last tried was not it.
     assert tuner.loader.switches == len(trials) - 1 + (trials[-1].settings != tuner.chosen)
     assert tuner.loader.settings == tuner.chosen
-    assert tuner.finished_step <= tuner.max_search_steps
+    assert tuner.finished_step <= tuner.options.max_search_steps
     assert trials[0].settings == LoaderSettings(0)  # the start, measured like every candidate
     assert all(t.settings.num_workers <= 4 for t in trials)
     # 40 ms per item without workers: the start waits about that; the chosen loader much less.
@@ -147,7 +147,7 @@ def test_training_that_ends_mid_search_reports_and_caches_the_best_so_far(sleepy
     # The first candidate prepared after the measurement (steps 1-2), each hand-over at most 2 steps after it is
     # prepared: 2 workers take over by step 5 and are judged on 5 batches by step 10; 1 worker, prepared then,
     # takes over by step 12 and needs 4 batches: step 14 ends the search before its verdict.
-    tuner.early, tuner.max_lead = False, 2
+    tuner.options.early, tuner.options.max_lead = False, 2
     model = recorder(step_s=0.002)
     make_trainer([tuner], max_steps=14).fit(model, DataLoader(sleepy(64, latency_s=0.03), batch_size=1))
     report = tuner.report()
@@ -184,7 +184,7 @@ def test_a_candidate_its_first_samples_cannot_decide_is_measured_longer_and_wins
     # 50, a draw inside the noise. Judged on that, the start served on (before the rule); measured longer,
     # workers win. (Which count depends on how the 100 ms items fall; either beats the start's 50 ms.)
     tuner = PrefetchTuner(max_workers=2, warmup_steps=1, trial_steps=2)
-    tuner.early = False  # the start measured undisturbed by forking: the draw is the candidate's alone
+    tuner.options.early = False  # the start measured undisturbed by forking: the draw is the candidate's alone
     model = recorder(step_s=0.005)
     make_trainer([tuner]).fit(model, DataLoader(HiccupInWorkers(), batch_size=1))
     assert tuner.remeasured >= 1, tuner.report()
@@ -207,7 +207,7 @@ def test_the_first_candidate_starts_while_the_start_is_measured(sleepy, recorder
 
     monkeypatch.setattr(TunableLoader, "prepare", spy)
     tuner = PrefetchTuner(max_workers=4, warmup_steps=1, trial_steps=3)
-    tuner.speculate = False  # this path: after step 0 (test_workers_start_while_the_first_batch_loads: during it)
+    tuner.options.speculate = False  # this path: after step 0 (test_workers_start_while_the_first_batch_loads: during it)
     model = recorder(step_s=0.01)
     make_trainer([tuner]).fit(model, DataLoader(sleepy(48, latency_s=0.05), batch_size=1))
     first_step, settings, lead = prepared[0]

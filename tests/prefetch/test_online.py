@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 import lightning_accel.prefetch as prefetch_package
 from lightning_accel.prefetch import Budget, LoaderSettings, OnlineSearch, TunableLoader, WaitMeter
 from lightning_accel.prefetch.cache import load as cache_load
+from lightning_accel.prefetch.options import OPTION_NAMES, TunerOptions
 from lightning_accel.prefetch.report import search_report, trials_csv
 from lightning_accel.prefetch.search import Trial
 
@@ -62,8 +63,10 @@ def online_search(loader: TunableLoader, clock: Clock, **kwargs) -> tuple[Online
     said: list[str] = []
     warned: list[str] = []
     meter = WaitMeter(clock=clock, cpu_clock=lambda: 0.0)  # the loading looks I/O-bound: no CPU time while waiting
-    kwargs = dict(warmup_steps=1, trial_steps=3, early=False, say=said.append, warn=warned.append) | kwargs
-    return OnlineSearch(loader, Budget(2, 1 << 30), None, meter, **kwargs), said, warned
+    kwargs = dict(warmup_steps=1, trial_steps=3, early=False) | kwargs
+    options = TunerOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in OPTION_NAMES})
+    online = OnlineSearch(loader, Budget(2, 1 << 30), None, meter, options=options, say=said.append, warn=warned.append, **kwargs)
+    return online, said, warned
 
 
 def train(online: OnlineSearch, clock: Clock, wait_s: float, step_s: float, steps: int | None = None) -> list[tuple[int, LoaderSettings]]:
