@@ -114,6 +114,15 @@ def test_bad_arguments_are_rejected_up_front(kwargs, match):
         PrefetchTuner(**kwargs)
 
 
+def test_settings_live_in_the_options_and_a_setting_on_the_tuner_is_refused():
+    tuner = PrefetchTuner(max_workers=3, cache_path="tuned.json")
+    assert (tuner.options.max_workers, tuner.options.cache_path, tuner.options.early) == (3, "tuned.json", True)
+    with pytest.raises(AttributeError, match=r"PrefetchTuner.early is a setting of its options: set tuner.options.early = False"):
+        tuner.early = False  # would be read by nothing
+    with pytest.raises(AttributeError, match=r"read tuner.options.cache_path"):
+        tuner.cache_path
+
+
 class SlowerInWorkers(Dataset):
     """Item ``i`` is ``(i, x)``: 20 ms in the main process, 400 ms in a worker (workers only hurt)."""
 
