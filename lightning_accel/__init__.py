@@ -1,5 +1,4 @@
-"""lightning_accel: Lightning plugins and Hydra recipes for models too large, too deep or
-too data-hungry for one accelerator.
+"""lightning_accel: Lightning plugins and Hydra recipes for models too large, too deep or too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry and
 the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``, as do the DDP communication variants ``"ddp_fp16"``, ``"ddp_bf16"`` and ``"ddp_powersgd"``.

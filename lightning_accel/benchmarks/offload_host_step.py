@@ -1,4 +1,6 @@
-"""The host optimizer step of ``bench offload``: Mparam/s of L2L's host step against torch's
+"""The host optimizer step of ``bench offload``: L2L's host step against torch's and DeepSpeed's kernels.
+
+Mparam/s of L2L's host step against torch's
 kernels, DeepSpeed's CPU Adam (when importable) and a plain memory copy; the per-call cost
 of stepping block by block; the bf16 shadows written in the update's pass (:mod:`.shadow_fold`),
 in a pass of their own after it, or chunk by chunk after torch's kernel; compiled kernels

@@ -1,5 +1,4 @@
-"""Resumable loaders: a shuffled order that is a function of the seed, and a position that
-survives a checkpoint.
+"""Resumable loaders: a shuffled order that is a function of the seed, and a position that survives a checkpoint.
 
 Every data module here builds its loaders through :func:`seeded_loader`, which returns
 torchdata's ``StatefulDataLoader``. Lightning saves a stateful loader's ``state_dict`` in

@@ -1,5 +1,4 @@
-"""The model's tensors as training keeps them: per block and outside the blocks, trainable or
-frozen, their stored bytes (a torchao NF4 base included) and their optimizer state.
+"""The model's tensors as training keeps them: per block and outside, trainable or frozen, stored bytes (NF4 too), optimizer state.
 
 Two things are measured rather than assumed. The optimizer state is what the recipe's own
 optimizer creates: ``configure_optimizers`` builds it over the fake parameters and one step

@@ -1,4 +1,6 @@
-"""L2L (layer-to-layer) CPU offload mechanism: plan, host store, streamer, executor, the host
+"""L2L (layer-to-layer) CPU offload mechanism: blocks' weights live on the host and visit the device one at a time.
+
+Plan, host store, streamer, executor, the host
 optimizer step (fused CPU kernels, thread budget), and the optional one-step delayed update
 and host-memory activation offload the executor uses. For data parallel: the host optimizer's
 partition across ranks (``partition``), gradients averaged as blocks finish (``grad_sync``),
