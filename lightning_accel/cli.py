@@ -341,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     drop_import_noise()  # before transformers or peft import torchao
     try:
-        if ns.command == "run":
-            return cmd_run(ns.recipe, ns.overrides)
+        if ns.command in ("run", "bench"):
+            from lightning_accel.console import quiet
+
+            with quiet(bench=ns.command == "bench"):  # no tips or probe lines; every warning that matters shows
+                return cmd_run(ns.recipe, ns.overrides) if ns.command == "run" else cmd_bench(ns.name, ns.args)
         if ns.command == "ls":
             return cmd_ls()
         if ns.command == "cp":
@@ -361,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_export(ns.run_dir, ns.out)
         if ns.command == "estimate":
             return cmd_estimate(ns.recipe, ns.overrides, ns.device_memory, ns.host_memory, ns.json, ns.measure)
-        return cmd_bench(ns.name, ns.args)
+        raise AssertionError(f"unhandled command {ns.command!r}")  # argparse allows only the commands above
     except Exception as err:  # bad input becomes one line; anything else keeps its traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -31,6 +31,7 @@ from lightning_accel.atomic import atomic_write_text
 from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
 from lightning_accel.callbacks.random_state import RandomState
 from lightning_accel.config.errors import UserError
+from lightning_accel.console import KNOWN_WARNINGS, DropNoise
 from lightning_accel.models import load_peak
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.run_dir import find_last_checkpoint, newest_checkpoint, this_process
@@ -196,21 +197,6 @@ def summary(status: dict[str, Any]) -> str:
     )
 
 
-# Messages that are noise in our runs: Lightning's product tips, and deprecation warnings
-# raised inside third-party code (Lightning 2.6 on torch 2.13, torchdata 0.11) that a
-# user can do nothing about.
-_NOISE_MESSAGES = ("💡 Tip:",)
-KNOWN_WARNINGS = (
-    r".*isinstance\(treespec, LeafSpec\)`? is deprecated",
-    r".*'set_vital' is deprecated",
-)
-
-
-class _DropNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.getMessage()).lstrip().startswith(_NOISE_MESSAGES)
-
-
 class _Tee(io.TextIOBase):
     """stdout that also appends to the run's log file (plans and summaries are printed)."""
 
@@ -237,10 +223,10 @@ class _Tee(io.TextIOBase):
 def route_output() -> None:
     """Lightning's messages and Python warnings go through Hydra's handlers (the console and
     the run's log file) instead of Lightning's own stderr handler, which the log file never
-    saw; product tips and known third-party deprecations are dropped."""
+    saw; product tips and known third-party deprecations are dropped (:mod:`lightning_accel.console`)."""
     root = logging.getLogger()
     for handler in root.handlers:
-        handler.addFilter(_DropNoise())
+        handler.addFilter(DropNoise())
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
