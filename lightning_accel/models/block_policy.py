@@ -29,7 +29,8 @@ T5's ``encoder.block`` and ``decoder.block``, BART's and Whisper's ``encoder.lay
 ``decoder.layers``; not a list of heads or per-codebook embeddings). They come in
 registration order, which is forward order for these models: the encoder's blocks, then
 the decoder's. ``gpipe`` asks for them too (its stages are the model's own forward, so the encoder's output reaches
-every decoder stage); ``gpipe_distributed`` cuts one stack into stages (``stacks="one"``, the default).
+every decoder stage), and ``gpipe_distributed`` (its stages carry the encoder's last block output on to every later
+stage: :mod:`lightning_accel.pipeline.stack_carry`).
 """
 
 from __future__ import annotations

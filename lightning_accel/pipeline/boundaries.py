@@ -28,7 +28,9 @@ While :meth:`StageBoundaries.run` runs the model for stage ``s`` (blocks
 A stage sends the tensors of its last block's output: one tensor (transformers'
 ``(hidden_states,)``, ``(hidden_states, None)``: the hidden state alone), or several as a
 tuple (a block returning ``(hidden, aux)``), which the next stage puts back in the block
-output's structure, in order, for the model's own code. Outside :meth:`run` the blocks run as usual (on a model whose
+output's structure, in order, for the model's own code. Where the blocks are several stacks (an
+encoder-decoder), a stage also sends on the last block output of each earlier stack that a later stage needs
+(:mod:`lightning_accel.pipeline.stack_carry`), and a stage that receives one returns it from that block. Outside :meth:`run` the blocks run as usual (on a model whose
 other stages are on ``meta`` that fails, as any use of freed weights does).
 """
 
@@ -36,7 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple, Union
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 import pickle
 
@@ -47,6 +50,7 @@ from torch import Tensor, nn
 from lightning_accel.models.side_effects import cache_argument, describe_cache_refusal
 from lightning_accel.patching import patch
 from lightning_accel.pipeline.microbatch import map_tensors, tensors_in
+from lightning_accel.pipeline.stack_carry import carried_into, carried_out_of, stack_ends
 
 __all__ = ["StageBoundaries"]
 
@@ -62,13 +66,31 @@ class _StageOutput(BaseException):
 Activation = Union[Tensor, tuple[Tensor, ...]]  # what a stage sends on: one tensor, or a block output's tensors
 
 
-class _Active(NamedTuple):
+@dataclass
+class _Active:
+    """The stage :meth:`StageBoundaries.run` runs. ``parts``: the received tensors not yet taken (the carried stack ends
+    first, in block order, then the previous stage's output: :attr:`received` once every carry is taken);
+    ``carried``: stack-end outputs taken from them; ``produced``: stack-end outputs this stage computed."""
+
     start: int
     end: int
     last: bool
     received: Activation | None
     remat: bool
     mark: Callable[[Tensor], Tensor] | None
+    into: tuple[int, ...] = ()
+    parts: list[Tensor] = field(default_factory=list)
+    carried: dict[int, Activation] = field(default_factory=dict)
+    produced: dict[int, Activation] = field(default_factory=dict)
+
+    def take(self, block: int, count: int) -> Activation:
+        """The next ``count`` received tensors, as stack end ``block``'s output; the rest is the previous stage's output
+        once every carry is taken."""
+        taken, self.parts = self.parts[:count], self.parts[count:]
+        self.carried[block] = taken[0] if len(taken) == 1 else tuple(taken)
+        if len(self.carried) == len(self.into):
+            self.received = self.parts[0] if len(self.parts) == 1 else tuple(self.parts)
+        return self.carried[block]
 
 
 def _hidden(output: Any, name: str) -> Activation:
@@ -161,7 +183,9 @@ def _stand_in(output: Any, received: Activation, name: str) -> Any:
 class StageBoundaries:
     """Installs stage boundaries on ``blocks`` (modules of one model, in call order) for the stages of ``balance``.
 
-    ``names``: the blocks' names, for errors. :meth:`restore` removes the boundaries.
+    ``names``: the blocks' names, for errors and to find where a stack ends (an encoder's last block, whose output a
+    stage carries on to every later stage: :mod:`lightning_accel.pipeline.stack_carry`). :meth:`restore` removes the
+    boundaries.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], balance: Sequence[int], names: Sequence[str] | None = None) -> None:
@@ -170,6 +194,7 @@ class StageBoundaries:
         self.blocks, self.balance = list(blocks), list(balance)
         self.names = list(names) if names is not None else [f"block {k}" for k in range(len(blocks))]
         self.starts = [sum(self.balance[:s]) for s in range(len(self.balance))]
+        self.stack_ends = stack_ends(self.names) if names is not None else ()
         self._active: _Active | None = None
         self._bare_shape: dict[int, torch.Size] = {}  # block -> the shape it last returned as one bare tensor (on meta)
         # block -> the structure of its output (tensors as _Slot), recorded where it ran for real at a stage's end and
@@ -205,6 +230,11 @@ class StageBoundaries:
         """``forward()`` (the model's own code on one micro-batch) as stage ``stage``: returns its last block's output,
         or for the last stage what ``forward`` returns. ``received``: stage ``stage - 1``'s output (None for stage 0).
 
+        Where the blocks are several stacks (an encoder-decoder), ``received`` begins with the tensors of the stack ends
+        this stage needs beyond the block that hands it its input (:meth:`carried_into`, in block order), and a stage
+        that is not the last returns the stack ends the next stage needs (:meth:`carried_out_of`) before its own output,
+        all as one tuple of tensors.
+
         ``remat``: each of the stage's blocks runs under ``torch.utils.checkpoint`` (only its inputs are kept; backward
         runs it again), so only the blocks are recomputed, never the model's or the user's code around them (a loss, a
         ``self.log``). ``mark``: applied to the first tensor the stage's first block gets (a timeline's marker)."""
@@ -212,17 +242,63 @@ class StageBoundaries:
             raise ValueError(f"stage {stage} {'takes no' if stage == 0 else 'needs the'} activation of the previous stage")
         blocks = self.stage_range(stage)
         last = stage == len(self.balance) - 1
-        with self._running(_Active(blocks.start, blocks.stop, last, received, remat, mark)):
+        active = _Active(blocks.start, blocks.stop, last, received, remat, mark, self.carried_into(stage))
+        if active.into:
+            active.parts = list(_tensors(received))  # type: ignore[arg-type]
+            for k in active.into:  # each carry's count from its structure; one not known yet is taken at its block
+                if self.structures.get(k) is None:
+                    break
+                active.take(k, _slot_count(self.structures[k]))
+            if len(active.carried) < len(active.into):
+                active.received = None  # known once the carries before it are taken (_boundary)
+        with self._running(active):
             try:
                 result = forward()
             except _StageOutput as stop:
-                return stop.output
+                return self._with_carries(stage, active, stop.output)
         if not last:
             raise ValueError(
                 f"the model's forward returned without calling {self.names[blocks.stop - 1]!r}, the last block of "
                 f"pipeline stage {stage}; every block must run on every micro-batch, in the order found"
             )
         return result
+
+    def carried_into(self, stage: int) -> tuple[int, ...]:
+        """The stack ends (block indices) ``stage`` receives beside the previous stage's output."""
+        return carried_into(self.stack_ends, self.starts, stage)
+
+    def carried_out_of(self, stage: int) -> tuple[int, ...]:
+        """The stack ends ``stage`` sends on beside its own output (what the next stage receives)."""
+        return carried_out_of(self.stack_ends, self.starts, stage)
+
+    def _carriable(self, k: int, output: Any) -> Any:
+        """The structure of stack end ``k``'s output, or a one-line refusal naming the block where it cannot cross ranks."""
+        skeleton = _structure(output)
+        if skeleton is None or not tensors_in(output):
+            raise ValueError(
+                f"block {self.names[k]!r} ends a stack whose output later pipeline stages need (an encoder's, for the "
+                f"decoder), but its output ({type(output).__name__}) holds no tensor or something that cannot be sent "
+                "between ranks; return tensors (a tuple of them) from it, or use strategy='gpipe' in one process"
+            )
+        return skeleton
+
+    def _with_carries(self, stage: int, active: _Active, output: Activation) -> Activation:
+        """``output`` with the stack ends the next stage needs before it: computed here, handed in (block
+        ``start - 1``) or received as carries; a received tensor goes on as a copy, so autograd adds the gradient
+        coming back for it to this stage's own use of it."""
+        ends = self.carried_out_of(stage)
+        if not ends:
+            return output
+        sent: list[Tensor] = []
+        for k in ends:
+            if k in active.produced:
+                sent += _tensors(active.produced[k])
+                continue
+            source = active.carried.get(k) if k < active.start - 1 else active.received
+            if source is None:
+                raise RuntimeError(f"stage {stage} did not get the output of {self.names[k]!r}, which it carries on")
+            sent += [t.clone() if t.requires_grad and torch.is_grad_enabled() else t for t in _tensors(source)]
+        return (*sent, *_tensors(output))
 
     @contextmanager
     def _running(self, active: _Active) -> Iterator[None]:
@@ -238,8 +314,19 @@ class StageBoundaries:
             if active is None:
                 return original(*args, **kwargs)
             if k < active.start:  # another stage's block: shapes only; the last one hands over the received activation
+                if k in active.carried:  # a stack's end (an encoder's output) an earlier stage carried here
+                    return _fill(self.structures[k], active.carried[k], self.names[k])
+                if k in active.into:  # its structure not known yet: learnt on meta, then its tensors taken
+                    with torch.no_grad(), _on_meta(self.blocks[k]):
+                        out = original(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
+                    self.structures[k] = self._carriable(k, out)
+                    return _stand_in(out, active.take(k, len(tensors_in(out))), self.names[k])
                 received = active.received
-                assert received is not None
+                if received is None:  # carries still to take: a block before them runs on meta, its output zeros
+                    with torch.no_grad(), _on_meta(self.blocks[k]):
+                        out = original(*map_tensors(args, _to_meta), **map_tensors(kwargs, _to_meta))
+                    device = active.parts[0].device
+                    return map_tensors(out, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device))
                 shape = self._bare_shape.get(k)
                 if isinstance(received, Tensor) and shape is not None and (k == active.start - 1 or shape == received.shape):
                     # a block seen to return one bare tensor: the received activation stands in for its output
@@ -275,6 +362,10 @@ class StageBoundaries:
                 out = torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
             else:
                 out = original(*args, **kwargs)
+            if k in self.stack_ends and not active.last:  # a stack's end: a later stage may need it (stack_carry)
+                if k not in self.structures:
+                    self.structures[k] = self._carriable(k, out)
+                active.produced[k] = _hidden(out, self.names[k])
             if k == active.end - 1 and not active.last:
                 if k not in self.structures:
                     self.structures[k] = _structure(out)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_accel.pipeline.microbatch import gather
+from lightning_accel.pipeline.microbatch import gather, gather_output
 from lightning_accel.pipeline.schedule import clock_cycles
 
 __all__ = ["isend_activation", "isend_tensor", "recv_activation", "recv_tensor", "stream_evaluate"]
@@ -120,4 +120,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
         return None
     if not whole_on_last:
         return gather(arrived) if count > 1 else gather([run(i) for i in range(m)])
-    return pipe.boundaries.run(last, gather(arrived) if count > 1 else None, lambda: run(None))
+    # a tensor the model computes once per micro-batch and broadcasts over its samples (T5's position bias, batch
+    # dimension 1) is the same in each: kept once, not concatenated into a batch dimension of the micro-batch count
+    sizes = [len(part) for part in torch.arange(size).tensor_split(m)]
+    return pipe.boundaries.run(last, gather_output(arrived, sizes)[0] if count > 1 else None, lambda: run(None))

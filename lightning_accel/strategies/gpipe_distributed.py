@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.models.block_policy import BlockPolicy, check_one_stack, find_blocks
+from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
 from lightning_accel.patching import swapped
@@ -163,7 +163,10 @@ class DistributedGPipeStrategy(DDPStrategy):
             ``example_input_array``, measured once on rank 0; see the module docstring).
         blocks: which submodules are the blocks that stages split at: a policy for
             :func:`lightning_accel.models.block_policy.find_blocks` (``"auto"``, block classes
-            or a callable), as for ``GPipeStrategy`` and ``L2LOffloadStrategy``.
+            or a callable), as for ``GPipeStrategy`` and ``L2LOffloadStrategy``. ``"auto"`` takes every repeated
+            stack: an encoder-decoder's encoder blocks, then its decoder's, split over the ranks as one sequence; the
+            encoder's last block output travels beside the activations to every later stage
+            (:mod:`lightning_accel.pipeline.stack_carry`).
         loss_reduction: how ``training_step``'s loss reduces over samples: ``"mean"`` or ``"sum"``.
         checkpoint: re-materialization per stage and micro-batch, as in ``GPipeStrategy``:
             ``"always"``, ``"except_last"`` or ``"never"`` (the default here: raw
@@ -370,8 +373,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         """Build this rank's stages; on first use give them their starting weights and free the other ranks' blocks."""
         module, net = self.lightning_module, self._net()
         assert module is not None
-        blocks = find_blocks(net, self.blocks)
-        check_one_stack(net, blocks, type(self).__name__)
+        # every repeated stack (an encoder-decoder's encoder, then its decoder): a stage carries the encoder's output on
+        # beside its own to every decoder stage (lightning_accel.pipeline.stack_carry)
+        blocks = find_blocks(net, self.blocks, stacks="all")
         ranks = self.pipeline_parallel_size
         placement = SCHEDULE_TABLE[self.schedule].placement
         stages = len(stage_indices(0, ranks, self.schedule)) * ranks

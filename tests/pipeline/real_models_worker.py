@@ -9,11 +9,14 @@ one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts 
 this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
 model's seeded initialization; rank 0 saves ``{model}-{schedule}.ckpt`` (the gathered
 checkpoint). ``llama:gpipe`` is also trained 2 steps, saved, and resumed from that
-checkpoint in a fresh Trainer to step 4 (``llama-gpipe-resumed.ckpt``).
+checkpoint in a fresh Trainer to step 4 (``llama-gpipe-resumed.ckpt``). An encoder-decoder's ranks each write
+``{model}-{schedule}-rank{R}.json``: the parameters of each stack's blocks that rank holds, and the ``val_loss``
+of one validation batch after the last step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,6 +34,7 @@ from real_models import VOCAB, lm_loader  # noqa: E402
 
 STEPS, CHUNKS = 4, 4
 SEQ2SEQ_SAMPLES = 32  # encoder-decoders (T5, BART): (source, target) pairs, 4 batches of 8
+VAL_SAMPLES = 6  # and one validation batch of 6 pairs, streamed through the stages in micro-batches
 
 
 def build_qwen2() -> torch.nn.Module:
@@ -71,14 +75,30 @@ def task(name: str) -> pl.LightningModule:
     return real_models.real_task(name, torch.float64)
 
 
-def trainer(schedule: str, steps: int, sampler: bool = True, precision: str = "64-true") -> pl.Trainer:
+class HeldBlocks(pl.Callback):
+    """What this rank holds of each stack's blocks while training: their parameters not on ``meta`` (another rank's
+    blocks are), after the first step (after fit rank 0 holds the whole model again, to be usable and saved)."""
+
+    def __init__(self, stacks: tuple[str, ...]) -> None:
+        self.stacks = stacks
+        self.held: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *_: object) -> None:
+        if not self.held:
+            named = list(module.net.named_parameters())
+            self.held = {s: sum(p.numel() for n, p in named if n.startswith(f"{s}.") and not p.is_meta) for s in self.stacks}
+
+
+def trainer(
+    schedule: str, steps: int, sampler: bool = True, precision: str = "64-true", callbacks: list[pl.Callback] | None = None
+) -> pl.Trainer:
     """Lightning's defaults (its distributed sampler replaces the user's shuffling one), or, for the resume case, the
     loader's own order: with Lightning's shuffling DistributedSampler a mid-epoch resume is not exact under Lightning's
     own DDP either (2.9e-2 after 4 steps on 2 ranks, a StatefulDataLoader)."""
     return pl.Trainer(
         accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=CHUNKS, schedule=schedule, timeout=60),
         max_steps=steps, precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=sampler,
+        enable_model_summary=False, use_distributed_sampler=sampler, callbacks=callbacks,
     )
 
 
@@ -97,10 +117,17 @@ def main() -> None:
             t.fit(regression_models.task(row), DataLoader(regression_models.dataset(row), batch_size=regression_models.BATCH, shuffle=True))
             t.save_checkpoint(out / f"{name}-{schedule}.ckpt")
             continue
-        t = trainer(schedule, STEPS)
-        if name in real_models.ENCODER_DECODERS:  # the decoder pipelined, the encoder on every rank (blocks='auto')
-            t.fit(real_models.seq2seq_task(name), DataLoader(real_models.seq2seq_data(SEQ2SEQ_SAMPLES), batch_size=8, shuffle=True))
+        if name in real_models.ENCODER_DECODERS:  # blocks='auto': the encoder's blocks, then the decoder's, pipelined
+            held = HeldBlocks(real_models.BLOCK_STACKS[name])
+            t = trainer(schedule, STEPS, callbacks=[held])
+            t.fit(
+                real_models.seq2seq_task(name), DataLoader(real_models.seq2seq_data(SEQ2SEQ_SAMPLES), batch_size=8, shuffle=True),
+                val_dataloaders=DataLoader(real_models.seq2seq_data(VAL_SAMPLES), batch_size=VAL_SAMPLES),
+            )
+            val_loss = float(t.callback_metrics["val_loss"])  # after the last step (the sanity check ran one before)
+            (out / f"{name}-{schedule}-rank{t.global_rank}.json").write_text(json.dumps({**held.held, "val_loss": val_loss}))
         else:
+            t = trainer(schedule, STEPS)
             t.fit(task(name), shuffled())
         t.save_checkpoint(out / f"{name}-{schedule}.ckpt")
         if (name, schedule) == ("llama", "gpipe"):

@@ -138,10 +138,12 @@ def build_bart() -> nn.Module:
 
 
 ENCODER_DECODERS: dict[str, Callable[[], nn.Module]] = {"t5": build_t5, "bart": build_bart}
+# each encoder-decoder's block stacks, encoder first (parameter name prefixes under Seq2Seq.net)
+BLOCK_STACKS: dict[str, tuple[str, str]] = {"t5": ("encoder.block", "decoder.block"), "bart": ("model.encoder.layers", "model.decoder.layers")}
 
 
 class Seq2Seq(pl.LightningModule):
-    """An encoder-decoder's own loss on (source, target) token batches; AdamW."""
+    """An encoder-decoder's own loss on (source, target) token batches (logged as ``val_loss`` in validation); AdamW."""
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
@@ -149,6 +151,9 @@ class Seq2Seq(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.net(input_ids=batch[0], labels=batch[1]).loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.net(input_ids=batch[0], labels=batch[1]).loss)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

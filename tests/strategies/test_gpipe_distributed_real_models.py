@@ -7,6 +7,7 @@ micro-batches of a shuffled batch hold different numbers of padded tokens, which
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ sys.path.insert(0, str(PIPELINE_TESTS))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
 from regression_models import ROWS, max_difference, tolerance  # noqa: E402
-from real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, task  # noqa: E402
+from real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, VAL_SAMPLES, task  # noqa: E402
 from user_script import run_user_script  # noqa: E402
 
 # GPT-2 without dropout: micro-batches draw other dropout masks than one whole batch does
@@ -31,8 +32,11 @@ CASES = [
     # torch's zero-bubble schedules, two stages per rank (looped; V-wise: rank 0 runs the embedding and the head)
     ("llama4", "interleaved_zb"), ("llama4", "zbv"), ("llama4", "dualpipev"),
 ]
-# encoder-decoders: blocks='auto' pipelines the decoder; the encoder runs on every rank, its gradients summed between them
-ENCODER_DECODER_CASES = [("t5", "1f1b"), ("bart", "gpipe")]
+# encoder-decoders: blocks='auto' pipelines the encoder's blocks, then the decoder's (by size): T5 on 1f1b as [3, 2]
+# (rank 0 runs the encoder and the first decoder block and sends the encoder's output on beside its own), BART on
+# interleaved_1f1b as [1, 1, 1, 1] (the encoder on both ranks; stage 2 receives the encoder's output and carries it to
+# stage 3)
+ENCODER_DECODER_CASES = [("t5", "1f1b"), ("bart", "interleaved_1f1b")]
 # the regression rows of docs/models.md (regression_models: BERT, GPT-NeoX, Gemma 3, Mamba, ViT, Llama frozen, LoRA, own
 # checkpointing, compiled layers, Mixtral and Qwen3-MoE in float32), 1f1b, in this same launch, each against its one
 # plain-Lightning reference; and Mixtral in bf16-mixed
@@ -76,11 +80,35 @@ def test_real_models_train_like_plain_lightning(two_ranks, name, schedule):
 @pytest.mark.parametrize(("name", "schedule", "rtol"), [(*case, tol) for case, tol in zip(ENCODER_DECODER_CASES, (1e-5, 1e-9))])
 def test_encoder_decoders_train_like_plain_lightning(two_ranks, name, schedule, rtol):
     # T5's layer norm takes its variance in float32 (transformers' T5LayerNorm) even in a float64 model, so its rounding
-    # differs with the micro-batch layout: 1e-5. Without the encoder's gradients summed between the ranks, or with the
-    # decoder's stages cut from the encoder's output, the weights move ~1e-2 apart (5.9e-2 measured on T5)
+    # differs with the micro-batch layout: 1e-5 (measured 2.5e-8 abs; BART 9.2e-15). With a decoder stage cut from the
+    # encoder's output, the weights move ~1e-2 apart (5.9e-2 measured on T5)
     reference = seq2seq_task(name)
     fit(reference, steps=STEPS, precision="64-true", loader=sampled(seq2seq_data(SEQ2SEQ_SAMPLES)), accumulate_grad_batches=CHUNKS)
     assert_same_weights(reference, _loaded(name, two_ranks / f"{name}-{schedule}.ckpt", seq2seq_task), rtol=rtol, atol=rtol * 1e-2)
+    # validation of the trained model: its batch of 6 streamed through the stages in micro-batches of 2, 2, 1, 1, the
+    # encoder's output carried as in training (before: T5 stopped, its position bias gathered into a batch of 4)
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    plain = pl.Trainer(accelerator="cpu", devices=1, precision="64-true", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    expected = plain.validate(reference, DataLoader(seq2seq_data(VAL_SAMPLES), batch_size=VAL_SAMPLES), verbose=False)[0]["val_loss"]
+    for rank in range(2):
+        got = json.loads((two_ranks / f"{name}-{schedule}-rank{rank}.json").read_text())["val_loss"]
+        assert got == pytest.approx(expected, rel=rtol), (rank, got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "schedule"), ENCODER_DECODER_CASES)
+def test_an_encoder_decoders_blocks_are_each_on_one_rank(two_ranks, name, schedule):
+    """While training, each rank holds its stages' blocks of both stacks, the others' on meta: every encoder block's
+    parameters on exactly one rank (the encoder ran whole on every rank before: 2x its blocks' parameters)."""
+    from real_models import BLOCK_STACKS
+
+    net = seq2seq_task(name).net
+    held = [json.loads((two_ranks / f"{name}-{schedule}-rank{r}.json").read_text()) for r in range(2)]
+    for stack in BLOCK_STACKS[name]:
+        total = sum(p.numel() for n, p in net.named_parameters() if n.startswith(f"{stack}."))
+        assert sum(h[stack] for h in held) == total, (stack, total, held)
 
 
 @pytest.mark.slow
