@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from lightning_accel.prefetch.search import Budget
-from lightning_accel.prefetch.tunable_loader import STREAM_SWITCHES
+from lightning_accel.prefetch.tunable_loader import check_stream_switch
 
 __all__ = ["TunerOptions"]
 
@@ -70,11 +70,7 @@ class TunerOptions:
             raise ValueError(
                 f"data_bound_fraction={self.data_bound_fraction!r} must lie strictly between 0 and 1; pass e.g. 0.1"
             )
-        if self.stream_switch not in STREAM_SWITCHES:
-            raise ValueError(
-                f"stream_switch={self.stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
-                "or 'restart' (switch now, the stream starts again)"
-            )
+        check_stream_switch(self.stream_switch)
 
 
 OPTION_NAMES = frozenset(f.name for f in fields(TunerOptions))

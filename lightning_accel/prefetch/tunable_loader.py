@@ -54,6 +54,15 @@ from lightning_accel.prefetch.stream import handover_at, handover_position, posi
 STREAM_SWITCHES = ("next_epoch", "restart")
 
 
+def check_stream_switch(stream_switch: str) -> None:
+    """Refuse a ``stream_switch`` that is not one of :data:`STREAM_SWITCHES`, in one line naming both."""
+    if stream_switch not in STREAM_SWITCHES:
+        raise ValueError(
+            f"stream_switch={stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
+            "or 'restart' (switch now, the stream starts again)"
+        )
+
+
 class TunableLoader:
     """Wraps the user's ``DataLoader``; ``prepare`` / ``switch`` change its settings mid-epoch (map-style)."""
 
@@ -63,11 +72,7 @@ class TunableLoader:
         ``stream_switch``: for an iterable dataset that cannot report its position,
         ``"next_epoch"`` or ``"restart"`` (see the module docstring).
         """
-        if stream_switch not in STREAM_SWITCHES:
-            raise ValueError(
-                f"stream_switch={stream_switch!r} is not one of {STREAM_SWITCHES}; pass 'next_epoch' (loses no data) "
-                "or 'restart' (switch now, the stream starts again)"
-            )
+        check_stream_switch(stream_switch)
         check_rebuildable(loader, workers=settings is not None and settings.num_workers > 0)
         self.loader = loader
         self.settings = settings if settings is not None else settings_of(loader)
