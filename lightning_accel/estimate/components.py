@@ -24,7 +24,9 @@ the strategies' own:
   what is outside the blocks (embedding, head, loss), plus one micro-batch's backward;
   ``gpipe_distributed`` also keeps the weights outside the blocks on every rank (gradients and
   state only where used), torch's per-micro-batch receive buffers and, while the schedule runs
-  backward inside ``training_step``, the last step's gradients; ``gpipe`` on the CPU is
+  backward inside ``training_step``, the last step's gradients (and for the encoder's output that
+  an encoder-decoder's stages carry beside their own, its receive buffers too: every stack is pipelined,
+  as the strategy does); ``gpipe`` on the CPU is
   one process whose stages share the memory and run one micro-batch's backward at a time.
 
 Nothing here imports Lightning or allocates a tensor.
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 
 from lightning_accel.estimate.activations import StepActivations
 from lightning_accel.estimate.params import Inventory, Tensors
+from lightning_accel.pipeline.stack_carry import carried_into, carried_out_of
 
 FP32 = 4
 
@@ -65,6 +68,7 @@ class Plan:
     schedule: str = "gpipe"
     checkpoint: str = "never"  # pipeline: always | except_last | never
     balance: tuple[int, ...] = ()  # blocks per stage, in stage order
+    stack_ends: tuple[int, ...] = ()  # gpipe_distributed: blocks ending a stack, their outputs carried on (stack_carry)
     stages_per_rank: int = 1
     loader_bytes: int = 0  # bytes of the batches a rank's loader holds at once
     step_scratch: int = 0  # the most bytes the optimizer step creates and frees, all trainable parameters (measured)
@@ -257,6 +261,9 @@ def pipeline(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEsti
             # torch's pipeline stage allocates a receive buffer per micro-batch for its input (not the first stage)
             # and for its output's gradient (not the last), kept from the first step on
             boundary = sum(acts.inputs[starts[s]] for s in own if s > 0) + sum(acts.inputs[starts[s + 1]] for s in own if s < stages - 1)
+            # and for the stack ends carried beside them (an encoder's output, the size of its last block's input)
+            boundary += sum(acts.inputs[k] for s in own for k in carried_into(plan.stack_ends, starts, s))
+            boundary += sum(acts.inputs[k] for s in own for k in carried_out_of(plan.stack_ends, starts, s))
             _put(rank.device, f"receive buffers ({plan.chunks} micro-batches)", plan.chunks * boundary)
         share = held.trainable / max(inv.total.trainable, 1)  # the stage's parameters step on its device
         _step_scratch(rank, int(plan.step_scratch * share), rank.device.get(what, 0))

@@ -27,6 +27,7 @@ from lightning_accel.estimate.fake import fake_attributes, fake_parameters
 from lightning_accel.estimate.params import inventory, measure_optimizer, nf4_weights
 from lightning_accel.estimate.report import Estimate, named_device
 from lightning_accel.models.block_policy import Block, find_blocks
+from lightning_accel.pipeline.stack_carry import stack_ends
 
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 _TRUE = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64, "64": torch.float64}
@@ -151,6 +152,8 @@ def plan_of(cfg: DictConfig, strategy: Any, blocks: list[Block], datamodule: Any
         if schedule == "interleaved_1f1b":
             notes.append("interleaved_1f1b: every micro-batch's activations counted as alive on each rank (GPipe's bound)")
         settings = dict(chunks=strategy.chunks, schedule=schedule, checkpoint=strategy.checkpoint, balance=balance, stages_per_rank=per_rank)
+        if kind == GPIPE_DIST:  # an encoder's output travels beside the activations to every decoder stage
+            settings["stack_ends"] = stack_ends([b.name for b in blocks])
     batch_size = int(cfg.data.batch_size)
     return Plan(
         strategy=kind, world=world, on_cpu=on_cpu,
@@ -192,8 +195,8 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     datamodule = instantiate(cfg.data)
     net = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
     try:
-        # L2L streams every stack (an encoder-decoder's both) and gpipe pipelines them in turn; gpipe_distributed cuts one
-        every = _kind(strategy, 1) in (L2L, L2L_DDP, GPIPE)
+        # L2L streams every stack (an encoder-decoder's both) and both pipelines pipeline them in turn
+        every = _kind(strategy, 1) in (L2L, L2L_DDP, GPIPE, GPIPE_DIST)
         blocks = find_blocks(net, getattr(strategy, "blocks", "auto"), stacks="all" if every else "one")
     except ValueError:
         blocks = []  # plain training needs no blocks; the strategies that do refused the recipe in preflight

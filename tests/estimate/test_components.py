@@ -105,6 +105,17 @@ def test_gpipe_distributed_ranks_keep_outside_weights_receive_buffers_and_last_g
     assert first.device["receive buffers (4 micro-batches)"] == last.device["receive buffers (4 micro-batches)"] == 4 * 10
 
 
+def test_gpipe_distributed_counts_the_encoders_output_carried_beside_the_activations() -> None:
+    """An encoder-decoder split 3 + 1, the encoder's last block (1) inside stage 0: stage 0 sends its output on beside
+    its own (pipeline/stack_carry), so both ranks keep a receive buffer of it per micro-batch too (block 1's input: 6)."""
+    acts = StepActivations(peak=999, kept=[100] * 4, inputs=[10, 6, 10, 10], backward=[50] * 4, before=7, after=30, head_backward=200)
+    plan = Plan("gpipe_distributed", world=2, chunks=4, schedule="1f1b", balance=(3, 1), stack_ends=(1,))
+    first, last = estimate_ranks(_inventory(), acts, plan)
+    assert first.device["receive buffers (4 micro-batches)"] == last.device["receive buffers (4 micro-batches)"] == 4 * (10 + 6)
+    at_the_boundary = estimate_ranks(_inventory(), acts, Plan("gpipe_distributed", world=2, chunks=4, schedule="1f1b", balance=(2, 2), stack_ends=(1,)))
+    assert at_the_boundary[1].device["receive buffers (4 micro-batches)"] == 4 * 10  # the output itself hands it over
+
+
 def test_gpipe_on_the_cpu_is_one_process_running_one_backward_at_a_time() -> None:
     plan = Plan("gpipe", on_cpu=True, chunks=4, checkpoint="always", balance=(2, 2))
     (process,) = estimate_ranks(_inventory(), _acts(), plan)
