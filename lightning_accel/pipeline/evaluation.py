@@ -10,12 +10,15 @@ before it returns), so the ranks compute at once instead of in turn, and a stage
 micro-batch's activations, not the whole batch's. Each tensor goes after a small header
 (dtype, shape, micro-batch count; :func:`isend_tensor`, :func:`recv_tensor`), so shapes
 may change per batch and no rank needs to know the batch size in advance; the last
-stage's rank concatenates the outputs in order. No Lightning here.
+stage's rank concatenates the outputs in order (a tensor a micro-batch broadcasts over its samples, T5's
+position bias, kept once). A mixture of experts' router sums ride beside the activations as in training
+(:mod:`lightning_accel.pipeline.router_carry`). No Lightning here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -87,6 +90,8 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
     m = pipe.eval_chunks(size)
     ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
     arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
+    router = pipe.router if count > 1 else None  # a router loss: each stage's sums ride last (router_carry), as in training
+    sums: list[Tensor] = []  # the router sums that reached the last stage, per micro-batch
     try:
         pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, waited for before returning
         # clock k runs (micro-batch i, stage s) with i + s == k: each rank computes micro-batch i while the next
@@ -98,13 +103,21 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                 x = None if s == 0 else ready.pop((s, i), None)
                 if s > 0 and x is None:
                     x = recv_activation(pipe._global(pipe.stage_rank(s - 1)), pipe.device, pipe.group)
+                carried = None
+                if router is not None and s > 0:
+                    *rest, carried = (x,) if isinstance(x, Tensor) else x
+                    x = rest[0] if len(rest) == 1 else tuple(rest)
                 if s == last and whole_on_last:
                     arrived.append(x)
+                    sums += [carried] if carried is not None else []
                     continue
+                with router.micro_batch(carried, s == last, pipe.device) if router is not None else nullcontext() as routed:
+                    y = pipe.boundaries.run(s, x, lambda i=i: run(i))
+                    if routed is not None and s != last:
+                        y = routed.attach(y)
                 if s == last:
-                    arrived.append(pipe.boundaries.run(s, x, lambda i=i: run(i)))
+                    arrived.append(y)
                     continue
-                y = pipe.boundaries.run(s, x, lambda i=i: run(i))
                 nxt = pipe.stage_rank(s + 1)
                 if nxt == pipe.rank:
                     ready[(s + 1, i)] = y
@@ -123,4 +136,6 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
     # a tensor the model computes once per micro-batch and broadcasts over its samples (T5's position bias, batch
     # dimension 1) is the same in each: kept once, not concatenated into a batch dimension of the micro-batch count
     sizes = [len(part) for part in torch.arange(size).tensor_split(m)]
-    return pipe.boundaries.run(last, gather_output(arrived, sizes)[0] if count > 1 else None, lambda: run(None))
+    # the earlier stages' router sums are sums over tokens: added over the micro-batches, they are the whole batch's
+    with router.micro_batch(sum(sums), True, pipe.device) if router is not None and sums else nullcontext():
+        return pipe.boundaries.run(last, gather_output(arrived, sizes)[0] if count > 1 else None, lambda: run(None))

@@ -17,8 +17,10 @@ weighting tokens when given), so the loss equals the one-process model's on the 
 (``tests/strategies/test_gpipe_distributed_semantics.py``). Per micro-batch, as Megatron does; the
 strategy says so once (:func:`lightning_accel.models.router_loss.router_loss_notice`).
 
-Only training steps carry it: evaluation streams the block outputs alone, so a router loss the last
-stage computes there covers its own layers only.
+Evaluation carries it too (:func:`lightning_accel.pipeline.evaluation.stream_evaluate`): each stage adds its
+sums per micro-batch; the last stage, which runs the whole batch at once, starts from the earlier stages' sums
+added over the micro-batches (sums over tokens), so a validation step's router loss is the whole batch's, over
+every layer, as plain Lightning's.
 """
 
 from __future__ import annotations

@@ -207,13 +207,22 @@ class RouterLM(pl.LightningModule):
         tokens, _, mask = batch
         return self.net(input_ids=tokens, attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100)).loss
 
+    def validation_step(self, batch, batch_idx):
+        tokens, _, mask = batch
+        out = self.net(input_ids=tokens, attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100))
+        self.log("val_loss", out.loss)
+        self.log("val_router_loss", out.aux_loss)  # the load-balancing loss over every layer, before its coefficient
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 def run_router_loss(out: str) -> None:
     """RouterLM, 3 steps of 8 sequences in 2 micro-batches, 1f1b, float32, the user's shuffling loader with Lightning's
-    defaults (its distributed sampler); rank 0 saves the trained state and what the strategy said about the router."""
+    defaults (its distributed sampler); rank 0 saves the trained state and what the strategy said about the router, and
+    the trained model's validation metrics over the 4 batches (``moe-router-val.pt``), validated inside the fit: a
+    validation before any training step (a sanity check, ``trainer.validate`` on a fresh pipeline) stops on rank 1,
+    which runs rank 0's MoE layers on meta for their output's structure (grouped_mm refuses meta float32)."""
     import warnings
 
     os.environ.pop("PL_GLOBAL_SEED", None)  # run_moe's seed_everything(1): Lightning's sampler would shuffle by it
@@ -221,14 +230,17 @@ def run_router_loss(out: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, schedule="1f1b", timeout=60), max_steps=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        val_check_interval=3, num_sanity_val_steps=0,  # validation after the last step (see the note in run_router_loss)
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(task, DataLoader(moe_loader().dataset, batch_size=8, shuffle=True))
+        trainer.fit(task, DataLoader(moe_loader().dataset, batch_size=8, shuffle=True), val_dataloaders=moe_loader())
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, "moe-router.pt"))
         said = [str(w.message) for w in caught if "output_router_logits" in str(w.message)]
         Path(out, "moe-router-said.txt").write_text("\n".join(said))
+        validated = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+        torch.save(validated, os.path.join(out, "moe-router-val.pt"))
 
 
 def run_moe(out: str) -> None:

@@ -153,7 +153,9 @@ def test_the_router_loss_covers_every_layer_on_every_rank_per_micro_batch(two_ra
     gradient reaches rank 0's routers through the sends. Equal to plain Lightning accumulating the same micro-batches
     (measured 0.0); one whole-batch step differs (5.4e-2); said once. Before: the last rank's loss saw its own 2 layers
     only (the weights then 5.6e-2 off the reference), and rank 1 ran rank 0's MoE layers on meta to learn their output,
-    which grouped_mm refuses in float32 (a 4-layer Mixtral crashed at its first step)."""
+    which grouped_mm refuses in float32 (a 4-layer Mixtral crashed at its first step). Validation of the trained model
+    carries the sums too: its router loss is the whole batch's over all 4 layers, plain Lightning's (before: the last
+    rank's 2 layers only)."""
     pytest.importorskip("transformers")
     from torch.utils.data import DataLoader
 
@@ -161,18 +163,24 @@ def test_the_router_loss_covers_every_layer_on_every_rank_per_micro_batch(two_ra
     from real_models import shuffled_order
     from semantics_worker import RouterLM
 
-    def plain(batch_size: int, accumulate: int) -> dict[str, torch.Tensor]:
+    def plain(batch_size: int, accumulate: int) -> RouterLM:
         task, dataset = RouterLM(), moe_loader().dataset
         pl.Trainer(
             accelerator="cpu", devices=1, max_steps=3, accumulate_grad_batches=accumulate, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         ).fit(task, DataLoader(dataset, batch_size=batch_size, sampler=shuffled_order(len(dataset))))
-        return task.state_dict()
+        return task
 
     piped = torch.load(two_ranks / "moe-router.pt", weights_only=False)
-    for name, value in plain(4, accumulate=2).items():
+    reference = plain(4, accumulate=2)
+    for name, value in reference.state_dict().items():
         torch.testing.assert_close(piped[name], value, rtol=1e-6, atol=1e-7, msg=name)
-    whole = plain(8, accumulate=1)
+    validated = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    expected = validated.validate(reference, moe_loader(), verbose=False)[0]
+    got = torch.load(two_ranks / "moe-router-val.pt", weights_only=False)
+    for key in ("val_router_loss", "val_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-5), (key, got, expected)
+    whole = plain(8, accumulate=1).state_dict()
     assert max(float((whole[n] - piped[n]).abs().max()) for n in whole) > 1e-3
     said = (two_ranks / "moe-router-said.txt").read_text().splitlines()
     assert len(said) == 1 and said[0].startswith("DistributedGPipeStrategy(chunks=2): MixtralConfig.output_router_logits=True")
