@@ -12,11 +12,14 @@ micro-batch's activations, not the whole batch's. Each tensor goes after a small
 may change per batch and no rank needs to know the batch size in advance; the last
 stage's rank concatenates the outputs in order (a tensor a micro-batch broadcasts over its samples, T5's
 position bias, kept once). A mixture of experts' router sums ride beside the activations as in training
-(:mod:`lightning_accel.pipeline.router_carry`). No Lightning here.
+(:mod:`lightning_accel.pipeline.router_carry`). Before a batch's first micro-batch each rank sends the next the
+block output structures it knows, so a stage puts received tensors back in their block's structure without running
+that block on meta, before any training step too. No Lightning here.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -82,6 +85,21 @@ def recv_activation(src: int, device: torch.device, group: dist.ProcessGroup | N
     return parts[0][0] if len(parts) == 1 else tuple(p[0] for p in parts)
 
 
+def _structures(pipe: Any) -> Tensor:
+    """The block output structures this rank knows (:attr:`StageBoundaries.structures`), pickled into a byte tensor."""
+    known = {k: v for k, v in pipe.boundaries.structures.items() if v is not None}
+    return torch.frombuffer(bytearray(pickle.dumps(known)), dtype=torch.uint8).to(pipe.device)
+
+
+def _learn_structures(pipe: Any, sent: Tensor) -> None:
+    """Add the structures the previous stage's rank sent (:func:`_structures`) to the ones this rank knows: the block
+    that hands this stage its input is then never run on meta for them (an MoE's grouped_mm refuses meta float32),
+    even before any training step has carried them with torch's shape metadata."""
+    known = pipe.boundaries.structures
+    for k, v in pickle.loads(sent.cpu().numpy().tobytes()).items():
+        known.setdefault(k, v)
+
+
 @torch.no_grad()
 def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
     """Evaluation of a batch of ``size`` samples on ``pipe`` (a :class:`lightning_accel.pipeline.RankPipeline`; every
@@ -102,7 +120,10 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                     continue
                 x = None if s == 0 else ready.pop((s, i), None)
                 if s > 0 and x is None:
-                    x = recv_activation(pipe._global(pipe.stage_rank(s - 1)), pipe.device, pipe.group)
+                    source = pipe._global(pipe.stage_rank(s - 1))
+                    if i == 0:  # first, what the sender knows of its blocks' output structures
+                        _learn_structures(pipe, recv_tensor(source, pipe.device, pipe.group)[0])
+                    x = recv_activation(source, pipe.device, pipe.group)
                 carried = None
                 if router is not None and s > 0:
                     *rest, carried = (x,) if isinstance(x, Tensor) else x
@@ -122,6 +143,8 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                 if nxt == pipe.rank:
                     ready[(s + 1, i)] = y
                 else:
+                    if i == 0:
+                        pending += isend_tensor(_structures(pipe), pipe._global(nxt), pipe.group, m)
                     pending += isend_activation(y, pipe._global(nxt), pipe.group, m)
         for work, _ in pending:
             work.wait()

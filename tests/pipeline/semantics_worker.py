@@ -220,9 +220,9 @@ class RouterLM(pl.LightningModule):
 def run_router_loss(out: str) -> None:
     """RouterLM, 3 steps of 8 sequences in 2 micro-batches, 1f1b, float32, the user's shuffling loader with Lightning's
     defaults (its distributed sampler); rank 0 saves the trained state and what the strategy said about the router, and
-    the trained model's validation metrics over the 4 batches (``moe-router-val.pt``), validated inside the fit: a
-    validation before any training step (a sanity check, ``trainer.validate`` on a fresh pipeline) stops on rank 1,
-    which runs rank 0's MoE layers on meta for their output's structure (grouped_mm refuses meta float32)."""
+    the trained model's validation metrics over the 4 batches (``moe-router-val.pt``); Lightning's sanity check has
+    validated 2 batches before the first step (rank 1 then learns the structure of rank 0's MoE layer outputs from the
+    evaluation's first message: before, it ran them on meta, which grouped_mm refuses in float32)."""
     import warnings
 
     os.environ.pop("PL_GLOBAL_SEED", None)  # run_moe's seed_everything(1): Lightning's sampler would shuffle by it
@@ -230,7 +230,7 @@ def run_router_loss(out: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, schedule="1f1b", timeout=60), max_steps=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        val_check_interval=3, num_sanity_val_steps=0,  # validation after the last step (see the note in run_router_loss)
+        val_check_interval=3,  # validation after the last step; Lightning's sanity check validates before the first
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

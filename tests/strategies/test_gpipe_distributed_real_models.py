@@ -82,8 +82,13 @@ def test_encoder_decoders_train_like_plain_lightning(two_ranks, name, schedule, 
     # T5's layer norm takes its variance in float32 (transformers' T5LayerNorm) even in a float64 model, so its rounding
     # differs with the micro-batch layout: 1e-5 (measured 2.5e-8 abs; BART 9.2e-15). With a decoder stage cut from the
     # encoder's output, the weights move ~1e-2 apart (5.9e-2 measured on T5)
-    reference = seq2seq_task(name)
-    fit(reference, steps=STEPS, precision="64-true", loader=sampled(seq2seq_data(SEQ2SEQ_SAMPLES)), accumulate_grad_batches=CHUNKS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: tiny float64 models gain nothing from more (2 threads on a loaded CPU: 20 s)
+    try:
+        reference = seq2seq_task(name)
+        fit(reference, steps=STEPS, precision="64-true", loader=sampled(seq2seq_data(SEQ2SEQ_SAMPLES)), accumulate_grad_batches=CHUNKS)
+    finally:
+        torch.set_num_threads(threads)
     assert_same_weights(reference, _loaded(name, two_ranks / f"{name}-{schedule}.ckpt", seq2seq_task), rtol=rtol, atol=rtol * 1e-2)
     # validation of the trained model: its batch of 6 streamed through the stages in micro-batches of 2, 2, 1, 1, the
     # encoder's output carried as in training (before: T5 stopped, its position bias gathered into a batch of 4)

@@ -155,7 +155,8 @@ def test_the_router_loss_covers_every_layer_on_every_rank_per_micro_batch(two_ra
     only (the weights then 5.6e-2 off the reference), and rank 1 ran rank 0's MoE layers on meta to learn their output,
     which grouped_mm refuses in float32 (a 4-layer Mixtral crashed at its first step). Validation of the trained model
     carries the sums too: its router loss is the whole batch's over all 4 layers, plain Lightning's (before: the last
-    rank's 2 layers only)."""
+    rank's 2 layers only); and Lightning's sanity check, validating before the first step, runs (before: rank 1 ran rank
+    0's MoE layers on meta for their output structure, which grouped_mm refuses, and stopped)."""
     pytest.importorskip("transformers")
     from torch.utils.data import DataLoader
 
