@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -102,8 +103,11 @@ def measure_step(
                 marks["first"] = counter.now
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, Tensor) and t.untyped_storage()._cdata not in given:
-                    given.add(t.untyped_storage()._cdata)
-                    inputs[k] += t.untyped_storage().nbytes()
+                    storage = t.untyped_storage()
+                    given.add(storage._cdata)
+                    # a freed storage's address may come back for another tensor, which is not given yet
+                    weakref.finalize(storage, given.discard, storage._cdata)
+                    inputs[k] += storage.nbytes()
 
         return hook
 

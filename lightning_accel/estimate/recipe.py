@@ -20,9 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_accel.estimate.activations import measure_step
 from lightning_accel.estimate.batch import batch_nbytes, fake_batch
 from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2L, L2L_DDP, PLAIN, XLA_SPMD, Plan, estimate_ranks
+from lightning_accel.estimate.depth import measure_step_by_depth
 from lightning_accel.estimate.fake import fake_attributes, fake_parameters
 from lightning_accel.estimate.params import inventory, measure_optimizer, nf4_weights
 from lightning_accel.estimate.report import Estimate, named_device
@@ -219,7 +219,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     trainable = [p for p in net.parameters() if p.requires_grad]
     checkpoint = plan.strategy in (L2L, L2L_DDP) and plan.checkpoint_blocks
     with mode:  # tensors the step makes from Python values are fake too
-        acts = measure_step(lambda: module.training_step(batch, 0), [b.module for b in blocks], trainable, autocast, checkpoint)
+        acts = measure_step_by_depth(lambda: module.training_step(batch, 0), net, [(b.name, b.module) for b in blocks], trainable, autocast, checkpoint)
     ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch))
     if plan.on_cpu:
         notes.append("these are tensor bytes; by default glibc keeps much of what a CPU step frees, and a run's peak RSS was "
