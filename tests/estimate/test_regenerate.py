@@ -69,7 +69,7 @@ def test_no_hand_written_memory_arithmetic_is_left() -> None:
     "recipes",
     [
         pytest.param(["llama-tiny_cpu", "gpt-tiny_l2l_cpu", "gpt-small_gpipe-1f1b_4gpu"], id="cheap"),
-        pytest.param(recipe_names(), id="all", marks=pytest.mark.slow),  # the 70B alone estimates in ~40 s
+        pytest.param(recipe_names(), id="all", marks=pytest.mark.slow),  # every recipe: ~50 s
     ],
 )
 def test_quoted_figures_are_the_estimates(recipes: list[str]) -> None:
