@@ -84,7 +84,7 @@ from typing_extensions import override
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
-from lightning_accel.patching import swapped
+from lightning_accel.patching import Patch, patch, swapped
 from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
 from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
@@ -114,12 +114,14 @@ def _to_device(module: nn.Module, device: torch.device) -> None:
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
-def _summaries_without_example(trainer: pl.Trainer) -> None:
+def _summaries_without_example(trainer: pl.Trainer) -> list[Patch]:
     """Lightning's model summary, at fit start on every rank, runs ``example_input_array`` through the whole module to
     show layer sizes; on a split module the other ranks' stages are on ``meta`` and that forward fails. The summary
-    callbacks of this Trainer summarize without it (names, types and parameter counts stay; no in/out sizes)."""
+    callbacks of this Trainer summarize without it (names, types and parameter counts stay; no in/out sizes) until the
+    returned patches are removed: the callback objects are the user's, and may be handed to another Trainer."""
+    patches = []
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if not isinstance(callback, ModelSummary) or "_summary" in callback.__dict__:
+        if not isinstance(callback, ModelSummary):
             continue
 
         def without_example(trainer: pl.Trainer, module: pl.LightningModule, summary: Any = callback._summary) -> Any:
@@ -129,7 +131,8 @@ def _summaries_without_example(trainer: pl.Trainer) -> None:
             finally:
                 module.example_input_array = example
 
-        callback._summary = without_example  # type: ignore[method-assign]
+        patches.append(patch(callback, "_summary", without_example))
+    return patches
 
 
 def _shapes(batch: Any) -> tuple:
@@ -230,6 +233,9 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.pipeline: RankPipeline | None = None
         self._split_state: RankSplit | None = None  # who holds which tensor; kept after fit for save_checkpoint
         self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
+        # methods replaced on the precision plugin and the summary callbacks (objects a later Trainer may be handed):
+        # from setup to teardown, which Lightning also calls when the fit raises
+        self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
 
@@ -323,7 +329,8 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._split()
-        _summaries_without_example(trainer)
+        self._unpatch()  # a setup without a teardown between (not Lightning's order): patch once, not twice
+        self._patches = _summaries_without_example(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._split_state is not None
@@ -332,7 +339,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self._patches.append(patch(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm))
         if trainer.state.fn == TrainerFn.FITTING and overrides(trainer.lightning_module, "on_after_backward", "on_before_optimizer_step"):
             rank_zero_warn(
                 "DistributedGPipeStrategy: in on_after_backward and on_before_optimizer_step each rank holds the gradients "
@@ -347,7 +354,7 @@ class DistributedGPipeStrategy(DDPStrategy):
                 agree_found_inf(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"], self.root_device)
                 after_closure(model, optimizer)
 
-            self.precision_plugin._after_closure = agreed  # type: ignore[method-assign]
+            self._patches.append(patch(self.precision_plugin, "_after_closure", agreed))
 
     @override
     def model_to_device(self) -> None:
@@ -633,8 +640,14 @@ class DistributedGPipeStrategy(DDPStrategy):
                 "every stage into a checkpoint that loads into the whole model"
             )
 
+    def _unpatch(self) -> None:
+        for installed in reversed(self._patches):
+            installed.remove()
+        self._patches = []
+
     @override
     def teardown(self) -> None:
+        self._unpatch()
         # _split_state stays: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
         # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)
         if self.pipeline is not None:

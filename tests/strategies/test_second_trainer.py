@@ -1,0 +1,86 @@
+"""A second Trainer in the same process, handed the same callback and precision plugin objects, is unaffected by
+the first one's pipeline strategy: it sees Lightning's own methods, after a fit that finished and after one that
+raised (issue 34).
+
+DistributedGPipeStrategy replaces ``ModelSummary._summary`` (its split module cannot run the example input) and the
+precision plugin's ``clip_grad_by_norm`` and, with a GradScaler, ``_after_closure`` (both across ranks) for its fit.
+One rank in this process is enough to see them put in place and taken away.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.models import MLP
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
+# the objects a user hands to both Trainers, and the methods the strategy replaces on them
+REPLACED = {"summary": ("_summary",), "precision": ("clip_grad_by_norm", "_after_closure")}
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP(4, 2, hidden=8, depth=2)
+        self.example_input_array = torch.zeros(2, 4)  # the summary runs it, unless the strategy takes it away
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Seen(pl.Callback):
+    """At the first training batch: which replaced methods are Lightning's own (True) or something else (False)."""
+
+    def __init__(self, objects: dict[str, object], fail: bool = False) -> None:
+        self.objects, self.fail = objects, fail
+        self.own: dict[str, bool] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.own = _lightnings_own(self.objects)
+        if self.fail:
+            raise RuntimeError("a fit that fails")
+
+
+def _lightnings_own(objects: dict[str, object]) -> dict[str, bool]:
+    return {
+        f"{key}.{name}": name not in vars(obj) and getattr(obj, name).__func__ is getattr(type(obj), name)
+        for key, obj in objects.items() for name in REPLACED[key]
+    }
+
+
+def _fit(objects: dict[str, object], strategy: object, fail: bool = False) -> dict[str, bool]:
+    seen = Seen(objects, fail)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, plugins=[objects["precision"]], max_steps=1,
+        gradient_clip_val=1.0, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, callbacks=[objects["summary"], seen],
+    )
+    data = TensorDataset(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.randn(4, 2))
+    trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+    return seen.own
+
+
+def test_plain_lightning_after_the_pipeline_sees_its_own_methods(one_rank) -> None:
+    objects = {"summary": ModelSummary(), "precision": MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))}
+    during = _fit(objects, DistributedGPipeStrategy(chunks=2, timeout=60))
+    assert not any(during.values()), f"the pipeline's fit ran on Lightning's own methods: {during}"
+    assert all(_lightnings_own(objects).values()), f"left replaced after the pipeline's fit: {_lightnings_own(objects)}"
+    second = _fit(objects, "auto")
+    assert all(second.values()), f"plain Lightning's fit saw replacements: {second}"
+
+    with pytest.raises(RuntimeError, match="a fit that fails"):
+        _fit(objects, DistributedGPipeStrategy(chunks=2, timeout=60), fail=True)
+    assert all(_lightnings_own(objects).values()), f"left replaced after a failed fit: {_lightnings_own(objects)}"
