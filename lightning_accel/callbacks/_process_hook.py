@@ -28,6 +28,8 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.data import _auto_add_worker_init_fn
 from torch.utils.data import DataLoader
 
+from lightning_accel.patching import patch
+
 __all__ = ["TrainLoaderHook"]
 
 
@@ -45,10 +47,9 @@ class TrainLoaderHook:
         self.fired = False
         self.removed = False
         self._strategy = trainer.strategy
-        # An instance attribute shadows the class's method; remove() restores whichever was there.
-        self._own = vars(self._strategy).get("process_dataloader")
         self._original = self._strategy.process_dataloader
-        self._strategy.process_dataloader = self._process  # type: ignore[method-assign]
+        # an instance attribute over the class's method; remove() puts back whichever was there
+        self._patch = patch(self._strategy, "process_dataloader", self._process)
 
     def _process(self, dataloader: object) -> object:
         processed = self._original(dataloader)
@@ -64,7 +65,4 @@ class TrainLoaderHook:
         one since, this one passes through from now on)."""
         self.removed = True
         if vars(self._strategy).get("process_dataloader") == self._process:
-            if self._own is None:
-                del self._strategy.process_dataloader
-            else:
-                self._strategy.process_dataloader = self._own  # type: ignore[method-assign]
+            self._patch.remove()
