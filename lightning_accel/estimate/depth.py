@@ -61,8 +61,8 @@ def _cut(stacks: Sequence[tuple[nn.Module, list[str]]], depth: int) -> Iterator[
 
 def _extended(traces: Sequence[StepActivations], stacks: int, length: int) -> StepActivations | None:
     """The last of ``traces`` (at ``DEPTHS`` blocks a stack) at ``length`` blocks a stack, or None when the
-    traces do not show even growth: within each stack the middle blocks equal and the first and the last
-    block the same at every depth; each whole-step figure growing by one amount per added block."""
+    traces do not show even growth: within each stack the blocks between its ends (``HEAD`` first, ``TAIL``
+    last) equal and its ends the same at every depth; each whole-step figure growing by one amount a block."""
     lists: dict[str, list[int]] = {}
     for field in ("kept", "inputs", "backward"):
         per_depth = [[getattr(t, field)[s * d : (s + 1) * d] for s in range(stacks)] for t, d in zip(traces, DEPTHS)]
