@@ -254,7 +254,6 @@ def cmd_estimate(
 
     from lightning_accel.config.errors import UserError
     from lightning_accel.estimate import estimate_recipe, parse_size
-
     from lightning_accel.estimate.report import device_size
 
     try:
@@ -276,7 +275,8 @@ def cmd_estimate(
 
     if estimate.on_cpu:
         raise UserError(f"{recipe} trains on the CPU: --measure compares a GPU recipe's device figure")
-    print(estimate.format(), flush=True)
+    if not as_json:  # the table first: the run takes minutes
+        print(estimate.format(), flush=True)
     rows = compare(estimate, run_and_measure(recipe, list(overrides), measure))
     if as_json:
         print(json.dumps({**estimate.as_json(), "measured": [{**vars(r), "ratio": r.ratio} for r in rows]}, indent=2))

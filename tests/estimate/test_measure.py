@@ -69,11 +69,8 @@ def test_measure_refuses_without_a_gpu_before_estimating(capsys: pytest.CaptureF
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("measured", "status"), [(1.05, 0), (1.5, 1)])
-def test_measure_prints_both_figures_and_exits_1_outside_the_goal(
-    measured: float, status: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The command end to end with the run stood in for: the estimate's own device peak, scaled, as the measurement."""
+def _stand_in_run(monkeypatch: pytest.MonkeyPatch, measured: float) -> dict[str, Any]:
+    """The command's run stood in for: the estimate's own device peak, scaled by ``measured``, as the measurement."""
     seen: dict[str, Any] = {}
 
     def fake_run(recipe: str, overrides: list[str], steps: int) -> list[dict[str, Any]]:
@@ -92,13 +89,32 @@ def test_measure_prints_both_figures_and_exits_1_outside_the_goal(
         return estimate
 
     monkeypatch.setattr("lightning_accel.estimate.estimate_recipe", estimate_and_note)
-    args = ["gpt-small_bf16-accum_1gpu", "data.batch_size=2", "data.block_size=32", "--device-memory", "L4", "--measure", "3"]
-    assert main(["estimate", *args]) == status
+    return seen
+
+
+MEASURED_ARGS = ["gpt-small_bf16-accum_1gpu", "data.batch_size=2", "data.block_size=32", "--device-memory", "L4", "--measure", "3"]
+
+
+@pytest.mark.parametrize(("measured", "status"), [(1.05, 0), (1.5, 1)])
+def test_measure_prints_both_figures_and_exits_1_outside_the_goal(
+    measured: float, status: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command end to end with the run stood in for."""
+    seen = _stand_in_run(monkeypatch, measured)
+    assert main(["estimate", *MEASURED_ARGS]) == status
     out = capsys.readouterr().out
     assert seen["recipe"] == "gpt-small_bf16-accum_1gpu" and seen["overrides"] == ["data.batch_size=2", "data.block_size=32"] and seen["steps"] == 3
     assert "max_memory_allocated" in out and f"{1 / measured:.3f}" in out
     assert "of 25.77 GB (--device-memory): fits" in out  # an accelerator named for the verdict
     assert ("OUTSIDE 10%" in out) == (status == 1)
+
+
+def test_measure_with_json_prints_one_json_document(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # before, the table was printed ahead of the JSON, so scripts could not parse --json --measure's output
+    _stand_in_run(monkeypatch, 1.05)
+    assert main(["estimate", *MEASURED_ARGS, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [round(row["ratio"], 3) for row in printed["measured"]] == [round(1 / 1.05, 3)] and printed["ranks"]
 
 
 @pytest.mark.cuda
