@@ -47,7 +47,7 @@ from typing_extensions import override
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
-from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
+from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.microbatch import call_batch_size, scatter_call
@@ -139,7 +139,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         self.blocks = blocks
         self.deferred_batch_norm = deferred_batch_norm
         self.pipeline: LocalPipeline | None = None
-        self._cache_settings: CacheSettings | None = None  # use_cache settings turned off for fit, restored at teardown
+        self._kv_cache = KVCacheSwitch(type(self).__name__, "re-materializing")  # use_cache off for fit, back at teardown
         self._forward: Patch | None = None  # the network's micro-batched forward, installed by model_to_device
         self._training = False  # inside the user's training_step: a forward of the network is micro-batched
         self._called = False  # the network's forward ran during this training_step
@@ -222,11 +222,10 @@ class GPipeStrategy(SingleDeviceStrategy):
         Without re-materialization (``checkpoint="never"``, or ``"except_last"`` with one micro-batch) every
         micro-batch's forward builds and drops its own cache, as plain training does: the setting stays.
         """
-        if self._cache_settings is None and checkpoint_stop(self.checkpoint, self.chunks) > 0:
+        if checkpoint_stop(self.checkpoint, self.chunks) > 0:
             assert self.model is not None
-            self._cache_settings = disable_kv_cache(self.model)
-            if self._cache_settings:
-                rank_zero_warn(self._cache_settings.notice(type(self).__name__, "re-materializing"))
+            if (notice := self._kv_cache.off(self.model)) is not None:
+                rank_zero_warn(notice)
 
     def _microbatched(self, forward: Any) -> Any:
         """The network's forward: within ``training_step`` (with grad), as micro-batches through the stages."""
@@ -296,7 +295,5 @@ class GPipeStrategy(SingleDeviceStrategy):
         if self.pipeline is not None:
             self.pipeline.restore()
             self.pipeline = None
-        if self._cache_settings is not None:
-            self._cache_settings.restore()
-            self._cache_settings = None
+        self._kv_cache.restore()
         super().teardown()

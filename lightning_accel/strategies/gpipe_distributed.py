@@ -83,7 +83,7 @@ from typing_extensions import override
 
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
-from lightning_accel.models.side_effects import CacheSettings, disable_kv_cache
+from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.patching import Patch, patch, swapped
 from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
@@ -227,7 +227,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.deferred_init = deferred_init
         self.deferred_batch_norm = deferred_batch_norm
         self._deferred: bool | None = None  # this run's module was built on meta (decided once per run)
-        self._cache_settings: CacheSettings | None = None
+        self._kv_cache = KVCacheSwitch(type(self).__name__, "re-materializing")  # use_cache off for fit, back at teardown
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
         self._sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.pipeline: RankPipeline | None = None
@@ -392,10 +392,9 @@ class DistributedGPipeStrategy(DDPStrategy):
             layout, ranks, placement, self.schedule, self.balance, stages, len(blocks),
             lambda: self._balance([b.module for b in blocks], stages),
         )
-        self._cache_settings = disable_kv_cache(net)
-        if self._cache_settings:
+        if self._kv_cache.off(net) is not None and self._kv_cache.settings is not None:  # said as an info line, in its own words
             rank_zero_info(
-                f"DistributedGPipeStrategy: set {', '.join(self._cache_settings)} = False for training (each micro-batch "
+                f"DistributedGPipeStrategy: set {', '.join(self._kv_cache.settings)} = False for training (each micro-batch "
                 "and stage would write the KV cache again)"
             )
         if (router := router_loss_notice(type(self).__name__, net, self.chunks)) is not None:
@@ -653,9 +652,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if self.pipeline is not None:
             self.pipeline.restore()  # the blocks get their own forwards back (a later fit or validate splits afresh)
         self.pipeline, self._pending = None, []
-        if self._cache_settings is not None:
-            self._cache_settings.restore()
-            self._cache_settings = None
+        self._kv_cache.restore()
         self._step_signature_cache = None  # every rank of the pipeline tears down: the next fit starts afresh
         self._deferred = None
         module = self.lightning_module

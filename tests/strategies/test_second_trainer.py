@@ -84,3 +84,38 @@ def test_plain_lightning_after_the_pipeline_sees_its_own_methods(one_rank) -> No
     with pytest.raises(RuntimeError, match="a fit that fails"):
         _fit(objects, DistributedGPipeStrategy(chunks=2, timeout=60), fail=True)
     assert all(_lightnings_own(objects).values()), f"left replaced after a failed fit: {_lightnings_own(objects)}"
+
+
+class CausalLM(pl.LightningModule):
+    """A transformers Llama at its defaults apart from the size (``use_cache=True``, as downloaded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers", reason="needs the hf extra")
+        self.net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=16,
+        ))
+        self.use_cache_in_fit: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        self.use_cache_in_fit.append(self.net.config.use_cache)
+        (ids,) = batch
+        return self.net(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_models_use_cache_is_off_for_the_pipelines_fit_and_back_after(one_rank, caplog: pytest.LogCaptureFixture) -> None:
+    model = CausalLM()
+    assert model.net.config.use_cache is True
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=DistributedGPipeStrategy(chunks=2, timeout=60), max_steps=1,
+        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(model, DataLoader(TensorDataset(torch.randint(0, 32, (4, 8))), batch_size=4))
+    assert model.use_cache_in_fit and not any(model.use_cache_in_fit)  # every call of the step saw it off
+    assert model.net.config.use_cache is True  # the user's config as it was, after fit
+    assert caplog.text.count("set config.use_cache = False for training") == 1, caplog.text
