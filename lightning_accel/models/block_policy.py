@@ -189,25 +189,3 @@ def resident_modules(model: nn.Module, blocks: Sequence[Block]) -> list[str]:
     """Names of the parameters outside every block (embeddings, head, norms)."""
     in_block = {id(p) for b in blocks for p in b.module.parameters()}
     return [n for n, p in model.named_parameters() if id(p) not in in_block]
-
-
-def spanned_stacks(model: nn.Module, blocks: Sequence[Block]) -> list[str]:
-    """The repeated stacks of ``model`` (as ``find_blocks(model, stacks="all")`` finds them) that ``blocks`` has blocks
-    of, in order: ``["encoder.block", "decoder.block"]`` for T5's blocks under ``blocks=["T5Block"]``."""
-    try:
-        stack_of = {b.name: b.name.rpartition(".")[0] for b in find_blocks(model, "auto", stacks="all")}
-    except ValueError:
-        return []
-    return list(dict.fromkeys(stack_of[b.name] for b in blocks if b.name in stack_of))
-
-
-def check_one_stack(model: nn.Module, blocks: Sequence[Block], owner: str) -> None:
-    """Refuse ``blocks`` from two or more stacks for a pipeline whose stages receive only the previous stage's output."""
-    stacks = spanned_stacks(model, blocks)
-    if len(stacks) > 1:
-        raise ValueError(
-            f"{owner}: the blocks span {len(stacks)} stacks ({', '.join(f'{s}.*' for s in stacks)}), but a stage receives "
-            f"only the previous stage's last block output, so a stage of {stacks[-1]!r} would not get what {stacks[0]!r} "
-            "computed (an encoder's output); pass blocks='auto' (the largest stack pipelined, the others run on every "
-            "rank) or use strategy='gpipe', which pipelines every stack"
-        )

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_accel.models import GPT, MLP, GPTBlock
-from lightning_accel.models.block_policy import check_one_stack, find_blocks, resident_modules, spanned_stacks
+from lightning_accel.models.block_policy import find_blocks, resident_modules
 
 
 class Custom(nn.Module):
@@ -177,15 +177,3 @@ def test_every_stack_of_transformers_encoder_decoders(maker: str) -> None:
         want = ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"]
     assert [b.name for b in find_blocks(net, stacks="all")] == want
     assert len(find_blocks(net)) == int(want[-1][-1]) + 1  # a pipeline: the decoder alone, as before
-
-
-def test_blocks_spanning_an_encoder_and_a_decoder_are_refused_where_stages_see_only_the_previous_stage() -> None:
-    net = EncoderDecoder()
-    assert spanned_stacks(net, find_blocks(net)) == ["decoder"]
-    check_one_stack(net, find_blocks(net), "DistributedGPipeStrategy")  # the decoder alone: pipelined
-    both = find_blocks(net, lambda m: [*m.encoder, *m.decoder])  # what blocks=["T5Block"] gives on T5
-    assert spanned_stacks(net, both) == ["encoder", "decoder"]
-    with pytest.raises(ValueError, match=r"^DistributedGPipeStrategy: the blocks span 2 stacks \(encoder\.\*, decoder\.\*\), "
-                                         r"but a stage receives only the previous stage's last block output.*strategy='gpipe'"):
-        check_one_stack(net, both, "DistributedGPipeStrategy")
-    check_one_stack(GPT("tiny"), find_blocks(GPT("tiny")), "DistributedGPipeStrategy")  # one stack
