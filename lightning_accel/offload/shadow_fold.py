@@ -70,7 +70,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from lightning_accel.offload import shadow_kernel
+# by its full name: `from lightning_accel.offload import` would read the package's namespace, which
+# offload/__init__ is still filling while it imports the executor that leads here (a package-init loop)
+import lightning_accel.offload.shadow_kernel as shadow_kernel
 
 # which positional arguments of each fused kernel are tensor lists stepped element by element
 # (params first, grads second, then state), and which one holds the step counters

@@ -72,7 +72,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_accel.cpu_budget import CpuBudget
-from lightning_accel.prefetch import cache
+from lightning_accel.prefetch.cache import store as store_in_cache
 from lightning_accel.prefetch.first_batch import FirstBatchWorkers, restate_start
 from lightning_accel.prefetch.handover import handover_lead
 from lightning_accel.prefetch.inner_loader import worker_start_s
@@ -488,7 +488,7 @@ class OnlineSearch:
                 "; training ended before the search did (cached for the next run)" if cut_short else ", serving from the next batches"
             )
         if self.options.cache_path and not (cut_short and target == self._start):  # an unfinished "keep" is no answer
-            cache.store(self.options.cache_path, self.cache_key, target)
+            store_in_cache(self.options.cache_path, self.cache_key, target)
 
     def _search_cost(self, start_wait_s: float) -> float:
         """Extra waiting, against the start's, of the steps trained while candidates were tried."""
@@ -508,4 +508,4 @@ class OnlineSearch:
             return
         self.say(f"PrefetchTuner: {self.chosen.label()} {probe.when}")
         if self.options.cache_path:
-            cache.store(self.options.cache_path, self.cache_key, self.chosen)
+            store_in_cache(self.options.cache_path, self.cache_key, self.chosen)
