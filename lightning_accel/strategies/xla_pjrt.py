@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_accel.accelerators import register_accelerators, spmd
 from lightning_accel.accelerators.compilations import CompileLog
+from lightning_accel.patching import Patch, patch
 from lightning_accel.plugins.precision.xla_pjrt import XLAPJRTPrecision
 
 
@@ -60,6 +61,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
         self.placement = spmd.Placement(index=index)
         self.mesh: Any = None  # the SPMD data mesh while training on several devices
         self.compilations = CompileLog()
+        self._patches: list[Patch] = []  # Lightning's attributes set for one run, removed at teardown
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
 
@@ -117,10 +119,22 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         # torch_xla's tensors do not support inference mode; Lightning switches its
-        # evaluation loops to no_grad only for its own XLAAccelerator, so do it here.
-        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
-            loop.inference_mode = False
+        # evaluation loops to no_grad only for its own XLAAccelerator, so do it here,
+        # until teardown: the Trainer's own setting comes back after this strategy's run.
+        self._unpatch()
+        loops = (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+        self._patches = [patch(loop, "inference_mode", False) for loop in loops]
         super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        self._unpatch()  # Lightning calls teardown also when a fit raises
+        super().teardown()
+
+    def _unpatch(self) -> None:
+        for handle in reversed(self._patches):
+            handle.remove()
+        self._patches = []
 
     @override
     def on_train_start(self) -> None:

@@ -4,7 +4,8 @@ raised (issue 34).
 
 DistributedGPipeStrategy replaces ``ModelSummary._summary`` (its split module cannot run the example input) and the
 precision plugin's ``clip_grad_by_norm`` and, with a GradScaler, ``_after_closure`` (both across ranks) for its fit.
-One rank in this process is enough to see them put in place and taken away.
+One rank in this process is enough to see them put in place and taken away. XLAPJRTStrategy runs the Trainer's
+evaluation loops outside inference mode for its run; the Trainer's own setting comes back at teardown.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+from lightning_accel.strategies.xla_pjrt import XLAPJRTStrategy
 
 # the objects a user hands to both Trainers, and the methods the strategy replaces on them
 REPLACED = {"summary": ("_summary",), "precision": ("clip_grad_by_norm", "_after_closure")}
@@ -119,3 +121,24 @@ def test_a_models_use_cache_is_off_for_the_pipelines_fit_and_back_after(one_rank
     assert model.use_cache_in_fit and not any(model.use_cache_in_fit)  # every call of the step saw it off
     assert model.net.config.use_cache is True  # the user's config as it was, after fit
     assert caplog.text.count("set config.use_cache = False for training") == 1, caplog.text
+
+
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_xla_pjrt_gives_the_evaluation_loops_their_inference_mode_back(monkeypatch, inference_mode: bool) -> None:
+    """A stand-in, as torch_xla is not installed here (the XLA tests run in their own venv): Lightning's own
+    ``Strategy.setup`` and ``teardown`` (which move the model to and from the XLA device) are stubbed, the strategy's
+    own ``setup`` and ``teardown`` run against a real Trainer's loops."""
+    from lightning.pytorch.strategies import Strategy
+
+    monkeypatch.setattr(Strategy, "setup", lambda self, trainer: None)
+    monkeypatch.setattr(Strategy, "teardown", lambda self: None)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, inference_mode=inference_mode, logger=False, enable_progress_bar=False)
+    loops = [trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop, trainer.predict_loop]
+    own = [loop.inference_mode for loop in loops]  # Lightning's: fit's validation loop never uses it
+    assert own == [False] + [inference_mode] * 3
+    strategy = XLAPJRTStrategy()
+    strategy.setup(trainer)
+    strategy.setup(trainer)  # a second setup before teardown patches once, not over its own patch
+    assert [loop.inference_mode for loop in loops] == [False] * 4  # torch_xla's tensors have no inference mode
+    strategy.teardown()
+    assert [loop.inference_mode for loop in loops] == own  # the Trainer's own, not a default
