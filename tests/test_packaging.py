@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
-
-import lightning_accel
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("conf/train.yaml", "conf/trainer/default.yaml", "recipes/gpt-tiny_cpu.yaml",
@@ -18,11 +17,11 @@ SHIPPED = ("conf/train.yaml", "conf/trainer/default.yaml", "recipes/gpt-tiny_cpu
 
 
 def _installed_from_a_wheel() -> Path | None:
-    """The site directory of this interpreter's lightning_accel when pip built it into a wheel and installed that
-    (CI's ``pip install ".[test]"`` of this tree), None for an editable install or a checkout on the path (the
-    package is then imported from the tree, not from a site directory)."""
-    site = Path(lightning_accel.__file__).resolve().parent.parent
-    return site if site.name in ("site-packages", "dist-packages") else None
+    """This interpreter's site directory when it holds lightning_accel installed from a wheel (CI's
+    ``pip install ".[test]"`` of this tree builds one and installs it), None for an editable install (its files
+    stay in the checkout). Whether the tests themselves import that copy or the tree does not matter here."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    return site if (site / "lightning_accel" / "__init__.py").is_file() else None
 
 
 def _check_installed(site: Path, env: dict[str, str], cwd: Path) -> None:
@@ -53,7 +52,8 @@ def test_installed_wheel_finds_configs_and_recipes(tmp_path: Path) -> None:
         # test is that wheel's (building and installing a second one cost a minute of CI)
         for name in SHIPPED:
             assert (site / "lightning_accel" / name).is_file(), f"the installed wheel lacks lightning_accel/{name}"
-        _check_installed(site, dict(os.environ), tmp_path)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed copy, not a tree on the path
+        _check_installed(site, env, tmp_path)
         return
     wheels = tmp_path / "wheels"
     subprocess.run(
