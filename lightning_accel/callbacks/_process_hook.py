@@ -17,6 +17,14 @@ place (and a strategy that turns it into something else, torch_xla's ``MpDeviceL
 hands ``wrap`` that). Lightning's own worker seeding (``seed_everything(workers=True)``)
 only handles a ``DataLoader``, and runs after the strategy; it is applied here before the
 wrap. The wrapper then owns the fetcher's first read.
+
+It is the one way a callback here replaces the train loader: :class:`PrefetchTuner` wraps
+it in its tunable loader, :class:`DevicePrefetcher` in a device copy (after the tuner,
+over the tuned loader: hooks stack, the last installed wraps what the one below returns).
+Checkpoint states are loaded afterwards, into the wrapper (Lightning's
+``_load_combined_loader_states``), so a wrapper over a ``StatefulDataLoader`` must carry
+its state; :func:`resumed_mid_epoch` tells the callbacks when a loader that cannot report
+its position must be kept instead.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from torch.utils.data import DataLoader
 
 from lightning_accel.patching import patch
 
-__all__ = ["TrainLoaderHook"]
+__all__ = ["TrainLoaderHook", "resumed_mid_epoch"]
 
 
 class TrainLoaderHook:
@@ -64,5 +72,20 @@ class TrainLoaderHook:
         """Restore the strategy's own ``process_dataloader`` (where another wrapper was installed over this
         one since, this one passes through from now on)."""
         self.removed = True
-        if vars(self._strategy).get("process_dataloader") == self._process:
-            self._patch.remove()
+        # Stacked hooks (the tuner's, then DevicePrefetcher's over it) may be removed in either order: the top
+        # one takes itself off, then each one below that was removed already, so the strategy's own shows through.
+        while True:
+            top = vars(self._strategy).get("process_dataloader")
+            hook = getattr(top, "__self__", None)
+            if not (isinstance(hook, TrainLoaderHook) and hook.removed and top == hook._process):
+                return
+            hook._patch.remove()
+            if vars(self._strategy).get("process_dataloader") == top:  # its patch had been taken off already
+                return
+
+
+def resumed_mid_epoch(trainer: pl.Trainer) -> bool:
+    """Fit resumed from a checkpoint taken part-way through an epoch (the loop's progress is restored before
+    the train loader is processed): a loader that cannot report its position must serve the rest unwrapped."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.current.ready) and not progress.is_last_batch

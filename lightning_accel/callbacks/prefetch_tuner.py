@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_accel.callbacks._process_hook import TrainLoaderHook
+from lightning_accel.callbacks._process_hook import TrainLoaderHook, resumed_mid_epoch
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget
 from lightning_accel.prefetch import cache
 from lightning_accel.prefetch.loader_rebuild import RebuildError
@@ -172,8 +172,7 @@ class PrefetchTuner(Callback):
         self.online, self.loader, self._chosen, self._cut_short = None, None, None, False  # a later fit decides afresh
         restored, self._restored = self._restored, None
         self._decided = restored  # the next checkpoint carries a checkpoint's choice on, even where it cannot serve
-        progress = trainer.fit_loop.epoch_loop.batch_progress  # as restored from a checkpoint, when fit resumes
-        if progress.current.ready and not progress.is_last_batch and not is_stateful_loader(loader):
+        if resumed_mid_epoch(trainer) and not is_stateful_loader(loader):
             self._why_not = "fit resumed part-way through an epoch and the loader cannot report its position"
             return loader
         budget = self._budget(trainer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -99,3 +100,38 @@ def test_the_first_of_several_train_loaders_serves_untuned_and_the_tuner_says_wh
     assert model.indices == list(range(6))
     served = trainer.fit_loop._combined_loader.flattened[0]  # the wrapper that served "a", closed at the end
     assert served._inner is None and served.reaper._thread is None
+
+
+class Marked:
+    """A wrapper that says which hook made it."""
+
+    def __init__(self, loader, mark: str) -> None:
+        self.loader, self.mark = loader, mark
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+@pytest.mark.parametrize("first_removed", ["lower", "upper"])
+def test_stacked_hooks_wrap_in_the_order_installed_and_come_off_in_either_order(sleepy, recorder, make_trainer, first_removed):
+    class Both(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.lower = TrainLoaderHook(trainer, lambda loader: Marked(loader, "lower"))
+            self.upper = TrainLoaderHook(trainer, lambda loader: Marked(loader, "upper"))
+
+        def teardown(self, trainer, pl_module, stage):
+            hooks = [self.lower, self.upper] if first_removed == "lower" else [self.upper, self.lower]
+            hooks[0].remove()
+            self.patched_between = "process_dataloader" in vars(trainer.strategy)
+            hooks[1].remove()
+
+    train, both = DataLoader(sleepy(4), batch_size=2), Both()
+    trainer = make_trainer([both])
+    trainer.fit(recorder(), train)
+    served = trainer.fit_loop._combined_loader.flattened[0]
+    assert (served.mark, served.loader.mark, served.loader.loader) == ("upper", "lower", train)
+    assert both.patched_between  # one hook still on
+    assert "process_dataloader" not in vars(trainer.strategy)  # the strategy's own method shows through
