@@ -3,8 +3,10 @@
 With no arguments it runs the embedded default recipe. ``run`` hands the recipe and the
 overrides to Hydra unchanged, so everything a Hydra user knows works (``-m`` multirun,
 sweepers, launchers, ``--cfg job``); before that it composes the recipe once and checks
-it (targets, values, hardware, data files), so bad input ends in one line and a non-zero
-exit before Hydra makes a run directory.
+it (targets, values, hardware, data files), so bad input ends in one line and exit
+status 2 before Hydra makes a run directory. What gets past those checks (an error in a
+strategy's set-up, a step, a checkpoint write) ends in one line too, exit status 1: the
+traceback is in the run's log, ``run.json`` says ``failed`` (see :mod:`lightning_accel.runner`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 DEFAULT_RECIPE = "gpt-tiny_cpu"
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # the input passed the checks, the run (or a check itself) failed
 # Lightning starts each extra DDP rank by re-running this command with the overrides
 # only (plus hydra.run.dir=...); the recipe travels to those ranks in this variable.
 RECIPE_ENV = "LIGHTNING_ACCEL_RECIPE"
@@ -39,7 +42,7 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     from lightning_accel.config.compose import resolve_recipe, searchpath_override
     from lightning_accel.config.preflight import preflight
     from lightning_accel.config.schema import register_schemas
-    from lightning_accel.runner import task
+    from lightning_accel.runner import RunFailed, task
 
     args = list(args)
     hydra_flags = [a for a in args if a.startswith("-")]
@@ -59,7 +62,12 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     searchpath = searchpath_override()
     sys.argv = [sys.argv[0], *[a for a in args if a != searchpath], searchpath]
     app = hydra.main(version_base="1.3", config_path=str(path.parent), config_name=path.stem)(task)
-    app()
+    try:
+        app()
+    except RunFailed as failed:  # recorded by the runner; rank 0 speaks for a multi-process run
+        if failed.rank == 0:
+            print(f"lightning-accel: error: {failed.line}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     return 0
 
 
@@ -152,7 +160,7 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
     whose purpose states a device size ("one 24 GB GPU") is estimated too
     (:mod:`lightning_accel.estimate`); a device peak beyond that size is a one-line warning.
     """
-    from lightning_accel.config.errors import explain
+    from lightning_accel.config.errors import explain, failure_line
     from lightning_accel.config.preflight import preflight
 
     failed = 0
@@ -161,9 +169,7 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
             cfg = preflight(name, overrides, launch=False)
         except Exception as err:
             extra = _needs_extra(err)
-            line = explain(err)
-            if line is None:
-                raise
+            line = explain(err) or failure_line(err)  # a check that raised unexpectedly: its own line
             if extra is not None and len(recipes) > 1:
                 print(f"skip  {name}  (needs the {extra} extra: pip install \"lightning-accel[{extra}]\")")
                 continue
@@ -336,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
 
-    from lightning_accel.config.errors import explain
+    from lightning_accel.config.errors import explain, failure_line
     from lightning_accel.models.import_noise import drop_import_noise
 
     drop_import_noise()  # before transformers or peft import torchao
@@ -365,13 +371,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command == "estimate":
             return cmd_estimate(ns.recipe, ns.overrides, ns.device_memory, ns.host_memory, ns.json, ns.measure)
         raise AssertionError(f"unhandled command {ns.command!r}")  # argparse allows only the commands above
-    except Exception as err:  # bad input becomes one line; anything else keeps its traceback
+    except Exception as err:  # bad input becomes one line; anything else keeps its traceback, except in run and validate
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         line = explain(err)
-        if line is None:
+        if line is not None:
+            return _fail(line)
+        if ns.command not in ("run", "validate"):
             raise
-        return _fail(line)
+        # every exit of run and validate is one line: here a check (or Hydra) raised what it should have explained
+        print(f"lightning-accel: error: {failure_line(err)} (unexpected; HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

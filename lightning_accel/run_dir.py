@@ -9,13 +9,17 @@ temporary files of a checkpoint write it did not finish and making ``last.ckpt``
 newest checkpoint again.
 
 ``ckpt_path=last`` (:func:`find_last_checkpoint`) takes the newest checkpoint of the
-recipe whose run built the same network as the run about to start.
+recipe whose run built the same network as the run about to start. A run that fails
+before its first checkpoint has nothing to resume from and is removed
+(:func:`remove_run_dir`) unless ``keep_failed=true``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -140,3 +144,12 @@ def find_last_checkpoint(recipe_root: Path, cfg: DictConfig) -> Path:
         f"ckpt_path=last found {run_dir} but {why}; resume with the same model overrides, "
         "pass ckpt_path=<a .ckpt file>, or start without ckpt_path"
     )
+
+
+def remove_run_dir(run_dir: Path, *, keep_parent: bool = False) -> None:
+    """Remove a failed run's directory, and its recipe's directory when that is left empty
+    (``keep_parent``: a sweep's trial, whose parent holds the sweep's own files)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if not keep_parent:
+        with contextlib.suppress(OSError):
+            run_dir.parent.rmdir()  # only when empty: the recipe's other runs stay

@@ -12,14 +12,18 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities import rank_zero_info
@@ -30,11 +34,24 @@ from torch import nn
 from lightning_accel.atomic import atomic_write_text
 from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
 from lightning_accel.callbacks.random_state import RandomState
-from lightning_accel.config.errors import UserError
+from lightning_accel.config.errors import UserError, failure_line
 from lightning_accel.console import KNOWN_WARNINGS, DropNoise
 from lightning_accel.models import load_peak
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
-from lightning_accel.run_dir import find_last_checkpoint, newest_checkpoint, this_process
+from lightning_accel.run_dir import find_last_checkpoint, newest_checkpoint, remove_run_dir, this_process
+
+
+class RunFailed(BaseException):
+    """A run stopped by an exception that got past preflight, already recorded: ``run.json`` says ``failed``
+    with ``line``, the traceback is in the run's log, the directory is removed or kept. The CLI prints
+    ``line`` and exits 1. A ``BaseException``, as ``SystemExit`` is, so that Hydra's job runner lets it
+    through instead of printing its own "Error executing job" line and the traceback again; the
+    exception that stopped the run is its ``__cause__``."""
+
+    def __init__(self, line: str, rank: int = 0) -> None:
+        super().__init__(line)
+        self.line = line
+        self.rank = rank
 
 
 def build_model(cfg: DictConfig) -> pl.LightningModule:
@@ -109,6 +126,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         _write_status(output_dir, status)
 
     interrupt = GracefulInterrupt(output_dir / "checkpoints", on_second=interrupted_now)
+    trainer: pl.Trainer | None = None
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
         datamodule = instantiate(cfg.data)
@@ -118,7 +136,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # RNG states ride in every checkpoint, so a resumed run draws what the original would have.
         callbacks = [*_named(cfg.get("callbacks")), RandomState(), interrupt]
         loggers = _named(cfg.get("logger"))
-        trainer: pl.Trainer = instantiate(
+        trainer = instantiate(
             cfg.trainer,
             callbacks=callbacks,
             logger=loggers or False,
@@ -132,10 +150,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             rank_zero_info(f"lightning-accel: resuming from {resumed_from}")
         trainer.fit(model, datamodule=datamodule, ckpt_path=resumed_from)
         final = [] if interrupt.interrupted else trainer.validate(model, datamodule=datamodule, verbose=False)
-    except BaseException as err:
+    except Exception as err:  # past preflight: one line, the traceback in the log (see _failed)
+        line = failure_line(err)
+        status.update(status="failed", error=line, seconds=round(time.perf_counter() - started, 1))
+        _write_status(output_dir, status)
+        failed = _failed(err, line, cfg, output_dir, trainer)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise  # the traceback, as Hydra shows it with that variable
+        raise failed from err
+    except BaseException as err:  # KeyboardInterrupt before the handler is installed, SystemExit
         status.update(status="failed", error=f"{type(err).__name__}: {err}", seconds=round(time.perf_counter() - started, 1))
         _write_status(output_dir, status)
         raise
+    assert trainer is not None
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
     status.update(
         status="interrupted" if interrupt.interrupted else "completed",
@@ -156,10 +183,30 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return status
 
 
-def _checkpoint_of(trainer: pl.Trainer, output_dir: Path) -> str | None:
+def _failed(err: Exception, line: str, cfg: DictConfig, output_dir: Path, trainer: pl.Trainer | None) -> RunFailed:
+    """Record a failed run and say it in one line: the traceback goes to the run's log file; a run
+    that wrote no checkpoint yet has nothing to resume from, so its directory is removed (rank 0,
+    unless ``keep_failed=true``) and leaves nothing stale behind."""
+    rank = rank_zero_only.rank
+    log = output_dir / f"{HydraConfig.get().job.name}.log"
+    try:
+        with log.open("a", encoding="utf-8") as f:
+            f.write(f"lightning-accel: run failed{f' on rank {rank}' if rank else ''}: {line}\n")
+            f.write("".join(traceback.format_exception(err)))
+    except OSError:  # another rank removed the directory already, or the disk that failed holds it
+        pass
+    if bool(cfg.get("keep_failed", False)) or _checkpoint_of(trainer, output_dir) is not None:
+        return RunFailed(f"{line} (traceback: {log})", rank)
+    if rank == 0:
+        remove_run_dir(output_dir, keep_parent=HydraConfig.get().mode == RunMode.MULTIRUN)
+    return RunFailed(f"{line} (nothing was checkpointed, so the run directory is removed; keep_failed=true keeps it, "
+                     "with the traceback in its log)", rank)
+
+
+def _checkpoint_of(trainer: pl.Trainer | None, output_dir: Path) -> str | None:
     """The run's newest checkpoint: ModelCheckpoint's, else one in the run dir (a resumed
     run that reached its end without a new one has the copy it resumed from: none)."""
-    checkpoint = trainer.checkpoint_callback
+    checkpoint = trainer.checkpoint_callback if trainer is not None else None
     path = (checkpoint.last_model_path or checkpoint.best_model_path) if checkpoint else None
     if path and Path(path).is_file():
         return path
@@ -246,9 +293,16 @@ def task(cfg: DictConfig) -> float | None:
     sys.stdout = tee
     try:
         status = train(cfg)
+    except RunFailed as failed:
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # a failed trial, which a sweeper may go on after
+            raise CompactHydraException(f"lightning-accel: error: {failed.line}") from None
+        raise
     finally:
         sys.stdout = stdout
         tee.flush()
         tee.file.close()
+        # route_output's capture undone: the CLI's warnings.catch_warnings puts warnings.showwarning back on its
+        # own, and logging would then take a later captureWarnings(True) in this process (a test, a notebook) as done
+        logging.captureWarnings(False)
     value = status["metrics"].get(cfg.get("optimized_metric") or "")
     return float(value) if value is not None else None

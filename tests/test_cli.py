@@ -130,7 +130,7 @@ def test_bad_input_in_a_real_process_is_one_line_on_stderr_and_exit_2(cli_env: d
 @pytest.mark.slow
 def test_failure_inside_a_run_is_marked_failed(cli_env: dict[str, str], tmp_path: Path) -> None:
     # The model's context (16) is shorter than the data's windows (128): GPT raises mid-run.
-    proc = _run(["run", "gpt-tiny_cpu", "model.net.block_size=16", "trainer.max_steps=3"], cli_env)
+    proc = _run(["run", "gpt-tiny_cpu", "model.net.block_size=16", "trainer.max_steps=3", "keep_failed=true"], cli_env)
     assert proc.returncode != 0
     (run,) = (tmp_path / "outputs" / "gpt-tiny_cpu").iterdir()
     status = json.loads((run / "run.json").read_text())

@@ -106,3 +106,19 @@ def explain(err: BaseException) -> str | None:
         return f"{first}; rerun with HYDRA_FULL_ERROR=1 for the traceback"
     cause = err.__cause__ or err.__context__
     return explain(cause) if cause is not None else None
+
+
+def failure_line(err: BaseException) -> str:
+    """One line for an exception that got past the checks and stopped a run (in set-up, a step, a checkpoint write).
+
+    Our own messages (:class:`UserError`, and an exception whose class sets ``explained = True``: its
+    ``str()`` is already that line, as a failed checkpoint write's is) come as they are; Hydra's
+    ``InstantiationException`` gives way to the constructor's error it wraps; anything else is
+    ``Type: first line`` in this module's shape (a ``HINT:`` becomes the fix after ``;``).
+    """
+    while err.__cause__ is not None and type(err).__name__ == "InstantiationException":
+        err = err.__cause__
+    if isinstance(err, UserError) or getattr(type(err), "explained", False) is True:
+        return one_line(str(err)) or type(err).__name__
+    text = one_line(str(err))
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
