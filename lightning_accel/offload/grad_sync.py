@@ -171,38 +171,3 @@ class HostGradientSync:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-@torch.no_grad()
-def clip_grad_norm_across(grads: Sequence[Tensor], counted: Sequence[bool], max_norm: float, group: dist.ProcessGroup | None) -> float:
-    """``torch.nn.utils.clip_grad_norm_`` when the ranks hold different parts of the gradient: the
-    squared norms of the ``grads`` whose ``counted`` flag is set (each gradient counted on one rank:
-    its owner's, or one rank's for what every rank holds alike) are summed over ``group``, and every
-    one of ``grads`` is scaled by ``max_norm / (norm + 1e-6)`` where that is below 1, as torch does.
-    The sum is in float64 on the host (gradients may live on the host and on a device). Returns the norm."""
-    squares = torch.zeros((), dtype=torch.float64)
-    for grad, count in zip(grads, counted):
-        if count:
-            squares += grad.detach().double().pow(2).sum().cpu()
-    dist.all_reduce(squares, group=group)
-    norm = float(squares.sqrt())
-    coef = min(max_norm / (norm + 1e-6), 1.0)
-    for grad in grads:
-        grad.detach().mul_(coef)
-    return norm
-
-
-@torch.no_grad()
-def agree_found_inf(flags: Sequence[Tensor], group: dist.ProcessGroup | None) -> bool:
-    """A ``GradScaler``'s found-inf flags on this rank (after ``unscale_``) become 1 on every rank of ``group``
-    if any rank found an overflow: with the host step partitioned each rank checks only the gradients it steps,
-    and every rank must skip the step (and lower the scale) together, as DDP's ranks do on their common
-    gradient. Every rank calls it, with or without flags. Returns whether any rank overflowed."""
-    total = torch.zeros((), dtype=torch.float32)
-    for flag in flags:
-        total += flag.detach().float().sum().cpu()
-    dist.all_reduce(total, group=group)
-    found = bool(total > 0)
-    for flag in flags:
-        flag.fill_(1.0 if found else 0.0)
-    return found

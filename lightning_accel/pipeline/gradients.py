@@ -1,16 +1,17 @@
-"""Gradients across ranks: the replicas' mean, the sum between a shared weight's users, clipping by the whole model's norm, one overflow verdict.
+"""A pipeline's gradients across ranks: the replicas' mean, the sum between a shared weight's users, held back a step.
 
 The pipeline's ranks each hold part of a model; what plain training computes on one
-model's gradients (DDP's mean over replicas, ``clip_grad_norm_``, a ``GradScaler``'s
-found-inf check) needs the ranks' parts put together. Each function takes this rank's
-tensors and the process group(s), and every rank of the group calls it with the same
-parameters in the same order. :func:`set_aside` and :func:`add_gradients` hold a pipeline
-step's gradients back until the trainer's own backward adds them. No Lightning here.
+model's gradients (DDP's mean over replicas) needs the ranks' parts put together. Each
+collective takes this rank's tensors and the process group(s), and every rank of the group
+calls it with the same parameters in the same order. :func:`set_aside` and
+:func:`add_gradients` hold a pipeline step's gradients back until the trainer's own backward
+adds them. The whole model's norm, clipping by it and the found-inf verdict are
+:mod:`lightning_accel.comm.gradients` (shared with L2L's data parallel). No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -19,10 +20,7 @@ from torch import Tensor
 
 __all__ = [
     "add_gradients",
-    "agree_found_inf",
     "average_gradients",
-    "clip_grad_norm_over",
-    "grad_norm_over",
     "gradient_presence",
     "set_aside",
     "sum_over_users",
@@ -129,48 +127,6 @@ def _sum_between(flat: Tensor, users: tuple[int, ...], rank: int, group: dist.Pr
     else:
         dist.send(flat, dst=glob(root), group=group)
         dist.recv(flat, src=glob(root), group=group)
-
-
-@torch.no_grad()
-def grad_norm_over(
-    grads: Sequence[Tensor], counted: Sequence[bool], norm_type: float, group: dist.ProcessGroup | None, device: torch.device
-) -> Tensor:
-    """The ``norm_type``-norm of a gradient split across ``group`` (float64): the ``grads`` whose ``counted`` flag is set
-    (each tensor counted on one rank: a tensor every rank holds alike, on one of them) from every rank, as
-    ``torch.nn.utils.get_total_norm`` of the whole model's gradients. Every rank of ``group`` calls it."""
-    inf = norm_type == float("inf")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g, count in zip(grads, counted):
-        if count:  # each gradient reduced where it lives, the partial sums gathered on ``device``
-            part = g.detach().double().abs()
-            total = torch.maximum(total, part.max().to(device)) if inf else total + part.pow(norm_type).sum().to(device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-    return total if inf else total.pow(1.0 / norm_type)
-
-
-@torch.no_grad()
-def clip_grad_norm_over(
-    grads: Sequence[Tensor], counted: Sequence[bool], clip_val: float, group: dist.ProcessGroup | None, device: torch.device
-) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over a model split across ``group``: the 2-norm of :func:`grad_norm_over`, and
-    every gradient is scaled by ``clip_val / (norm + 1e-6)`` where that is below 1. Returns the total norm."""
-    norm = grad_norm_over(grads, counted, 2.0, group, device)
-    coef = torch.clamp(clip_val / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
-    return norm
-
-
-@torch.no_grad()
-def agree_found_inf(found_per_device: Mapping[torch.device, Tensor], device: torch.device) -> None:
-    """A ``GradScaler``'s found-inf flags of one optimizer (after ``unscale_``) become 1 on every rank if any rank's
-    part overflowed: every rank then skips the step and lowers the scale together (default group: every rank)."""
-    flag = torch.zeros((), dtype=torch.float32, device=device)
-    for f in found_per_device.values():
-        flag += f.to(flag.device)
-    dist.all_reduce(flag)
-    for f in found_per_device.values():
-        f.copy_((flag > 0).to(f.dtype))
 
 
 @contextmanager

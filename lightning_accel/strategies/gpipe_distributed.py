@@ -5,7 +5,8 @@ launch (its subprocess launcher, or nothing under torchrun), how many processes,
 process-group backend and whether to add a ``DistributedSampler`` from the strategy's
 *class*, exactly as ``"ddp"`` and ``"single_device"`` are different classes. So this is a
 :class:`~lightning.pytorch.strategies.DDPStrategy` that never wraps the model in
-``DistributedDataParallel``: ``Trainer(accelerator="cpu", devices=2,
+``DistributedDataParallel`` (:class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`,
+which it shares with ``L2LOffloadDDPStrategy``): ``Trainer(accelerator="cpu", devices=2,
 strategy=DistributedGPipeStrategy(chunks=4))``, registered as ``"gpipe_distributed"``. It
 is a thin adapter over :mod:`lightning_accel.pipeline`, whose mechanisms know no Lightning.
 
@@ -26,7 +27,7 @@ unchanged (their ``config.use_cache`` off for training). The last rank's loss an
 reduced over the micro-batches, reach every rank (:mod:`~lightning_accel.pipeline.rank_step`),
 so rank 0's loggers and every rank's callbacks see the same. The schedule's gradients wait
 for Lightning's ``backward``; clipping by norm uses every stage's norm and a ``GradScaler``'s
-overflow verdict is every rank's (:mod:`~lightning_accel.pipeline.gradients`).
+overflow verdict is every rank's (:mod:`~lightning_accel.comm.gradients`).
 
 Memory: each rank keeps its stages' blocks and what is outside the blocks (embeddings, norms,
 head, the LightningModule's own tensors); the other blocks are on ``meta`` and the optimizer
@@ -73,7 +74,6 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -81,6 +81,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel.comm.gradients import clip_grad_norm_over, grad_norm_over
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
@@ -90,7 +91,7 @@ from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
 from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
-from lightning_accel.pipeline.gradients import add_gradients, agree_found_inf, average_gradients, clip_grad_norm_over, grad_norm_over
+from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
 from lightning_accel.pipeline.metric_state import metrics_over_replicas, restore_metric_sync
@@ -104,6 +105,7 @@ from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, st
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.step_result import broadcast_step_result
+from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
@@ -142,7 +144,7 @@ def _shapes(batch: Any) -> tuple:
     return tuple(found)
 
 
-class DistributedGPipeStrategy(DDPStrategy):
+class DistributedGPipeStrategy(DDPWithoutWrapper):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -180,7 +182,8 @@ class DistributedGPipeStrategy(DDPStrategy):
             data. Default: ``len(balance)`` (half of it for ``interleaved_1f1b``) when balance is a
             list, else every rank (one pipeline, dp = 1).
         timeout: how long a rank waits for a neighbour before failing (a dead rank ends every
-            rank with an error naming it, never a hang).
+            rank with an error naming it, never a hang): 30 minutes by default, as every strategy of
+            :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`; a number is seconds.
         start_method: as for ``DDPStrategy``: ``"popen"`` re-runs your script per rank.
         deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
             materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
@@ -191,6 +194,8 @@ class DistributedGPipeStrategy(DDPStrategy):
     """
 
     strategy_name = "gpipe_distributed"
+    _averaging = "each stage's gradients are averaged over the replicas by the strategy itself"
+    _needs_automatic = "the pipeline schedule runs forward and backward itself"
     # the last step's result signature (_step_signature), the same on every rank of a pipeline
     _step_signature_cache: tuple | None = None
 
@@ -202,7 +207,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         loss_reduction: str = "mean",
         checkpoint: str = "never",
         pipeline_parallel_size: int | None = None,
-        timeout: timedelta | float = timedelta(minutes=30),
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
         deferred_init: bool = True,
@@ -217,9 +222,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         if schedule not in SCHEDULE_TABLE:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_TABLE)}, got {schedule!r}; or 'auto' (chosen by measurement); '1f1b' keeps the fewest activations alive")
         check_ranks_per_pipeline(pipeline_parallel_size, balance, SCHEDULE_TABLE[schedule].stages_per_rank, schedule)
-        if not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=float(timeout))
-        super().__init__(timeout=timeout, start_method=start_method, **kwargs)  # type: ignore[arg-type]
+        super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.chunks, self.schedule, self.loss_reduction, self.checkpoint = chunks, schedule, loss_reduction, checkpoint
         self.balance = balance if isinstance(balance, str) else list(balance)
         self._pp_size = pipeline_parallel_size
@@ -229,12 +232,11 @@ class DistributedGPipeStrategy(DDPStrategy):
         self._deferred: bool | None = None  # this run's module was built on meta (decided once per run)
         self._kv_cache = KVCacheSwitch(type(self).__name__, "re-materializing")  # use_cache off for fit, back at teardown
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
-        self._sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         self.pipeline: RankPipeline | None = None
         self._split_state: RankSplit | None = None  # who holds which tensor; kept after fit for save_checkpoint
         self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
-        # methods replaced on the precision plugin and the summary callbacks (objects a later Trainer may be handed):
-        # from setup to teardown, which Lightning also calls when the fit raises
+        # methods replaced on the precision plugin (DDPWithoutWrapper) and the summary callbacks (objects a later Trainer
+        # may be handed): from setup to teardown, which Lightning also calls when the fit raises
         self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
@@ -314,17 +316,7 @@ class DistributedGPipeStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         # DDPStrategy.setup would move the whole model to the device and broadcast all of it;
         # here each rank only ever places its own stages there
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.lightning_module.automatic_optimization:
-            raise ValueError(
-                "DistributedGPipeStrategy needs automatic optimization: the pipeline schedule runs forward and "
-                "backward itself; remove `self.automatic_optimization = False`"
-            )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise ValueError(
-                f"DistributedGPipeStrategy needs torch's GradScaler to agree on overflows across ranks, got "
-                f"{type(scaler).__name__}; use MixedPrecision('16-mixed', device, scaler=torch.amp.GradScaler(device))"
-            )
+        self._refuse_unsupported(trainer)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -338,8 +330,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        # clipping by norm needs the norm of the whole model's gradient, not of this rank's stage
-        self._patches.append(patch(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm))
+        self._replace_plugin_methods()  # clipping by norm and found-inf across ranks (DDPWithoutWrapper)
         if trainer.state.fn == TrainerFn.FITTING and overrides(trainer.lightning_module, "on_after_backward", "on_before_optimizer_step"):
             rank_zero_warn(
                 "DistributedGPipeStrategy: in on_after_backward and on_before_optimizer_step each rank holds the gradients "
@@ -347,14 +338,6 @@ class DistributedGPipeStrategy(DDPStrategy):
                 "replicas; the other stages' parameters have none there. trainer.strategy.grad_norm(2) gives the whole "
                 "model's norm (call it on every rank)"
             )
-        if scaler is not None:  # between the plugin's unscale_ and its scaler.step: one verdict for every rank
-            after_closure = type(self.precision_plugin)._after_closure.__get__(self.precision_plugin)
-
-            def agreed(model: pl.LightningModule, optimizer: Optimizer) -> None:
-                agree_found_inf(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"], self.root_device)
-                after_closure(model, optimizer)
-
-            self._patches.append(patch(self.precision_plugin, "_after_closure", agreed))
 
     @override
     def model_to_device(self) -> None:
@@ -494,16 +477,6 @@ class DistributedGPipeStrategy(DDPStrategy):
             average_gradients(mine, self._layout.dp_group)
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning accumulates gradients over batches: the replicas average them only at the last one."""
-        self._sync_grads = False
-        try:
-            yield
-        finally:
-            self._sync_grads = True
-
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """``self.log(..., sync_dist=True)``: over the replicas (a pipeline's ranks log the same value)."""
@@ -528,6 +501,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         counted = [split.counted_here(p, layout) for p in params]
         return grad_norm_over([p.grad for p in params], counted, float(norm_type), layout.pp_group, self.root_device)
 
+    @override
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks, what
         is outside the blocks counted once, on a rank that uses it (a tied weight's gradient, summed between its users,
@@ -643,6 +617,7 @@ class DistributedGPipeStrategy(DDPStrategy):
         for installed in reversed(self._patches):
             installed.remove()
         self._patches = []
+        self._remove_plugin_methods()
 
     @override
     def teardown(self) -> None:

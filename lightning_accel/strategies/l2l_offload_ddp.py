@@ -8,7 +8,9 @@ torchrun), the process-group backend (gloo on CPU, nccl on GPU) and whether to a
 ``Trainer(strategy="l2l_offload", devices=2)`` fails when the Trainer is built, naming this one.
 
 Each rank runs today's layer-to-layer streaming (:class:`~lightning_accel.offload.L2LExecutor`)
-on its own shard of the data; the model is never wrapped in ``DistributedDataParallel``.
+on its own shard of the data; the model is never wrapped in ``DistributedDataParallel``
+(:class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`, shared with
+``DistributedGPipeStrategy``: timeout, refusals, accumulation, clipping and found-inf across ranks).
 What this adds, each mechanism in :mod:`lightning_accel.offload`:
 
 - gradients averaged as blocks finish their backward (:mod:`~lightning_accel.offload.grad_sync`):
@@ -27,7 +29,7 @@ What this adds, each mechanism in :mod:`lightning_accel.offload`:
 - ``host_step="replicated"``: every block all-reduced and stepped by every rank (the
   comparison point: N copies of the optimizer state);
 - clipping by norm uses the norm of the whole averaged gradient: squared norms of each rank's
-  blocks summed across ranks, the device parameters' counted once;
+  blocks summed across ranks, the device parameters' counted once (:mod:`~lightning_accel.comm.gradients`);
 - checkpoints hold what DDP would write: the user's parameter names and one plain optimizer
   state over every parameter (rank 0 gathers the shards,
   :mod:`~lightning_accel.offload.optimizer_state`); loading one hands each rank its shard, so a
@@ -59,38 +61,34 @@ lowers the scale), as DDP's ranks do on their common gradient.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel.comm.gradients import clip_grad_norm_over, grad_norm_over
 from lightning_accel.cpu_budget import CpuBudget, cpu_budget, local_ranks
 from lightning_accel.models.block_policy import BlockPolicy
-from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, agree_found_inf, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import HostPartition, partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
-from lightning_accel.patching import swapped
-from lightning_accel.pipeline.gradients import grad_norm_over
 from lightning_accel.stored import plain_parts
+from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
 HostStep = Literal["partitioned", "replicated"]
-_DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
 
-class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
+class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
     """L2L offload on every rank, data parallel, the host optimizer partitioned across ranks.
 
     Args:
@@ -102,11 +100,15 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         overlap_step: only ``None``/``False``: the host step runs after the gradients are averaged.
         delayed_update, delayed_update_warmup: as for ``L2LOffloadStrategy``; with the partitioned step
             each owner applies its blocks' update one step late and then sends their weights.
-        process_group_backend, timeout, start_method, parallel_devices, cluster_environment,
+        timeout: as for :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper` (30 minutes by
+            default, Lightning's; a number is seconds).
+        process_group_backend, start_method, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "l2l_offload_ddp"
+    _averaging = "gradients are averaged block by block by the strategy itself"
+    _fp16_hint = "OffloadPrecision('16-mixed')"
 
     def __init__(
         self,
@@ -119,7 +121,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         delayed_update: bool = False,
         delayed_update_warmup: int | None = None,
         offload_activations: bool = False,
-        timeout: timedelta | float | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
         if host_step not in ("partitioned", "replicated"):
@@ -129,19 +131,10 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
                 "L2LOffloadDDPStrategy(overlap_step=True): a block's host step needs its gradients averaged over the "
                 "ranks first, so it runs after the backward (the averaging is what overlaps); leave overlap_step unset"
             )
-        unused = [k for k in _DDP_ONLY if kwargs.get(k) is not None] + [k for k in kwargs if k not in _DDP_KEYS]
-        if unused:
-            raise ValueError(
-                f"L2LOffloadDDPStrategy does not wrap the model in DistributedDataParallel, so {unused[0]}=... would be "
-                "ignored; remove it (gradients are averaged block by block by the strategy itself)"
-            )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            timeout = timedelta(seconds=float(timeout))
-        super().__init__(**({"timeout": timeout} if timeout is not None else {}), **kwargs)
+        super().__init__(timeout=timeout, **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
                            delayed_update_warmup, offload_activations)
         self.host_step = host_step
-        self._sync = True  # False while Lightning accumulates gradients (block_backward_sync)
         self._host_group: dist.ProcessGroup | None = None  # gloo, host tensors only, used by the sync worker
         self._grad_sync: HostGradientSync | None = None
         self._partition: HostPartition | None = None
@@ -171,7 +164,9 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         # broadcast, which would send host tensors over nccl on a GPU)
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._refuse(trainer, fitting)
+        if fitting and self.host_step == "partitioned" and self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
+            rank_zero_warn(PARTITIONED_HOOKS_NOTICE)
+        self._refuse_unsupported(trainer)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -182,24 +177,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._setup_sync()
-
-    def _refuse(self, trainer: Trainer, fitting: bool) -> None:
-        module = trainer.lightning_module
-        if fitting and self.host_step == "partitioned" and self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
-            rank_zero_warn(PARTITIONED_HOOKS_NOTICE)
-        if fitting and not module.automatic_optimization:
-            raise ValueError(
-                f"L2LOffloadDDPStrategy needs automatic optimization ({type(module).__name__} sets "
-                "automatic_optimization=False): it averages gradients once per optimizer step; use automatic optimization"
-            )
-        if fitting and self._layer_sync is not None:
-            raise ValueError("L2LOffloadDDPStrategy does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); remove sync_batchnorm")
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-            raise ValueError(
-                f"L2LOffloadDDPStrategy agrees on fp16 overflows across ranks through torch's GradScaler, not "
-                f"{type(scaler).__name__}; use OffloadPrecision('16-mixed')"
-            )
+        self._replace_plugin_methods()  # clipping by norm (partitioned) and found-inf across ranks (DDPWithoutWrapper)
 
     def _broadcast_initial_weights(self) -> None:
         """Rank 0's parameters and buffers on every rank, as DDP does when it wraps the model."""
@@ -237,21 +215,11 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
 
     # -- gradients ------------------------------------------------------------------------------
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Iterator[None]:
-        """Lightning accumulates gradients over batches: they are averaged only after the last one."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         assert self._executor is not None
         self._ended_for_hooks = False
-        if self._sync and self._grad_sync is not None:
+        if self._sync_grads and self._grad_sync is not None:
             self._grad_sync.begin()
             self._executor.grads_landed = self._grad_sync.ready
         super().pre_backward(closure_loss)
@@ -315,22 +283,12 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         return False
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        with ExitStack() as stack:
-            plugin = self.precision_plugin
-            if self._partition is not None:  # Lightning's clipping by norm would see only this rank's blocks
-                stack.enter_context(swapped(plugin, "clip_grad_by_norm", self._clip_grad_by_norm))
-            scaler = getattr(plugin, "scaler", None)
-            if scaler is not None:  # between the plugin's unscale_ and its scaler.step: one overflow verdict for all ranks
-                after_closure = plugin._after_closure
+    def _clips_across(self) -> bool:
+        return self._partition is not None  # replicated: every rank holds the whole averaged gradient, as under DDP
 
-                def agreed(module: Any, opt: Any) -> None:
-                    state = scaler._per_optimizer_states[id(opt)]
-                    agree_found_inf(list(state["found_inf_per_device"].values()), self._host_group)
-                    after_closure(module, opt)
-
-                stack.enter_context(swapped(plugin, "_after_closure", agreed))
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+    @override
+    def _found_inf_group(self) -> tuple[dist.ProcessGroup | None, torch.device]:
+        return self._host_group, torch.device("cpu")
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm (in ``on_after_backward`` or ``on_before_optimizer_step``): what
@@ -343,18 +301,19 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPStrategy):
         params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # a host gradient here is one this rank owns; the device parameters' are alike on every rank: counted on rank 0
         counted = [self._partition is None or p in host or self.global_rank == 0 for p in params]
-        group = self._host_group if self._partition is not None and self._sync else None
+        group = self._host_group if self._partition is not None and self._sync_grads else None
         if group is None:  # replicated, or inside an accumulation: this rank holds every gradient it is to show
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().double(), norm_type).cpu() for p in params]), norm_type)
         return grad_norm_over([p.grad for p in params], counted, float(norm_type), group, torch.device("cpu"))
 
+    @override
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self._executor is not None
         host = self._executor.store.master
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # a host gradient here is one this rank owns; the device parameters' are alike on every rank
         counted = [p in host or self.global_rank == 0 for p in params]
-        clip_grad_norm_across([p.grad for p in params], counted, float(clip_val), self._host_group)
+        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), self._host_group, torch.device("cpu"))
 
     @override
     def _after_update(self, optimizer: Optimizer) -> None:
@@ -442,6 +401,3 @@ PARTITIONED_HOOKS_NOTICE = (
     "no .grad there. trainer.strategy.grad_norm(2), called on every rank, is the whole model's norm (host_step="
     "'replicated' shows every averaged gradient, as DDP)"
 )
-
-_DDP_KEYS = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
-             "process_group_backend", "start_method", *_DDP_ONLY}

@@ -1,6 +1,7 @@
 """The data-parallel pieces of L2L offload without Lightning: the partition plan, the gradient mean with its
-presence flags, clipping across ranks, the weight broadcast and the optimizer-state shards (on a gloo group of 1
-here; the 2-rank behaviour against DDP is tested in tests/strategies/test_l2l_offload_ddp.py)."""
+presence flags, the weight broadcast and the optimizer-state shards (on a gloo group of 1 here; clipping across ranks
+and the found-inf verdict: tests/comm/test_gradients.py; the 2-rank behaviour against DDP is tested in
+tests/strategies/test_l2l_offload_ddp.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_accel.offload.grad_sync import HostGradientSync, agree_found_inf, clip_grad_norm_across, launch_mean
+from lightning_accel.offload.grad_sync import HostGradientSync, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
@@ -77,24 +78,6 @@ def test_units_launch_in_descending_order_whatever_order_they_land(group_of_one:
     sync.close()
 
 
-def test_clip_across_ranks_counts_each_gradient_once_like_torch(group_of_one: dist.ProcessGroup) -> None:
-    torch.manual_seed(0)
-    grads = [torch.randn(5, dtype=torch.float64) for _ in range(3)]
-    expected = [g.clone() for g in grads]
-    params = [nn.Parameter(torch.zeros(5, dtype=torch.float64)) for _ in range(3)]
-    for p, g in zip(params, expected):
-        p.grad = g
-    want = torch.nn.utils.clip_grad_norm_(params, 0.5)
-    norm = clip_grad_norm_across(grads, [True, True, True], 0.5, group_of_one)
-    assert norm == pytest.approx(float(want), rel=1e-12)
-    for g, e in zip(grads, expected):
-        torch.testing.assert_close(g, e, rtol=1e-12, atol=0)
-    # a gradient counted on another rank (not here) is scaled but not summed
-    grads = [torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)]
-    assert clip_grad_norm_across(grads, [True, False], 1.0, group_of_one) == pytest.approx(2.0)
-    torch.testing.assert_close(grads[1], torch.full((4,), 1.0 / (2.0 + 1e-6), dtype=torch.float64))
-
-
 def test_broadcast_units_from_their_owner(group_of_one: dist.ProcessGroup) -> None:
     a, b = torch.ones(2, 2), torch.zeros(3, dtype=torch.float64)
     received, nbytes = broadcast_units([[a, b], []], [0, 0], group_of_one)
@@ -135,11 +118,3 @@ def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.Pr
     sync.close()
     with pytest.raises(ValueError, match=r"order \[0, 0\] must list each of the 2 unit indices once"):
         HostGradientSync([[params[0]], [params[1]]], SimpleNamespace(grads=grads), group_of_one, order=[0, 0])
-
-
-def test_one_overflow_flag_sets_every_flag(group_of_one: dist.ProcessGroup) -> None:
-    flags = [torch.zeros(()), torch.ones(())]  # (per device, as a GradScaler keeps them)
-    assert agree_found_inf(flags, group_of_one) is True and [float(f) for f in flags] == [1.0, 1.0]
-    flags = [torch.zeros(())]
-    assert agree_found_inf(flags, group_of_one) is False and float(flags[0]) == 0.0
-    assert agree_found_inf([], group_of_one) is False  # a rank without flags still takes part
