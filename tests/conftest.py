@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,13 +40,13 @@ def seed() -> int:
     return 1234
 
 
-@pytest.fixture
-def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
-    """Environment for running the CLI in a subprocess."""
+def cli_env_with(cache_dir: Path, outputs: Path) -> dict[str, str]:
+    """Environment for running the CLI in a subprocess: this process's, with the cache and the outputs given,
+    unbuffered output, and nothing left over from an in-process run."""
     env = dict(os.environ)
     env.update(
         LIGHTNING_ACCEL_CACHE=str(cache_dir),
-        LIGHTNING_ACCEL_OUTPUTS=str(tmp_path / "outputs"),
+        LIGHTNING_ACCEL_OUTPUTS=str(outputs),
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
     )
@@ -55,6 +58,29 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
                 "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         env.pop(var, None)
     return env
+
+
+@pytest.fixture
+def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
+    """Environment for running the CLI in a subprocess."""
+    return cli_env_with(cache_dir, tmp_path / "outputs")
+
+
+@pytest.fixture(scope="session")
+def make_cli_env(cache_dir: Path) -> Callable[[Path], dict[str, str]]:
+    """:func:`cli_env_with` for a module-scoped fixture: the outputs directory is the caller's."""
+    return lambda outputs: cli_env_with(cache_dir, outputs)
+
+
+@dataclass
+class CliJob:
+    """One ``python -m lightning_accel ARGS`` for :meth:`CliProcesses.side_by_side`: ``processes`` it runs at once
+    (a 2-rank run: 2), and the job whose end it waits for (``after``: a resume waits for its killed run)."""
+
+    args: list[str]
+    env: dict[str, str]
+    processes: int = 1
+    after: str | None = None
 
 
 class CliProcesses:
@@ -74,7 +100,43 @@ class CliProcesses:
             raise AssertionError(f"{' '.join(map(str, proc.args))} ran past {timeout} s:\n{err[-3000:]}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def job(self, args: list[str], env: dict[str, str], processes: int = 1, after: str | None = None) -> CliJob:
+        return CliJob(args, env, processes, after)
 
-@pytest.fixture
+    def side_by_side(self, jobs: dict[str, CliJob], slots: int = 4, timeout: float = 900) -> dict[str, subprocess.CompletedProcess[str]]:
+        """Every job run, in the order given as far as ``after`` allows, with at most ``slots`` processes alive
+        at once (one job at least): two per core keeps both of this machine's cores busy while a run imports or
+        a launched rank waits for its peer, where every run at once (14 processes) slowed one of them to minutes.
+        Output goes to files, so that no job blocks on a full pipe while another is awaited."""
+        pending, running, done = dict(jobs), {}, {}
+        with tempfile.TemporaryDirectory() as logs:
+            while pending or running:
+                for name, job in list(pending.items()):
+                    busy = sum(jobs[n].processes for n in running)
+                    if (job.after is None or job.after in done) and (not running or busy + job.processes <= slots):
+                        out, err = open(Path(logs, f"{len(done) + len(running)}.out"), "w+"), open(Path(logs, f"{len(done) + len(running)}.err"), "w+")
+                        proc = subprocess.Popen([sys.executable, "-m", "lightning_accel", *job.args], env=job.env, stdout=out,
+                                                stderr=err, text=True)
+                        running[name] = (proc, out, err, time.monotonic())
+                        del pending[name]
+                for name, (proc, out, err, started) in list(running.items()):
+                    overran = proc.poll() is None
+                    if overran and time.monotonic() - started < timeout:
+                        continue
+                    if overran:
+                        proc.kill()
+                        proc.wait()
+                    out.seek(0), err.seek(0)
+                    stdout, stderr = out.read(), err.read()
+                    out.close(), err.close()
+                    if overran:
+                        stderr += f"\n[ran past {timeout} s: killed by the test]"
+                    done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+                    del running[name]
+                time.sleep(0.1)
+        return done
+
+
+@pytest.fixture(scope="session")
 def cli_processes() -> CliProcesses:
     return CliProcesses()

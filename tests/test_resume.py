@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,15 +20,19 @@ TESTS = Path(__file__).parent
 # Tiny and short, dropout on (so the RNG has to continue too); checkpoints every 4 steps.
 SMALL = ["trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "model.net.dropout=0.1",
          "data.block_size=32", "data.batch_size=4", "trainer.enable_progress_bar=false"]
-
-
-def cli_env_for(env: dict[str, str], outputs: Path) -> dict[str, str]:
-    return env | {"LIGHTNING_ACCEL_OUTPUTS": str(outputs), "PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
-
-
-def run_cli(args: list[str], env: dict[str, str], outputs: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=cli_env_for(env, outputs), capture_output=True,
-                          text=True, timeout=300)
+KILL = ["+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"]
+CASES = {
+    "plain": ("gpt-tiny_cpu", []),
+    "l2l_offload": ("gpt-tiny_l2l_cpu", []),
+    "gpipe": ("gpt-tiny_gpipe_cpu", []),
+    # two DDP processes on the CPU: every rank kills itself after the same step; each rank's
+    # shard continues where it stopped (the loader's own StatefulDistributedSampler)
+    "ddp-2proc": ("gpt-tiny_cpu", ["strategy=ddp", "trainer.devices=2"]),
+    # one pipeline over two processes: both stages read the same batches (dp=1 shard)
+    "gpipe-2proc": ("gpt-tiny_gpipe-2proc_cpu", []),
+}
+# Ctrl-C at step 6: once (the step in flight is saved), twice (the second press exits at once)
+CTRL_C = {"once": [*KILL, "+callbacks.kill.sig=SIGINT"], "twice": [*KILL, "+callbacks.kill.sig=SIGINT", "+callbacks.kill.times=2"]}
 
 
 def run_dirs(outputs: Path, recipe: str) -> list[Path]:
@@ -40,35 +46,61 @@ def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, float
     return weights, status["metrics"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "extra"), [
-    ("gpt-tiny_cpu", []),
-    ("gpt-tiny_l2l_cpu", []),
-    ("gpt-tiny_gpipe_cpu", []),
-    # two DDP processes on the CPU: every rank kills itself after the same step; each rank's
-    # shard continues where it stopped (the loader's own StatefulDistributedSampler)
-    ("gpt-tiny_cpu", ["strategy=ddp", "trainer.devices=2"]),
-    # one pipeline over two processes: both stages read the same batches (dp=1 shard)
-    ("gpt-tiny_gpipe-2proc_cpu", []),
-], ids=["plain", "l2l_offload", "gpipe", "ddp-2proc", "gpipe-2proc"])
-def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: list[str], cli_env: dict[str, str], tmp_path: Path,
-                                                            cli_processes) -> None:
-    args = [*SMALL, *extra]
-    # the uninterrupted run and the one that is killed side by side: most of each is importing Lightning,
-    # one core each (the 2-process cases start two ranks each: Lightning picks each job's free port)
-    crashed = tmp_path / "crashed"
-    reference = cli_processes.start(["run", recipe, *args], cli_env_for(cli_env, tmp_path / "ref"))
-    killed = run_cli(["run", recipe, *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], cli_env, crashed)
-    reference = cli_processes.finish(reference, timeout=300)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    (killed_dir,) = run_dirs(crashed, recipe)
-    assert sorted(p.name for p in (killed_dir / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step000004.ckpt"]
+@dataclass
+class Case:
+    """One recipe run three ways: uninterrupted (``reference``, outputs under ``ref``), SIGKILLed at step 6
+    (``killed``) and resumed from its last checkpoint (``resumed``), those two under ``crashed``."""
 
-    resumed = run_cli(["run", recipe, *args, "ckpt_path=last"], cli_env, crashed)
+    ref: Path
+    crashed: Path
+    reference: subprocess.CompletedProcess[str]
+    killed: subprocess.CompletedProcess[str]
+    resumed: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Callable[[Path], dict[str, str]],
+         cli_processes: Any) -> tuple[dict[str, Case], dict[str, tuple[Path, subprocess.CompletedProcess[str]]]]:
+    """Every run this file checks, side by side (:meth:`CliProcesses.side_by_side`): most of a short run is
+    importing Lightning, on one core, and a launched DDP rank imports only after its rank 0 has; one case
+    after another, the seven took 4 minutes with a core idle much of it. Killed runs go first, so that each
+    resume can start as soon as its killed run ends. The 2-process cases' ranks find their own free ports
+    (Lightning's launcher)."""
+    root = tmp_path_factory.mktemp("resume")
+
+    def env(outputs: Path) -> dict[str, str]:  # kill_at_step.KillAtStep importable by the CLI
+        base = make_cli_env(outputs)
+        return base | {"PYTHONPATH": os.pathsep.join([str(TESTS), base.get("PYTHONPATH", "")])}
+
+    jobs = {}
+    for case, (recipe, extra) in CASES.items():
+        processes = 2 if case.endswith("2proc") else 1
+        jobs[f"{case}/killed"] = cli_processes.job(["run", recipe, *SMALL, *extra, *KILL], env(root / case / "crashed"), processes)
+        jobs[f"{case}/resumed"] = cli_processes.job(["run", recipe, *SMALL, *extra, "ckpt_path=last"], env(root / case / "crashed"),
+                                                    processes, after=f"{case}/killed")
+    for name, more in CTRL_C.items():
+        jobs[f"ctrl-c/{name}"] = cli_processes.job(["run", "gpt-tiny_cpu", *SMALL, *more], env(root / f"ctrl-c-{name}"))
+    for case, (recipe, extra) in CASES.items():
+        jobs[f"{case}/reference"] = cli_processes.job(["run", recipe, *SMALL, *extra], env(root / case / "ref"),
+                                                      2 if case.endswith("2proc") else 1)
+    done = cli_processes.side_by_side(jobs)
+    cases = {case: Case(root / case / "ref", root / case / "crashed", done[f"{case}/reference"], done[f"{case}/killed"],
+                        done[f"{case}/resumed"]) for case in CASES}
+    return cases, {name: (root / f"ctrl-c-{name}", done[f"ctrl-c/{name}"]) for name in CTRL_C}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_killed_mid_epoch_and_resumed_equals_uninterrupted(case: str, runs: Any) -> None:
+    recipe = CASES[case][0]
+    run = runs[0][case]
+    assert run.reference.returncode == 0, run.reference.stderr[-3000:]
+    assert run.killed.returncode == -9, run.killed.stderr[-3000:]
+    resumed = run.resumed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "not resumable" not in resumed.stderr
-    resumed_dir = next(d for d in run_dirs(crashed, recipe) if d != killed_dir)
+    killed_dir, resumed_dir = run_dirs(run.crashed, recipe)  # named by their start, to the second
+    assert sorted(p.name for p in (killed_dir / "checkpoints").glob("*.ckpt")) == ["last.ckpt", "step000004.ckpt"]
     # output a person can trust: the log file holds the run, plans once, no tips or known warnings
     log = (resumed_dir / "lightning-accel.log").read_text()
     assert "resuming from" in log and f"{recipe} finished 8 steps" in log
@@ -81,7 +113,7 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(recipe: str, extra: l
     assert killed_status["status"] == "killed", killed_status
     assert not list(killed_dir.glob("checkpoints/.*.tmp"))
 
-    want_weights, want_metrics = final_state(run_dirs(tmp_path / "ref", recipe)[0])
+    want_weights, want_metrics = final_state(run_dirs(run.ref, recipe)[0])
     got_weights, got_metrics = final_state(resumed_dir)
     assert got_weights.keys() == want_weights.keys()
     for name, tensor in want_weights.items():
@@ -94,11 +126,10 @@ def _global_step(ckpt: Path) -> int:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_step_in_flight_and_records_interrupted(cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = run_cli(["run", "gpt-tiny_cpu", *SMALL, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6",
-                    "+callbacks.kill.sig=SIGINT"], cli_env, tmp_path)
+def test_ctrl_c_saves_the_step_in_flight_and_records_interrupted(runs: Any) -> None:
+    outputs, proc = runs[1]["once"]
     assert proc.returncode == 130, proc.stderr[-3000:]
-    (run,) = run_dirs(tmp_path, "gpt-tiny_cpu")
+    (run,) = run_dirs(outputs, "gpt-tiny_cpu")
     status = json.loads((run / "run.json").read_text())
     assert status["status"] == "interrupted" and status["global_step"] == 6, status
     assert status["checkpoint"] == str(run / "checkpoints" / "last.ckpt")
@@ -108,11 +139,10 @@ def test_ctrl_c_saves_the_step_in_flight_and_records_interrupted(cli_env: dict[s
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_exits_at_once(cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = run_cli(["run", "gpt-tiny_cpu", *SMALL, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6",
-                    "+callbacks.kill.sig=SIGINT", "+callbacks.kill.times=2"], cli_env, tmp_path)
+def test_a_second_ctrl_c_exits_at_once(runs: Any) -> None:
+    outputs, proc = runs[1]["twice"]
     assert proc.returncode == 130, proc.stderr[-3000:]
-    (run,) = run_dirs(tmp_path, "gpt-tiny_cpu")
+    (run,) = run_dirs(outputs, "gpt-tiny_cpu")
     status = json.loads((run / "run.json").read_text())
     assert status["status"] == "interrupted" and "second Ctrl-C" in status["error"], status
     assert _global_step(run / "checkpoints" / "last.ckpt") == 4  # nothing saved after the second press
