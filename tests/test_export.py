@@ -11,9 +11,8 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,11 +33,6 @@ NOISE = ("Failed to load", "is an Enum subclass", "is_gradient_checkpointing", "
 
 def with_tests_path(env: dict[str, str]) -> dict[str, str]:
     return env | {"PYTHONPATH": os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])}
-
-
-def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lightning_accel", *args], env=with_tests_path(env), capture_output=True,
-                          text=True, timeout=600)
 
 
 def run_dirs(outputs: Path, recipe: str) -> list[Path]:
@@ -110,30 +104,49 @@ def completed(outputs: Path, recipe: str, steps: int) -> Path:
     return run_dir
 
 
+LORA = ["llama-tiny_lora_cpu", *SHORT, "trainer.max_steps=8", "trainer.val_check_interval=4",
+        "model.adapter.dropout=0.1"]  # dropout on: the RNG has to continue too
+KILL = ["+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Any, cli_processes: Any) -> tuple[Path, dict[str, Any]]:
+    """The command-line runs this file checks, side by side (each is mostly importing Lightning, on one core):
+    a LoRA fine-tune of a save_pretrained base uninterrupted (``ref``), killed at step 6 (``killed``) and resumed
+    (``resumed``, outputs under ``crashed``), a QLoRA one under l2l_offload (``qlora``), and ``validate`` of the QLoRA
+    recipe in a fresh process; the root directory holds the base (``base``) and each job's outputs."""
+    root = tmp_path_factory.mktemp("export")
+    save_base(root / "base")
+    base = ["model.net.config=null", f"model.net.pretrained_path={root / 'base'}"]
+    lora = [LORA[0], *base, *LORA[1:]]
+    jobs = {
+        "killed": cli_processes.job(["run", *lora, *KILL], with_tests_path(make_cli_env(root / "crashed"))),
+        "resumed": cli_processes.job(["run", *lora, "ckpt_path=last"], with_tests_path(make_cli_env(root / "crashed")), after="killed"),
+        "qlora": cli_processes.job(["run", "llama-tiny_qlora_cpu", *base, *SHORT, "strategy=l2l_offload", "precision=offload-32-true",
+                                    "callbacks=offload"], make_cli_env(root / "qlora")),
+        # a fresh process: torchao (imported by transformers and peft) logs its import lines once per process; cli.main
+        # drops them before any command, so a raw import would show 4 of them
+        "validate": cli_processes.job(["validate", "llama-tiny_qlora_cpu"], make_cli_env(root / "validate")),
+        "ref": cli_processes.job(["run", *lora], make_cli_env(root / "ref")),
+    }
+    return root, cli_processes.side_by_side(jobs)
+
+
 @pytest.mark.slow
-def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapters(cli_env: dict[str, str], tmp_path: Path,
-                                                                                  capsys: pytest.CaptureFixture[str],
-                                                                                  cli_processes) -> None:
+def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapters(runs: tuple[Path, dict[str, Any]], tmp_path: Path,
+                                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """A save_pretrained base fine-tuned through the command line is exported and reloaded with peft; the same fine-tune
     killed at step 6 and resumed with ckpt_path=last ends on the uninterrupted one's adapters, bit for bit."""
-    save_base(tmp_path / "base")
-    args = ["llama-tiny_lora_cpu", "model.net.config=null", f"model.net.pretrained_path={tmp_path / 'base'}", *SHORT,
-            "trainer.max_steps=8", "trainer.val_check_interval=4",
-            "model.adapter.dropout=0.1"]  # dropout on: the RNG has to continue too
-    # the uninterrupted run and the one killed at step 6 side by side (each is mostly importing Lightning, on one core)
-    crashed = cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "crashed")}
-    reference = cli_processes.start(["run", *args], with_tests_path(cli_env | {"LIGHTNING_ACCEL_OUTPUTS": str(tmp_path / "ref")}))
-    killed = run_cli(["run", *args, "+callbacks.kill._target_=kill_at_step.KillAtStep", "+callbacks.kill.step=6"], crashed)
-    reference = cli_processes.finish(reference)
+    root, done = runs
+    reference, killed, resumed = done["ref"], done["killed"], done["resumed"]
     assert reference.returncode == 0, reference.stderr[-3000:]
     for noise in NOISE:
         assert noise not in reference.stdout + reference.stderr, noise
-    assert f"pretrained weights from {tmp_path / 'base'} loaded at a peak of +" in reference.stdout + reference.stderr
-    reference_dir = completed(tmp_path / "ref", "llama-tiny_lora_cpu", 8)
-    check_export(reference_dir, tmp_path / "base", tmp_path / "adapter", nf4=False, capsys=capsys)
+    assert f"pretrained weights from {root / 'base'} loaded at a peak of +" in reference.stdout + reference.stderr
+    reference_dir = completed(root / "ref", "llama-tiny_lora_cpu", 8)
+    check_export(reference_dir, root / "base", tmp_path / "adapter", nf4=False, capsys=capsys)
 
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = run_cli(["run", *args, "ckpt_path=last"], crashed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stderr
 
@@ -142,23 +155,22 @@ def test_a_lora_finetune_exports_to_peft_and_a_killed_one_resumes_to_its_adapter
         return torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
 
     want = final(reference_dir)
-    got = final(sorted(p.parent for p in (tmp_path / "crashed" / "llama-tiny_lora_cpu").glob("*/run.json"))[-1])
+    got = final(sorted(p.parent for p in (root / "crashed" / "llama-tiny_lora_cpu").glob("*/run.json"))[-1])
     assert got.keys() == want.keys() and all(".lora_" in k for k in want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
 
 
 @pytest.mark.slow
-def test_a_qlora_finetune_under_l2l_offload_exports_to_peft_on_the_nf4_base(cli_env: dict[str, str], tmp_path: Path,
+def test_a_qlora_finetune_under_l2l_offload_exports_to_peft_on_the_nf4_base(runs: tuple[Path, dict[str, Any]], tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    save_base(tmp_path / "base")
-    ran = run_cli(["run", "llama-tiny_qlora_cpu", "model.net.config=null", f"model.net.pretrained_path={tmp_path / 'base'}",
-                   *SHORT, "strategy=l2l_offload", "precision=offload-32-true", "callbacks=offload"], cli_env)
+    root, done = runs
+    ran = done["qlora"]
     assert ran.returncode == 0, ran.stderr[-3000:]
     for noise in NOISE:
         assert noise not in ran.stdout + ran.stderr, noise
-    run_dir = completed(tmp_path / "outputs", "llama-tiny_qlora_cpu", 12)
-    check_export(run_dir, tmp_path / "base", tmp_path / "adapter", nf4=True, capsys=capsys)
+    run_dir = completed(root / "qlora", "llama-tiny_qlora_cpu", 12)
+    check_export(run_dir, root / "base", tmp_path / "adapter", nf4=True, capsys=capsys)
 
 
 def _fake_run(run_dir: Path, recipe: str, checkpoint: bool, overrides: list[str] | None = None) -> Path:
@@ -197,10 +209,8 @@ def test_export_refuses_a_run_without_adapters_to_export_in_one_line(make, messa
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-def test_validate_of_a_qlora_recipe_prints_only_its_verdict(cli_env: dict[str, str]) -> None:
-    # a fresh process: torchao (imported by transformers and peft) logs its import lines once per process; cli.main
-    # drops them before any command (run's output: the fine-tunes above), so a raw import here would show 4 of them
-    checked = run_cli(["validate", "llama-tiny_qlora_cpu"], cli_env)
+def test_validate_of_a_qlora_recipe_prints_only_its_verdict(runs: tuple[Path, dict[str, Any]]) -> None:
+    checked = runs[1]["validate"]
     assert checked.returncode == 0, checked.stderr
     assert (checked.stdout, checked.stderr) == ("ok  llama-tiny_qlora_cpu\n", "")
 

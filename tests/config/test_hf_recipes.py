@@ -6,9 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,13 +200,35 @@ E2E = [
 ]
 
 
+PIPELINE = "llama-tiny_gpipe-2proc_cpu"
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Any, cli_processes: Any) -> dict[str, tuple[Path, Any]]:
+    """Every run this file checks, side by side (one after another they took two minutes, a core idle while
+    each imported Lightning): name -> (outputs directory, completed process); the saved model under
+    ``mine``, with the model saved there."""
+    root = tmp_path_factory.mktemp("hf-e2e")
+    jobs = {recipe: cli_processes.job(["run", recipe, *overrides], make_cli_env(root / recipe)) for recipe, overrides in E2E}
+    jobs[PIPELINE] = cli_processes.job(
+        ["run", PIPELINE, "trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
+         "trainer.log_every_n_steps=1", "data.max_bytes=300000", "trainer.enable_progress_bar=false"],
+        make_cli_env(root / PIPELINE), processes=2)
+    saved = _save_tiny_llama(root / "mine")
+    jobs["pretrained"] = cli_processes.job(
+        ["run", "llama-tiny_cpu", "model.net.config=null", f"model.net.pretrained_path={root / 'mine'}", "trainer.max_steps=2",
+         "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.block_size=32",
+         "data.max_bytes=100000", "trainer.enable_progress_bar=false"], make_cli_env(root / "pretrained"))
+    done = cli_processes.side_by_side(jobs)
+    return {name: (root / name, done[name]) for name in jobs} | {"mine": (root / "mine", saved)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("recipe", "overrides"), E2E, ids=[r for r, _ in E2E])
-def test_recipe_trains_through_the_cli(recipe: str, overrides: list[str], cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", recipe, *overrides], env=cli_env,
-                          capture_output=True, text=True, timeout=300)
+def test_recipe_trains_through_the_cli(recipe: str, overrides: list[str], e2e: dict[str, tuple[Path, Any]]) -> None:
+    outputs, proc = e2e[recipe]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_json,) = (tmp_path / "outputs" / recipe).glob("*/run.json")
+    (run_json,) = (outputs / recipe).glob("*/run.json")
     status = json.loads(run_json.read_text())
     assert status["status"] == "completed" and status["global_step"] == 12
     with open(status["metrics_csv"]) as f:
@@ -219,15 +240,11 @@ def test_recipe_trains_through_the_cli(recipe: str, overrides: list[str], cli_en
 
 
 @pytest.mark.slow
-def test_llama_pipeline_recipe_trains_in_two_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
-    recipe = "llama-tiny_gpipe-2proc_cpu"
-    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", recipe, "trainer.max_steps=8",
-                           "trainer.val_check_interval=4", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-                           "data.max_bytes=300000", "trainer.enable_progress_bar=false"],
-                          env=cli_env, capture_output=True, text=True, timeout=400)
+def test_llama_pipeline_recipe_trains_in_two_processes(e2e: dict[str, tuple[Path, Any]]) -> None:
+    outputs, proc = e2e[PIPELINE]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr  # two ranks, one stage each
-    (run_json,) = (tmp_path / "outputs" / recipe).glob("*/run.json")
+    (run_json,) = (outputs / PIPELINE).glob("*/run.json")
     status = json.loads(run_json.read_text())
     assert status["status"] == "completed" and status["global_step"] == 8
     with open(status["metrics_csv"]) as f:
@@ -236,23 +253,19 @@ def test_llama_pipeline_recipe_trains_in_two_processes(cli_env: dict[str, str], 
     # the gathered checkpoint loads, strictly, into the plain transformers model the recipe describes
     from lightning_accel.models.hf import hf_causal_lm
 
-    cfg = compose_recipe(recipe)
+    cfg = compose_recipe(PIPELINE)
     net = hf_causal_lm(cfg.model.net.config)
     state = torch.load(status["checkpoint"], map_location="cpu", weights_only=False)["state_dict"]
     net.load_state_dict({k.removeprefix("net."): v for k, v in state.items() if k.startswith("net.")}, strict=True)
 
 
 @pytest.mark.slow
-def test_a_run_trains_from_a_save_pretrained_directory(cli_env: dict[str, str], tmp_path: Path) -> None:
-    saved = _save_tiny_llama(tmp_path / "mine")
-    proc = subprocess.run([sys.executable, "-m", "lightning_accel", "run", "llama-tiny_cpu", "model.net.config=null",
-                           f"model.net.pretrained_path={tmp_path / 'mine'}", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                           "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.block_size=32",
-                           "data.max_bytes=100000", "trainer.enable_progress_bar=false"],
-                          env=cli_env, capture_output=True, text=True, timeout=300)
+def test_a_run_trains_from_a_save_pretrained_directory(e2e: dict[str, tuple[Path, Any]]) -> None:
+    outputs, proc = e2e["pretrained"]
+    saved = e2e["mine"][1]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval mode" not in proc.stdout + proc.stderr  # from_pretrained's eval mode is undone: dropout is on in training
-    (run_json,) = (tmp_path / "outputs" / "llama-tiny_cpu").glob("*/run.json")
+    (run_json,) = (outputs / "llama-tiny_cpu").glob("*/run.json")
     status = json.loads(run_json.read_text())
     assert status["status"] == "completed" and status["global_step"] == 2
     # two AdamW steps from the saved weights: every tensor moved, none by more than the two steps'
