@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from lightning_accel.accelerators.spmd import Placement, plan_placement
+from tests.support.workers import WORKERS
 
-WORKER = Path(__file__).with_name("xla_devices_worker.py")
+WORKER = WORKERS / "xla_devices_worker.py"
 
 
 def test_one_index_is_that_device() -> None:
@@ -45,7 +46,8 @@ def test_no_device_is_refused() -> None:
 
 def _run_worker(mode: str, steps: int, tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / f"{mode}.pt"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, str(WORKER), mode, str(steps), str(out)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import threading
 
@@ -13,9 +11,7 @@ import torch
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_store import HostStore
-
-sys.path.insert(0, str(Path(__file__).parent))
-from offload_nets import Net  # noqa: E402
+from tests.support.offload_nets import Net
 
 
 def _pair() -> tuple[Net, Net]:

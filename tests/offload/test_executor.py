@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +9,7 @@ from torch import nn
 
 from lightning_accel.models import GPT
 from lightning_accel.offload import L2LExecutor, make_plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-from offload_nets import Net  # noqa: E402
+from tests.support.offload_nets import Net
 
 
 def _grads(model: nn.Module, x: torch.Tensor, executor: L2LExecutor | None = None) -> dict[str, torch.Tensor]:

@@ -19,12 +19,12 @@ from lightning_accel.models import GPT, MLP
 from lightning_accel.pipeline.distributed import mesh_coordinates, stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
+from tests.support.workers import WORKERS
+from tests.support.workers.dist_worker import EVAL_SIZES, eval_batch
+from tests.support.workers.remat_worker import chunk_counts
 
-WORKER = Path(__file__).with_name("dist_worker.py")
-REMAT_WORKER = Path(__file__).with_name("remat_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from dist_worker import EVAL_SIZES, eval_batch  # noqa: E402
-from remat_worker import chunk_counts  # noqa: E402
+WORKER = WORKERS / "dist_worker.py"
+REMAT_WORKER = WORKERS / "remat_worker.py"
 
 
 def _launch(
@@ -120,7 +120,7 @@ def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
 def _grads_equal_the_whole_models(out, name: str, world: int) -> tuple[list[dict], nn.Module]:
     """Load each rank's result of resident_worker; every gradient a rank holds equals the whole model's on the same
     batch, and together the ranks hold all of them. Returns the ranks' results and the reference model."""
-    from resident_worker import batch, build, lm_loss
+    from tests.support.workers.resident_worker import batch, build, lm_loss
 
     ranks = [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
     reference = build(name)

@@ -1,6 +1,4 @@
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +9,7 @@ from lightning_accel.models.block_policy import find_blocks
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_nets import Net  # noqa: E402
+from tests.support.stage_nets import Net
 
 
 def test_checkpoint_stop_policy():

@@ -6,16 +6,12 @@ rank) is tested through the strategy: tests/strategies/test_gpipe_distributed.py
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_accel.pipeline.step_result import number_spec, step_signature, unpack_number
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_result_worker import bits  # noqa: E402
+from tests.support.workers.step_result_worker import bits
 
 
 @pytest.mark.parametrize(

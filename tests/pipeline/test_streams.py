@@ -1,8 +1,6 @@
 """Copies between stages: a plain ``.to()`` without CUDA, copy streams with it (the CUDA tests need a GPU)."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +11,7 @@ from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.pipeline.microbatch import scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.streams import StageCopier
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stage_nets import Net  # noqa: E402
+from tests.support.stage_nets import Net
 
 
 def test_without_cuda_a_copy_is_a_plain_move_of_nested_values():

@@ -3,7 +3,6 @@ launched by Lightning, against plain single-process Lightning on the same global
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,12 +11,10 @@ import torch
 
 from lightning_accel.pipeline.distributed import mesh_coordinates
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-from dp_pp_models import CASES, DP, PER_RANK, POISON_STEP, PP, SCALES, Poison, fp16_plugin, global_loader, task  # noqa: E402
-from user_script import run_user_script  # noqa: E402
-from gpipe_models import CLIP, val_loader  # noqa: E402
+from tests.support.dp_pp_models import CASES, DP, PER_RANK, POISON_STEP, PP, SCALES, Poison, fp16_plugin, global_loader, task
+from tests.support.gpipe_models import CLIP, val_loader
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
 
 WORLD = DP * PP
 
@@ -75,7 +72,7 @@ def reference():
 def four_ranks(tmp_path_factory):
     """Run the user script; Lightning starts ranks 1-3 from it. Kill the whole process group on a hang."""
     out = tmp_path_factory.mktemp("dp_pp")
-    result = run_user_script(PIPELINE_TESTS / "dp_pp_worker.py", [str(out)], 240, "4-process DP x PP training")
+    result = run_user_script(WORKERS / "dp_pp_worker.py", [str(out)], 240, "4-process DP x PP training")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 

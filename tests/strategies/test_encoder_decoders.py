@@ -8,8 +8,6 @@ the running block on the device" did not hold for half the model, and gpipe put 
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -22,10 +20,9 @@ from lightning_accel.offload import L2LExecutor
 
 transformers = pytest.importorskip("transformers", reason="needs the hf extra")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_models import Seq2Seq, seq2seq_data  # noqa: E402
-from real_models import build_bart as bart  # noqa: E402
-from real_models import build_t5 as t5  # noqa: E402
+from tests.support.real_models import Seq2Seq, seq2seq_data  # noqa: E402
+from tests.support.real_models import build_bart as bart  # noqa: E402
+from tests.support.real_models import build_t5 as t5  # noqa: E402
 
 
 def train(build, strategy, callbacks: list[pl.Callback] | None = None) -> Seq2Seq:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,10 @@ import lightning_accel.strategies.l2l_offload_hooks as l2l_module  # noqa: E402
 from lightning_accel import GPipeStrategy, L2LOffloadStrategy, OffloadPrecision  # noqa: E402
 from lightning_accel.offload import L2LExecutor  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_models import WIDE, adapters, assert_frozen_unchanged, frozen, lora_llama, qlora_task, relative_update_difference  # noqa: E402
-from finetune_models import state_entries  # noqa: E402
-from real_models import CausalLM, fit, lm_loader  # noqa: E402
+from tests.support.finetune_models import WIDE, adapters, assert_frozen_unchanged, frozen, lora_llama, qlora_task, relative_update_difference  # noqa: E402
+from tests.support.finetune_models import state_entries  # noqa: E402
+from tests.support.real_models import CausalLM, fit, lm_loader  # noqa: E402
+from tests.support.workers import WORKERS  # noqa: E402
 
 KINDS = ("bf16", "nf4")
 
@@ -150,11 +149,10 @@ def test_a_finetune_checkpoint_under_one_process_strategies_holds_the_adapters_a
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
-    from user_script import run_user_script
+    from tests.support.user_script import run_user_script
 
     out = tmp_path_factory.mktemp("finetune")
-    worker = Path(__file__).resolve().parents[1] / "pipeline" / "finetune_worker.py"
+    worker = WORKERS / "finetune_worker.py"
     result = run_user_script(worker, [str(out)], 300, "2-process LoRA / QLoRA")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
@@ -206,10 +204,9 @@ def test_l2l_offload_ddp_trains_adapters_on_an_nf4_base_like_plain_lightning(tmp
     """2 gloo ranks, the host step partitioned, Lightning's distributed sampler: each rank's base stays NF4 and
     bit-identical (set-up broadcasts it as its codes and scalers, not dequantized), and the averaged adapters equal
     plain Lightning accumulating over the ranks' shards in turn (the same per-shard bf16 arithmetic)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
-    from user_script import run_user_script
+    from tests.support.user_script import run_user_script
 
-    result = run_user_script(Path(__file__).resolve().parent / "finetune_ddp_worker.py", [str(tmp_path)], 300, "2-process QLoRA")
+    result = run_user_script(WORKERS / "finetune_ddp_worker.py", [str(tmp_path)], 300, "2-process QLoRA")
     assert result.returncode == 0, result.stdout[-4000:]
     task, start, _ = _start("nf4")
     dataset = lm_loader().dataset

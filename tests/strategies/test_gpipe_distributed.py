@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,12 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel.models import MLP
 from lightning_accel.pipeline.step_result import reduce_logs
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-from gpipe_lightning_worker import CASES, RESUMED  # noqa: E402
-from gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
+from tests.support.workers.gpipe_lightning_worker import CASES, RESUMED
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 # the rank of each stage where it is not s % 2: V-wise, rank 0 holds the first and the last stage
@@ -57,7 +54,7 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
 def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None) -> subprocess.CompletedProcess:
     """Run the user script; Lightning starts rank 1 from it."""
     args = args if args is not None else [str(out), ",".join([*SCHEDULES, "auto"]), "1"]
-    return run_user_script(PIPELINE_TESTS / script, args, timeout, "2-process pipeline training")
+    return run_user_script(WORKERS / script, args, timeout, "2-process pipeline training")
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +233,7 @@ def test_logged_values_keep_their_reduce_fx_over_micro_batches(fx, expected):
 
 @pytest.fixture(scope="module")
 def step_results(tmp_path_factory):
-    """tests/pipeline/step_result_worker.py on 2 ranks: what each rank logged and returned per step."""
+    """tests/support/workers/step_result_worker.py on 2 ranks: what each rank logged and returned per step."""
     out = tmp_path_factory.mktemp("step_results")
     result = _launch(out, script="step_result_worker.py", args=[str(out)])
     assert result.returncode == 0, result.stdout[-4000:]
@@ -245,8 +242,8 @@ def step_results(tmp_path_factory):
 
 
 def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_every_rank(step_results):
-    from step_result_worker import CHANGED, STEPS, expected_logs
-    from step_result_worker import bits
+    from tests.support.workers.step_result_worker import CHANGED, STEPS, expected_logs
+    from tests.support.workers.step_result_worker import bits
 
     first, last = step_results[0]  # rank 1 runs training_step: its values are the source
     for step in range(STEPS):

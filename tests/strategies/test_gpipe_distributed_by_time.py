@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,11 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accel.models import MLP
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-from gpipe_by_time_worker import Losses, UnevenRegressor, train_loader, val_loader  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
+from tests.support.workers.gpipe_by_time_worker import Losses, UnevenRegressor, train_loader, val_loader
 
 
 def _plain_fit():
@@ -36,7 +32,7 @@ def _plain_fit():
 def two_ranks(tmp_path_factory):
     """Run the user script; Lightning starts rank 1 from it. Kill the whole process group on a hang."""
     out = tmp_path_factory.mktemp("by_time")
-    result = run_user_script(PIPELINE_TESTS / "gpipe_by_time_worker.py", [str(out)], 120, "2-process by_time training")
+    result = run_user_script(WORKERS / "gpipe_by_time_worker.py", [str(out)], 120, "2-process by_time training")
     assert result.returncode == 0, result.stdout[-4000:]
     assert "balance='by_time' [1, 3]:" in result.stdout  # rank 0 says what it measured
     return [torch.load(out / f"by_time-rank{r}.pt", weights_only=False) for r in range(2)]

@@ -4,8 +4,6 @@ Lightning from the same initial weights (``materialize`` of the whole model in o
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,11 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from user_script import run_user_script  # noqa: E402
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
 
 NAMES = ["gpt", "llama", "litgpt"]
 
@@ -28,7 +23,7 @@ def two_ranks(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("litgpt")
     out = tmp_path_factory.mktemp("deferred")
-    result = run_user_script(PIPELINE_TESTS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
+    result = run_user_script(WORKERS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -43,8 +38,8 @@ def _blocks_of(task: nn.Module) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights(two_ranks, name):
-    from deferred_worker import STEPS, reference
-    from real_models import assert_same_weights, fit
+    from tests.support.workers.deferred_worker import STEPS, reference
+    from tests.support.real_models import assert_same_weights, fit
 
     plain = reference(name)  # materialize() of the whole model in one process: the initial weights
     start = {n: t.clone() for n, t in plain.state_dict().items()}
@@ -58,7 +53,7 @@ def test_configure_model_networks_train_like_plain_lightning_from_the_same_initi
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_each_rank_materializes_only_its_stages_and_what_is_outside_the_blocks(two_ranks, name):
-    from deferred_worker import reference
+    from tests.support.workers.deferred_worker import reference
 
     whole = reference(name)
     blocks = _blocks_of(whole)
@@ -80,8 +75,8 @@ def test_each_rank_materializes_only_its_stages_and_what_is_outside_the_blocks(t
 def test_a_model_built_on_meta_resumes_from_a_checkpoint_into_each_ranks_part(two_ranks):
     """The checkpoint given to fit loads after setup has materialized each rank's part (seed 1's initial weights are all
     replaced): resumed from 2 steps to 4 equals plain Lightning resuming the same checkpoint."""
-    from deferred_worker import STEPS, reference
-    from real_models import assert_same_weights, fit
+    from tests.support.workers.deferred_worker import STEPS, reference
+    from tests.support.real_models import assert_same_weights, fit
 
     plain = reference("gpt")
     fit(plain, steps=STEPS, precision="64-true", ckpt_path=two_ranks / "gpt-half.ckpt")

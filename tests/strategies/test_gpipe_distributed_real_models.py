@@ -8,7 +8,6 @@ micro-batches of a shuffled batch hold different numbers of padded tokens, which
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
 
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
-from regression_models import ROWS, max_difference, tolerance  # noqa: E402
-from real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, VAL_SAMPLES, task  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
+from tests.support.regression_models import ROWS, max_difference, tolerance  # noqa: E402
+from tests.support.user_script import run_user_script  # noqa: E402
+from tests.support.workers import WORKERS  # noqa: E402
+from tests.support.workers.real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, VAL_SAMPLES, task  # noqa: E402
 
 # GPT-2 without dropout: micro-batches draw other dropout masks than one whole batch does
 CASES = [
@@ -56,7 +53,7 @@ def sampled(dataset=None):
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("real_models")
     cases = ",".join(f"{m}:{s}" for m, s in CASES + ENCODER_DECODER_CASES + ROW_CASES)
-    result = run_user_script(PIPELINE_TESTS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
+    result = run_user_script(WORKERS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -107,7 +104,7 @@ def test_encoder_decoders_train_like_plain_lightning(two_ranks, name, schedule, 
 def test_an_encoder_decoders_blocks_are_each_on_one_rank(two_ranks, name, schedule):
     """While training, each rank holds its stages' blocks of both stacks, the others' on meta: every encoder block's
     parameters on exactly one rank (the encoder ran whole on every rank before: 2x its blocks' parameters)."""
-    from real_models import BLOCK_STACKS
+    from tests.support.real_models import BLOCK_STACKS
 
     net = seq2seq_task(name).net
     held = [json.loads((two_ranks / f"{name}-{schedule}-rank{r}.json").read_text()) for r in range(2)]
@@ -155,9 +152,9 @@ def test_two_replicas_of_a_two_stage_llama_train_like_plain_lightning_on_the_glo
     the replicas' averaged gradients equal plain Lightning's on the global batch (both shards together)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from dp_pp_real_worker import PER_RANK, STEPS, dataset
+    from tests.support.workers.dp_pp_real_worker import PER_RANK, STEPS, dataset
 
-    result = run_user_script(PIPELINE_TESTS / "dp_pp_real_worker.py", [str(tmp_path)], 300, "4-process DP x PP Llama")
+    result = run_user_script(WORKERS / "dp_pp_real_worker.py", [str(tmp_path)], 300, "4-process DP x PP Llama")
     assert result.returncode == 0, result.stdout[-4000:]
     data = dataset()
     shards = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]

@@ -5,9 +5,7 @@ BatchNorm statistics, ragged batches, a stage's exception, tuples between stages
 from __future__ import annotations
 
 import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -15,11 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accel.strategies.gpipe import GPipeStrategy
-
-PIPELINE_TESTS = Path(__file__).resolve().parents[1] / "pipeline"
-sys.path.insert(0, str(PIPELINE_TESTS))
-from semantics_worker import SECTIONS, data, fit, moe_loader, tiny_mixtral  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
+from tests.support.workers.semantics_worker import SECTIONS, data, fit, moe_loader, tiny_mixtral
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +23,7 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("semantics")
     moe = ["moe"] if importlib.util.find_spec("transformers") else []
     sections = ",".join([*SECTIONS, *moe, "raising"])
-    result = run_user_script(PIPELINE_TESTS / "semantics_worker.py", [str(out), sections], 300, "2-process semantics")
+    result = run_user_script(WORKERS / "semantics_worker.py", [str(out), sections], 300, "2-process semantics")
     assert result.returncode == 0, result.stdout[-6000:]
     return out
 
@@ -160,9 +156,8 @@ def test_the_router_loss_covers_every_layer_on_every_rank_per_micro_batch(two_ra
     pytest.importorskip("transformers")
     from torch.utils.data import DataLoader
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from real_models import shuffled_order
-    from semantics_worker import RouterLM
+    from tests.support.real_models import shuffled_order
+    from tests.support.workers.semantics_worker import RouterLM
 
     def plain(batch_size: int, accumulate: int) -> RouterLM:
         task, dataset = RouterLM(), moe_loader().dataset

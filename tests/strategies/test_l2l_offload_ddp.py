@@ -3,7 +3,6 @@ the refusals of what neither L2L strategy can honour (a second device for 'l2l_o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,9 @@ from torch.utils.data import DataLoader
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[0] / "pipeline"))
-from l2l_ddp_worker import FP16_SCALE, PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
+from tests.support.workers.l2l_ddp_worker import FP16_SCALE, PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -105,7 +101,7 @@ CASES = [
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("l2l_ddp")
-    result = run_user_script(HERE / "l2l_ddp_worker.py", [str(out), "2", ",".join(CASES)], 600, "2-process l2l_offload_ddp")
+    result = run_user_script(WORKERS / "l2l_ddp_worker.py", [str(out), "2", ",".join(CASES)], 600, "2-process l2l_offload_ddp")
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -222,7 +218,7 @@ FOUR = ["gpt64-ddp", "gpt64-part", "gpt64-repl", "gpt64-ddp-accclip", "gpt64-par
 
 @pytest.mark.slow
 def test_four_ranks_train_to_the_weights_of_plain_ddp_with_a_quarter_of_the_state_each(tmp_path: Path) -> None:
-    result = run_user_script(HERE / "l2l_ddp_worker.py", [str(tmp_path), "4", ",".join(FOUR)], 600, "4-process l2l_offload_ddp")
+    result = run_user_script(WORKERS / "l2l_ddp_worker.py", [str(tmp_path), "4", ",".join(FOUR)], 600, "4-process l2l_offload_ddp")
     assert result.returncode == 0, result.stdout[-4000:]
     for case, reference in (("gpt64-part", "gpt64-ddp"), ("gpt64-repl", "gpt64-ddp"), ("gpt64-part-accclip", "gpt64-ddp-accclip")):
         ddp = _ranks(tmp_path, reference, 4)

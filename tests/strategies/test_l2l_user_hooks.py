@@ -9,7 +9,6 @@ missed the blocks already stepped.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,9 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_accel import L2LOffloadStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
-from real_models import CausalLM, fit, real_task  # noqa: E402
-from user_script import run_user_script  # noqa: E402
+from tests.support.real_models import CausalLM, fit, real_task
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
 
 
 class Watched(CausalLM):
@@ -83,8 +80,7 @@ HOOK_CASES = [f"gpt64-{how}-hooks{acc}" for acc in ("", "-acc") for how in ("ddp
 @pytest.fixture(scope="module")
 def two_ranks_hooks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("l2l_ddp_hooks")
-    here = Path(__file__).resolve().parent
-    result = run_user_script(here / "l2l_ddp_worker.py", [str(out), "2", ",".join(HOOK_CASES)], 600, "2-process hooks")
+    result = run_user_script(WORKERS / "l2l_ddp_worker.py", [str(out), "2", ",".join(HOOK_CASES)], 600, "2-process hooks")
     assert result.returncode == 0, result.stdout[-4000:]
     return out, result.stdout
 

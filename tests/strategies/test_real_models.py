@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,7 @@ import lightning_accel.strategies.l2l_offload_hooks as l2l_module  # where the s
 from lightning_accel.offload import L2LExecutor
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from real_models import CausalLM, assert_same_weights, cache_kwarg, fit, real_task, train_save_resume  # noqa: E402
+from tests.support.real_models import CausalLM, assert_same_weights, cache_kwarg, fit, real_task, train_save_resume
 
 MODELS = ("llama", "gpt2", "litgpt", "sequential")
 STRATEGIES = ("l2l", "l2l-copies", "gpipe-always", "gpipe-except_last", "gpipe-never")

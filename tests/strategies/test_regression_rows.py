@@ -5,9 +5,7 @@ to plain Lightning's weights (3 AdamW steps, float64; :mod:`regression_models`).
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +13,7 @@ from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from regression_models import ROWS, fit, max_difference, reference, task, tolerance  # noqa: E402
+from tests.support.regression_models import ROWS, fit, max_difference, reference, task, tolerance  # noqa: E402
 
 
 def _trained(name: str, strategy: object) -> dict:

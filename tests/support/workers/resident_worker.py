@@ -1,7 +1,7 @@
 """Two ranks of :class:`RankPipeline` on transformers models, for which parameters outside the blocks get summed.
 
 Run by ``tests/pipeline/test_distributed.py`` as ``python resident_worker.py OUT_DIR MODELS MODE``: for each
-model of ``tests/strategies/real_models.py`` in MODELS (comma-separated), float64, 2 stages of a 3-layer model, 2
+model of ``tests/support/real_models.py`` in MODELS (comma-separated), float64, 2 stages of a 3-layer model, 2
 micro-batches (one block per stage on more than 2 ranks), 2 steps of one batch with the gradients zeroed between them. Saves ``{model}-rank{r}.pt``: the
 second step's gradients this rank holds, its users per parameter outside the blocks, and the bytes it summed per step.
 First, ``late-rank{r}.txt``: the refusal when a stage starts using a parameter only another stage used before.
@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-from real_models import BUILDERS, VOCAB, lm_loader  # noqa: E402
-
-from lightning_accel.models import MLP  # noqa: E402
-from lightning_accel.pipeline.distributed import RankPipeline  # noqa: E402
+from lightning_accel.models import MLP
+from lightning_accel.pipeline.distributed import RankPipeline
+from tests.support.real_models import BUILDERS, VOCAB, lm_loader
 
 
 def lm_loss(out, y):

@@ -16,15 +16,13 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-from finetune_models import lora_llama, qlora_task  # noqa: E402
-from real_models import CausalLM, lm_loader  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from tests.support.finetune_models import lora_llama, qlora_task
+from tests.support.real_models import CausalLM, lm_loader
 
 STEPS, CHUNKS = 4, 2
 

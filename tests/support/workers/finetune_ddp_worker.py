@@ -8,18 +8,15 @@ offloaded parameter).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from finetune_models import adapters, assert_frozen_unchanged, frozen, lora_llama  # noqa: E402
-from real_models import CausalLM, lm_loader  # noqa: E402
-
-from lightning_accel import L2LOffloadDDPStrategy, OffloadPrecision  # noqa: E402
+from lightning_accel import L2LOffloadDDPStrategy, OffloadPrecision
+from tests.support.finetune_models import adapters, assert_frozen_unchanged, frozen, lora_llama
+from tests.support.real_models import CausalLM, lm_loader
 
 STEPS, PER_RANK = 2, 4
 

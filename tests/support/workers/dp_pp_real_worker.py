@@ -16,9 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-from real_models import SEQ, VOCAB, real_task  # noqa: E402
+from tests.support.real_models import SEQ, VOCAB, real_task
 
 PER_RANK, STEPS, N = 4, 3, 24
 

@@ -23,9 +23,7 @@ import torch
 
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpipe_models import CLIP, HeldAtTrainEnd, gpt_loader, gpt_task, val_loader  # noqa: E402
+from tests.support.gpipe_models import CLIP, HeldAtTrainEnd, gpt_loader, gpt_task, val_loader
 
 CASES = {  # schedule: (chunks, balance, training sequences)
     "gpipe": (4, [2, 2], 32),

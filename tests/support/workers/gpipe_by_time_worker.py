@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_accel.models import MLP
 from lightning_accel.models.mlp import MLPBlock
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-from gpipe_models import HeldAtTrainEnd  # noqa: E402  (this script's directory is on sys.path)
+from tests.support.gpipe_models import HeldAtTrainEnd
 
 CHUNKS, REPEATS = 2, 100
 

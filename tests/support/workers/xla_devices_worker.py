@@ -25,8 +25,7 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import fit, losses, register  # noqa: E402
+from tests.support.xla_regression import fit, losses, register
 
 
 class WhereBatchesAre(pl.Callback):
@@ -63,7 +62,7 @@ class WhereBatchesAre(pl.Callback):
 
 
 def main(mode: str, steps: int, out: str) -> None:
-    # Start the runtime before the first (CPU) backward (see conftest.xla), without
+    # Start the runtime before the first (CPU) backward (see the xla fixture in tests/accelerators/conftest.py), without
     # torch_xla.device(): once a device is used, torch_xla 2.9 cannot switch to SPMD.
     torch_xla.runtime.addressable_runtime_device_count()
     register()

@@ -1,9 +1,9 @@
 """A user script training models this project did not write with ``DistributedGPipeStrategy`` on 2 CPU processes.
 
 Run as ``python real_models_worker.py OUT_DIR CASES``: CASES is a comma-separated list of
-``model:schedule`` (models of ``tests/strategies/real_models.py``, its encoder-decoders ``t5`` and ``bart``
+``model:schedule`` (models of ``tests/support/real_models.py``, its encoder-decoders ``t5`` and ``bart``
 on their own loss and token pairs, plus ``qwen2``, ``mistral`` and ``llama4``, a Llama of 4 layers; ``row-NAME``: a regression row of
-``tests/strategies/regression_models.py``, its own task, dtype and data, 3 steps; ``row-NAME@PRECISION``: in Lightning's
+``tests/support/regression_models.py``, its own task, dtype and data, 3 steps; ``row-NAME@PRECISION``: in Lightning's
 ``PRECISION``, e.g. ``bf16-mixed``),
 one ``Trainer.fit`` each in the same two processes (Lightning's launcher starts rank 1 from
 this script). Each fit: 4 steps of 8 sequences in 4 micro-batches, float64, from the
@@ -26,11 +26,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-import real_models  # noqa: E402
-import regression_models  # noqa: E402
-from real_models import VOCAB, lm_loader  # noqa: E402
+from tests.support import real_models
+from tests.support import regression_models
+from tests.support.real_models import VOCAB, lm_loader
 
 STEPS, CHUNKS = 4, 4
 SEQ2SEQ_SAMPLES = 32  # encoder-decoders (T5, BART): (source, target) pairs, 4 batches of 8

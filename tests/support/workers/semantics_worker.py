@@ -157,24 +157,19 @@ def _tuple_cases() -> dict[str, tuple]:
     }
 
 
-STRATEGY_TESTS = str(Path(__file__).resolve().parents[1] / "strategies")  # real_models.py: the causal LM task
-
-
 def moe_loader() -> DataLoader:
-    """32 token sequences in batches of 8 (tests/strategies/real_models.py)."""
-    sys.path.insert(0, STRATEGY_TESTS)
-    from real_models import lm_loader
+    """32 token sequences in batches of 8 (tests/support/real_models.py)."""
+    from tests.support.real_models import lm_loader
 
     return lm_loader()
 
 
 def tiny_mixtral() -> pl.LightningModule:
     """transformers' Mixtral (mixture of experts: its experts call grouped_mm, which refuses meta float32) in float32,
-    as a causal LM task (tests/strategies/real_models.py)."""
+    as a causal LM task (tests/support/real_models.py)."""
     import transformers
 
-    sys.path.insert(0, STRATEGY_TESTS)
-    from real_models import VOCAB, CausalLM
+    from tests.support.real_models import VOCAB, CausalLM
 
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(
@@ -192,8 +187,7 @@ class RouterLM(pl.LightningModule):
     def __init__(self) -> None:
         import transformers
 
-        sys.path.insert(0, STRATEGY_TESTS)
-        from real_models import VOCAB
+        from tests.support.real_models import VOCAB
 
         super().__init__()
         torch.manual_seed(0)

@@ -24,16 +24,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from lightning_accel.models import GPT, LanguageModelTask  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from lightning.pytorch.utilities import grad_norm  # noqa: E402
-
-from lightning_accel.plugins.precision import OffloadPrecision  # noqa: E402
-from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy  # noqa: E402
+from lightning_accel.models import GPT, LanguageModelTask
+from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 
 PER_RANK_BATCH = 4
 SEQUENCES = 32
@@ -83,13 +80,13 @@ class GlobalBatches:
 
 
 def llama_task() -> pl.LightningModule:
-    from real_models import real_task
+    from tests.support.real_models import real_task
 
     return real_task("llama", torch.float64)
 
 
 def llama_loader() -> DataLoader:
-    from real_models import lm_loader
+    from tests.support.real_models import lm_loader
 
     return lm_loader(n=SEQUENCES, batch_size=PER_RANK_BATCH)
 

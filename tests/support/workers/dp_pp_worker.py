@@ -22,10 +22,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dp_pp_models import CASES, DP, POISON_RANK, POISON_STEP, PP, Poison, fp16_plugin, rank_loader, task  # noqa: E402
-from gpipe_models import CLIP, HeldAtTrainEnd, val_loader  # noqa: E402
+from tests.support.dp_pp_models import CASES, DP, POISON_RANK, POISON_STEP, PP, Poison, fp16_plugin, rank_loader, task
+from tests.support.gpipe_models import CLIP, HeldAtTrainEnd, val_loader
 
 
 class Record(pl.Callback):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -12,9 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 from torchmetrics.aggregation import SumMetric
 
 from lightning_accel.models import LanguageModelTask
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpipe_models import gpt_task  # noqa: E402
+from tests.support.gpipe_models import gpt_task
 
 DP, PP, PER_RANK = 2, 2, 4  # replicas, ranks per pipeline, sequences per rank's batch: a global batch of 8
 CASES = {  # schedule: (chunks, balance, training sequences, accumulate_grad_batches)

@@ -21,9 +21,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
-from real_models import BUILDERS, CausalLM, VOCAB, SEQ, lm_loader  # noqa: E402
+from tests.support.real_models import BUILDERS, CausalLM, VOCAB, SEQ, lm_loader
 
 STEPS, CHUNKS, SEED = 4, 4, 0
 
