@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_accel.models import GPT, MLP
-from lightning_accel.pipeline.distributed import mesh_coordinates, stage_indices
+from lightning_accel.pipeline.distributed import stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
 from tests.support.workers import WORKERS
@@ -64,10 +64,21 @@ def _reference():
     return {n: p.grad for n, p in net.named_parameters()}, loss.detach()
 
 
-def test_two_ranks_match_plain_training_for_every_schedule(tmp_path):
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
-    results = _launch(tmp_path, ",".join(schedules), "train", timeout=120)
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+@pytest.fixture(scope="module")
+def trained_and_evaluated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of two ranks that train and then evaluate with every schedule (the two tests below read its
+    files): each launch costs the ranks' start-up, importing torch and Lightning, before any step."""
+    out = tmp_path_factory.mktemp("dist")
+    results = _launch(out, ",".join(SCHEDULES), "train,eval", timeout=180)
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    return out
+
+
+def test_two_ranks_match_plain_training_for_every_schedule(trained_and_evaluated: Path):
+    schedules, tmp_path = SCHEDULES, trained_and_evaluated
     ref_grads, ref_loss = _reference()
     for schedule in schedules:
         ranks = [torch.load(tmp_path / f"{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
@@ -181,13 +192,11 @@ def test_a_tied_weight_is_summed_between_its_two_users_only_on_three_ranks(tmp_p
     assert [r["summed"] for r in ranks] == [[nbytes] * 2, [0, 0], [nbytes] * 2]
 
 
-def test_evaluation_streams_micro_batches_and_equals_the_whole_model(tmp_path):
+def test_evaluation_streams_micro_batches_and_equals_the_whole_model(trained_and_evaluated: Path):
     """forward splits each batch into min(chunks=4, size) micro-batches (tensor_split sizes) and returns, on the
     last stage's rank, the unsplit float64 model's output: a batch that divides, one that does not, one smaller
     than chunks, one sample; one stage per rank and two (interleaved: stage s on rank s % 2)."""
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
-    results = _launch(tmp_path, ",".join(schedules), "eval", timeout=120)
-    assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
+    schedules, tmp_path = SCHEDULES, trained_and_evaluated
     torch.manual_seed(0)
     net = MLP(6, 3, hidden=16, depth=4).double().eval()
     micro_sizes = {8: [2, 2, 2, 2], 7: [2, 2, 2, 1], 3: [1, 1, 1], 1: [1]}

@@ -1,7 +1,7 @@
 """One rank of a 2-process pipeline test, launched the way Lightning's subprocess launcher does (env vars).
 
-argv: OUT_DIR SCHEDULES MODE: SCHEDULES comma-separated (one launch runs them all, one after
-another, to pay the start-up once); MODE "train" (save this rank's gradients and loss per
+argv: OUT_DIR SCHEDULES MODES: SCHEDULES and MODES comma-separated (one launch runs every mode
+for every schedule, one after another, to pay the start-up once); a mode is "train" (save this rank's gradients and loss per
 schedule, and ``averaged.pt``: gradients of three dtypes averaged over both ranks in buckets of
 at most 64 bytes), "die" (rank 1 exits in the middle of its first forward) or "eval" (save
 ``eval-{schedule}-rank{r}.pt``: :meth:`RankPipeline.forward`'s output for each batch size of
@@ -42,48 +42,49 @@ def evaluate(out: str, schedule: str, rank: int) -> None:
 
 
 def main() -> None:
-    out, schedules, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    out, schedules, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")  # modes in turn, one process group
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
-    for schedule in schedules.split(","):
-        if mode == "eval":
-            evaluate(out, schedule, rank)
-            continue
-        torch.manual_seed(0)
-        net = MLP(6, 3, hidden=16, depth=4).double()
-        g = torch.Generator().manual_seed(1)
-        x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
-        balance = [1, 1, 1, 1] if schedule == "interleaved_1f1b" else [1, 3]
-        pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule, record=True)
-        if mode == "die" and rank == 1:
-            pipe.modules[0].blocks[0].register_forward_pre_hook(lambda *_: os._exit(3))
-        try:
-            loss = pipe.step(x, y)
-        except RuntimeError as err:
-            print(f"rank {rank} error: {err}", flush=True)
-            os._exit(4)  # do not wait in destroy_process_group for a dead peer
-        grads = {n: p.grad for n, p in net.named_parameters() if not p.is_meta}
-        torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()], "summed_bytes": pipe.summed_bytes},
-                   os.path.join(out, f"{schedule}-rank{rank}.pt"))
-    if mode == "train":  # rank r's gradients are r + 1 (and one parameter without a gradient)
-        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
-                  [(3, torch.float32), (20, torch.float64), (5, torch.float32), (2, torch.bfloat16), (4, torch.float64)]]
-        for i, p in enumerate(params[:-1]):
-            p.grad = torch.full_like(p, rank + 1.0) * (i + 1)
-        average_gradients(params, None, bucket_bytes=64)
-        torch.save([p.grad for p in params], os.path.join(out, f"averaged-rank{rank}.pt"))
-        # sum_over_users: users (0, 1), the whole group (an all-reduce); one user and none: left alone. _sum_between:
-        # the sends and receives a strict subset of a larger group takes, here on both ranks. Rank r's gradients: r + 1
-        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
-                  [(3, torch.float32), (4, torch.float64), (5, torch.float32), (2, torch.float64)]]
-        for p in params[:3]:
-            p.grad = torch.full_like(p, rank + 1.0)
-        users = [(0, 1), (0, 1), (rank,), ()]
-        summed = sum_over_users(params, users, rank, None)
-        flat = torch.full((6,), rank + 1.0, dtype=torch.float64)
-        _sum_between(flat, (0, 1), rank, None)  # what a strict subset of a larger group runs
-        torch.save({"grads": [p.grad for p in params], "summed": summed, "between": flat}, os.path.join(out, f"users-rank{rank}.pt"))
+    for mode in modes:
+        for schedule in schedules.split(","):
+            if mode == "eval":
+                evaluate(out, schedule, rank)
+                continue
+            torch.manual_seed(0)
+            net = MLP(6, 3, hidden=16, depth=4).double()
+            g = torch.Generator().manual_seed(1)
+            x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+            balance = [1, 1, 1, 1] if schedule == "interleaved_1f1b" else [1, 3]
+            pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule, record=True)
+            if mode == "die" and rank == 1:
+                pipe.modules[0].blocks[0].register_forward_pre_hook(lambda *_: os._exit(3))
+            try:
+                loss = pipe.step(x, y)
+            except RuntimeError as err:
+                print(f"rank {rank} error: {err}", flush=True)
+                os._exit(4)  # do not wait in destroy_process_group for a dead peer
+            grads = {n: p.grad for n, p in net.named_parameters() if not p.is_meta}
+            torch.save({"grads": grads, "loss": loss, "events": [tuple(e) for e in pipe.events()], "summed_bytes": pipe.summed_bytes},
+                       os.path.join(out, f"{schedule}-rank{rank}.pt"))
+        if mode == "train":  # rank r's gradients are r + 1 (and one parameter without a gradient)
+            params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+                      [(3, torch.float32), (20, torch.float64), (5, torch.float32), (2, torch.bfloat16), (4, torch.float64)]]
+            for i, p in enumerate(params[:-1]):
+                p.grad = torch.full_like(p, rank + 1.0) * (i + 1)
+            average_gradients(params, None, bucket_bytes=64)
+            torch.save([p.grad for p in params], os.path.join(out, f"averaged-rank{rank}.pt"))
+            # sum_over_users: users (0, 1), the whole group (an all-reduce); one user and none: left alone. _sum_between:
+            # the sends and receives a strict subset of a larger group takes, here on both ranks. Rank r's gradients: r + 1
+            params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n, dtype in
+                      [(3, torch.float32), (4, torch.float64), (5, torch.float32), (2, torch.float64)]]
+            for p in params[:3]:
+                p.grad = torch.full_like(p, rank + 1.0)
+            users = [(0, 1), (0, 1), (rank,), ()]
+            summed = sum_over_users(params, users, rank, None)
+            flat = torch.full((6,), rank + 1.0, dtype=torch.float64)
+            _sum_between(flat, (0, 1), rank, None)  # what a strict subset of a larger group runs
+            torch.save({"grads": [p.grad for p in params], "summed": summed, "between": flat}, os.path.join(out, f"users-rank{rank}.pt"))
     dist.destroy_process_group()
 
 
