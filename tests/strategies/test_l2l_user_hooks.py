@@ -8,11 +8,9 @@ missed the blocks already stepped.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.utilities import grad_norm
