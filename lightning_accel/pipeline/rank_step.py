@@ -24,8 +24,7 @@ from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.gradients import set_aside
 from lightning_accel.pipeline.microbatch import batch_size, scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
-from lightning_accel.pipeline.step_logs import EvalLogs, MicroBatchLogs, silenced
-from lightning_accel.pipeline.step_result import StepResult
+from lightning_accel.pipeline.step_report import EvalLogs, MicroBatchLogs, StepResult, silenced
 
 __all__ = ["eval_step", "train_step"]
 

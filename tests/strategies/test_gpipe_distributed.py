@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import MLP
-from lightning_accel.pipeline.step_result import reduce_logs
+from lightning_accel.pipeline.step_report import reduce_logs
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from tests.support.gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader
 from tests.support.user_script import run_user_script
