@@ -56,7 +56,7 @@ a header before each tensor, so batches may have any size and shape
 (:mod:`lightning_accel.pipeline.evaluation`). One exception: ``interleaved_1f1b`` on 2
 ranks off the CPU evaluates the batch whole, since there the two ranks send each other
 activations and NCCL would deadlock on crossing sends (see :meth:`RankPipeline.eval_chunks`).
-A step's timeline (``record=True``) comes from :mod:`lightning_accel.pipeline.stage_recorder`.
+A step's timeline (``record=True``) comes from :mod:`lightning_accel.pipeline.step_recorder`.
 
 :class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
 inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
@@ -87,7 +87,7 @@ from lightning_accel.pipeline.router_carry import RouterCarry
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
 from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_meter import StageMeter
-from lightning_accel.pipeline.stage_recorder import Mark, StepRecorder
+from lightning_accel.pipeline.step_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
 
 __all__ = [

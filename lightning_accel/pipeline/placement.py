@@ -5,7 +5,7 @@ the blocks is on every rank (``shared``). At setup every rank starts from global
 weights: :func:`send_initial_weights` sends each stage's tensors from the pipeline's first
 rank to their owner only, then over the data-parallel replicas. :func:`keep_own_parameters`
 gives an optimizer only this rank's parameters and remembers where they sat in the whole
-model's optimizer (what :mod:`lightning_accel.pipeline.checkpoint` saves under).
+model's optimizer (what :mod:`lightning_accel.pipeline.state_gather` gathers under).
 :func:`owners` says which rank holds each tensor; :func:`check_split` refuses a second split
 of a module (after ``fit`` it stays split) for another layout. No Lightning here.
 """

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_accel.models.block_policy import Block
-from lightning_accel.pipeline.checkpoint import gather_optimizer_state, local_optimizer_state
+from lightning_accel.pipeline.state_gather import gather_optimizer_state, local_optimizer_state
 from lightning_accel.pipeline.deferred_init import agreed_seed, has_meta_tensors, materialize
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, owners, send_initial_weights

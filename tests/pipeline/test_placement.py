@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_accel.pipeline.checkpoint import load_own_state
+from lightning_accel.pipeline.state_gather import load_own_state
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, ranks_per_pipeline
 from lightning_accel.pipeline.placement import check_split, owners
 
