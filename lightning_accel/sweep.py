@@ -66,15 +66,21 @@ def check_search_space(cfg: DictConfig, params: Mapping[str, Any], *, groups: It
     """Refuse a search space over a key the composed ``cfg`` does not have.
 
     ``params`` maps override keys to their sweep (``{"model.optimizer.lr": "interval(...)"}``).
-    A key written ``+key`` adds a new key on purpose and is allowed; ``hydra.*`` keys
-    configure Hydra itself; ``groups`` are config-group names (``model``, ``precision``)
-    whose options were already checked by composition.
+    A key written ``+key`` adds a new key on purpose and is allowed here (:func:`check_added_keys`
+    composes it); ``~key`` removes one, which must exist; ``hydra.*`` keys configure Hydra itself,
+    except the search space's own (``+hydra.sweeper.params.K=interval(...)``, written as Hydra
+    users often write a search dimension: each trial would set Hydra's key and ``K`` would not
+    change); ``groups`` are config-group names (``model``, ``precision``) whose options were
+    already checked by composition.
     """
     group_names = set(groups)
     known: list[str] | None = None
     for raw_key in params:
-        key = str(raw_key)
-        if key.startswith("+") or key.startswith("~") or key.startswith("hydra.") or key in group_names:
+        text = str(raw_key)
+        key = text.lstrip("+~")
+        if key.startswith(_OWN_PARAMS):
+            _refuse_own_params(cfg, text, key[len(_OWN_PARAMS):], params[raw_key], group_names)
+        if text.startswith("+") or key.startswith("hydra.") or key in group_names:
             continue
         if "/" in key or "@" in key:  # group selections (hydra/launcher, db@x): composition checks them
             continue
@@ -82,10 +88,54 @@ def check_search_space(cfg: DictConfig, params: Mapping[str, Any], *, groups: It
             continue
         if known is None:
             known = list(_leaf_keys(OmegaConf.to_container(cfg, resolve=False)))
+        fix = "or remove the ~ entry" if text.startswith("~") else f"or write +{key} to add a new key"
         raise UserError(
-            f"search space key {key!r} does not exist in the composed config{close_matches(key, known)}; "
-            f"fix it in hydra.sweeper.params or on the command line, or write +{key} to add a new key"
+            f"search space key {text!r} does not exist in the composed config{close_matches(key, known)}; "
+            f"fix it in hydra.sweeper.params or on the command line, {fix}"
         )
+
+
+_OWN_PARAMS = "hydra.sweeper.params."
+
+
+def _refuse_own_params(cfg: DictConfig, text: str, inner: str, value: Any, groups: set[str]) -> None:
+    """A sweep over ``[+|~]hydra.sweeper.params.K``: the key ``K`` it means is checked first (a misspelling is named),
+    then the form is refused with the one that sweeps ``K``."""
+    if not inner.lstrip("+~").startswith("hydra."):
+        check_search_space(cfg, {inner: value}, groups=groups)
+    raise UserError(
+        f"search space key {text!r} sweeps Hydra's own config: each trial would set hydra.sweeper.params.{inner} and "
+        f"{inner.lstrip('+~')} would not change; write {inner}={value} (a search dimension on the command line), or "
+        f"put it under hydra.sweeper.params in the recipe"
+    )
+
+
+def check_added_keys(recipe: str | Path, plain: Sequence[str], params: Mapping[str, Any]) -> None:
+    """Compose each ``+key`` (and ``++key``) of the search space with one of its values and bind the result
+    (:func:`lightning_accel.config.validate.validate`): an added key the class it lands in does not take
+    (``+model.optimizer.lrr``) is refused before trial 1, not in it. ``plain``: the non-sweep overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lightning_accel.config.compose import compose_recipe
+    from lightning_accel.config.errors import explain
+    from lightning_accel.config.validate import validate
+
+    parser = OverridesParser.create()
+    for raw_key, spec in params.items():
+        key = str(raw_key)
+        if not key.startswith("+") or key.lstrip("+").startswith("hydra."):
+            continue
+        try:
+            override = parser.parse_override(f"{key}={spec}")
+            value = override.value()
+            sample = next(iter(override.sweep_string_iterator())) if override.is_discrete_sweep() else getattr(value, "start", spec)
+            cfg = compose_recipe(recipe, [*plain, f"{key}={sample}"])
+            validate(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]))
+        except UserError as err:
+            raise UserError(f"search space key {key!r}: {err}") from None
+        except Exception as err:
+            line = explain(err) or str(err).strip().splitlines()[0]
+            raise UserError(f"search space key {key!r} ({key}={spec}) is refused: {line}") from None
 
 
 _ABSENT = object()
@@ -140,7 +190,9 @@ def check_sweep(recipe: str | Path, overrides: Sequence[str], cfg: DictConfig | 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
     with_hydra_removed = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     check_search_space(with_hydra_removed, params, groups=groups)
-    check_sweep_values(recipe, [o for o in texts if not parser.parse_override(o).is_sweep_override()], texts)
+    plain = [o for o in texts if not parser.parse_override(o).is_sweep_override()]
+    check_sweep_values(recipe, plain, texts)
+    check_added_keys(recipe, plain, params)
     launcher = str(OmegaConf.select(hydra_cfg, "launcher._target_", default="") or "")
     remote = launcher.endswith("SlurmLauncher")
     if remote:

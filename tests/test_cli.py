@@ -211,6 +211,26 @@ PREFLIGHT_BAD = [
     (["callbacks=prefetch", "callbacks.prefetch_tuner.max_workers=0"], r"callbacks.prefetch_tuner: max_workers=0 must be a positive integer"),
     (["data=null"], r"data=null removes the data config"),
     (["ckpt_path=last"], r"ckpt_path=last but no earlier run of this recipe"),
+    # a strategy's set-up checks, asked by preflight with the strategy's own functions (config/setup_checks.py)
+    (["strategy=l2l_offload", "strategy.blocks=[GPTBlok]"], r"strategy.blocks=\['GPTBlok'\]: block class 'GPTBlok' is not used in .*name one of them"),
+    (["strategy=gpipe", "strategy.blocks=[GPTBlock,Attention]"], r"block class 'Attention' is not used in GPT"),
+    (["strategy=gpipe", "strategy.chunks=6", "data.batch_size=4"], r"data.batch_size=4: chunks=6 is greater than the batch size 4"),
+    (["strategy=l2l_offload", "model.optimizer._target_=torch.optim.LBFGS", "~model.optimizer.betas",
+      "~model.optimizer.weight_decay"], r"strategy=l2l_offload: .*cannot run LBFGS on the host.*; use a per-parameter optimizer"),
+    (["strategy=l2l_offload", "strategy.delayed_update=true", "model.optimizer._target_=torch.optim.ASGD",
+      "~model.optimizer.betas"], r"delayed_update=True\) .* not ASGD"),
+    (["strategy=gpipe_distributed", "strategy.balance=[2,2]", "trainer.devices=3"],
+     r"trainer.devices=3: .*world size 3 is not a multiple of pipeline_parallel_size=2 \(ranks per pipeline, from len\(balance\)=2\)"),
+    (["strategy=gpipe_distributed", "+strategy.pipeline_parallel_size=4", "trainer.devices=2", "trainer.num_nodes=3"],
+     r"trainer.devices=2 x num_nodes=3: .*world size 6 is not a multiple of pipeline_parallel_size=4"),
+    # a sweeper's search space, written the way Hydra users often write it
+    (["hparams_search=optuna_lr_batch", "+hydra.sweeper.params.model.optimizer.lrr=interval(1e-4,1e-2)"],
+     r"search space key 'model.optimizer.lrr' does not exist.*did you mean 'model.optimizer.lr'"),
+    (["hparams_search=optuna_lr_batch", "+hydra.sweeper.params.data.batch_size=choice(4,8)"],
+     r"'\+hydra.sweeper.params.data.batch_size' sweeps Hydra's own config.*write data.batch_size=choice\(4,8\)"),
+    (["hparams_search=optuna_lr_batch", "+model.optimizer.lrr=interval(1e-4,1e-2)"],
+     r"search space key '\+model.optimizer.lrr': model.optimizer.lrr is not an argument of torch.optim.AdamW \(did you mean 'lr'"),
+    (["hparams_search=optuna_lr_batch", "~model.optimizer.betass=1,2"], r"search space key '~model.optimizer.betass' does not exist .*remove the ~ entry"),
 ]
 
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from lightning_accel.config.compose import compose_recipe
 from lightning_accel.config.errors import UserError, explain
-from lightning_accel.sweep import check_search_space, check_sweep, metric_direction, sweep_params
+from lightning_accel.sweep import check_added_keys, check_search_space, check_sweep, metric_direction, sweep_params
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="needs the sweep extra (hydra-optuna-sweeper)")
 
@@ -48,6 +48,30 @@ def test_search_space_over_a_missing_key_is_refused() -> None:
         {"model.optimizer.lr": "x", "+extra.knob": "1,2", "hydra.job.name": "a,b", "precision": "32-true,bf16-mixed"},
         groups=["precision"],
     )
+
+
+def test_search_space_keys_written_with_plus_or_tilde_on_hydra_keys() -> None:
+    """``~key`` must exist; ``+hydra.sweeper.params.K=...`` (a search dimension written as Hydra's own key) checks K,
+    then is refused: each trial would set Hydra's key and K would not change."""
+    cfg = compose_recipe("gpt-tiny_cpu")
+    with pytest.raises(UserError, match=r"'~data.batch_sise' does not exist.*'data.batch_size'.*remove the ~ entry"):
+        check_search_space(cfg, {"~data.batch_sise": "8,16"})
+    with pytest.raises(UserError, match=r"'model.optimizer.lrr' does not exist.*did you mean 'model.optimizer.lr'"):
+        check_search_space(cfg, {"+hydra.sweeper.params.model.optimizer.lrr": "interval(1e-4,1e-2)"})
+    with pytest.raises(UserError, match=r"'\+\+hydra.sweeper.params.data.batch_size' sweeps Hydra's own config: .*"
+                                        r"data.batch_size would not change; write data.batch_size=choice\(8,16\)"):
+        check_search_space(cfg, {"++hydra.sweeper.params.data.batch_size": "choice(8,16)"})
+    check_search_space(cfg, {"~model.optimizer.betas": "1,2", "hydra.sweeper.n_trials": "2,4"})
+
+
+def test_an_added_search_space_key_must_bind_where_it_lands() -> None:
+    with pytest.raises(UserError, match=r"^search space key '\+model.optimizer.lrr': model.optimizer.lrr is not an "
+                                        r"argument of torch.optim.AdamW \(did you mean 'lr'"):
+        check_added_keys("gpt-tiny_cpu", [], {"+model.optimizer.lrr": "tag(log, interval(1e-4, 1e-2))"})
+    with pytest.raises(UserError, match=r"'\+trainer.max_stepz': trainer.max_stepz is not an argument of .*Trainer"):
+        check_sweep("gpt-tiny_cpu", ["-m", "+trainer.max_stepz=2,4"])
+    check_added_keys("gpt-tiny_cpu", [], {"+model.optimizer.foreach": "true,false", "++model.optimizer.lr": "choice(0.1,0.2)",
+                                          "model.optimizer.lr": "interval(0,1)"})
 
 
 def test_sweep_params_merges_config_and_command_line() -> None:

@@ -12,8 +12,10 @@ bad input ends in one line and exit status 2 before Hydra makes a run directory:
 4. construction: the objects whose constructors check their arguments are built once,
    cheaply (the network on the meta device, the Trainer's loop settings on the CPU), so
    their own validation runs and no second copy of it exists here (a transformers
-   ``pretrained_path`` is checked there too, without reading a weight); the pipeline balance
-   is checked against the network's blocks with the strategy's own functions;
+   ``pretrained_path`` is checked there too, without reading a weight); then the strategy's
+   set-up checks, the same functions it calls at set-up, on that network, the configured batch
+   size and world size (:func:`lightning_accel.config.setup_checks.check_strategy_setup`): block
+   policy, balance, micro-batches vs batch, world size vs pipeline layout, host optimizers;
 5. the run on this machine (``launch=True``): the hardware the recipe needs, the data
    files, a writable outputs directory;
 6. checkpoints: ``ckpt_path`` (``last`` resolved to a file) is readable and its weights
@@ -35,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
 from lightning_accel.config.errors import UserError, explain, one_line
+from lightning_accel.config.setup_checks import check_offload_precision, check_strategy_setup
 from lightning_accel.config.validate import check_launchable, validate
 
 _REQUIRED_GROUPS = ("model", "data", "trainer")
@@ -212,82 +215,8 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
                 raise
             except Exception as err:
                 raise UserError(f"model: {_reason(err)}") from None
-    net = getattr(module, "net", None)
-    net = net if isinstance(net, torch.nn.Module) else module
-    _check_balance(strategy, net)
-    _check_pipeline_batch(strategy, cfg)
+    check_strategy_setup(strategy, module, cfg)
     return module
-
-
-# Lightning's flags the L2L strategies pair with an offload plugin, and that plugin's option.
-_OFFLOAD_TWIN = {"bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "16-mixed": "16-mixed", "16": "16-mixed"}
-_FP32 = ("32-true", "32")
-
-
-def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) -> None:
-    """L2L offload computes on device copies of fp32 host masters. ``trainer.precision=bf16-mixed``
-    or ``16-mixed`` is paired by the strategy itself with the offload plugin of that flag (as
-    ``precision=offload-*`` would set it); a flag that changes the masters' dtype (``bf16-true``,
-    ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
-    the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
-    from lightning_accel.plugins.precision import OffloadPrecision
-    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
-
-    offload = next((p for p in plugins if isinstance(p, OffloadPrecision)), None)
-    flag = None if flag is None else str(flag)
-    if isinstance(strategy, L2LOffloadHooks):
-        if offload is not None and flag is not None:
-            raise UserError(
-                f"trainer.precision={flag} and precision=offload-{offload.precision} are both set; "
-                f"keep one: precision=offload-{_OFFLOAD_TWIN.get(flag, offload.precision)} (it sets trainer.precision=null)"
-            )
-        if offload is None and flag is not None and flag not in _FP32 and flag not in _OFFLOAD_TWIN:
-            raise UserError(
-                f"trainer.precision={flag}: strategy={strategy.strategy_name} keeps fp32 masters on the host and makes "
-                f"only the device copies low precision; use precision=bf16-mixed, 16-mixed or 32-true"
-            )
-    elif offload is not None:
-        raise UserError(
-            f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "
-            f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
-        )
-
-
-def _check_pipeline_batch(strategy: Any, cfg: DictConfig) -> None:
-    """A multi-process pipeline cannot run a batch size that no micro-batch count its schedule runs divides: refuse the
-    configured batch size now, with the strategy's own check, instead of after the processes start."""
-    from lightning_accel.pipeline.distributed import stage_indices
-    from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-
-    batch_size = (cfg.get("data") or {}).get("batch_size")
-    if not isinstance(strategy, DistributedGPipeStrategy) or not isinstance(batch_size, int):
-        return
-    devices = (cfg.get("trainer") or {}).get("devices")
-    try:
-        ranks = strategy._pp(devices) if isinstance(devices, int) and devices > 0 else 1
-    except ValueError:  # a world size the pipeline cannot split: refused by the strategy with its own message
-        ranks = 1
-    stages = len(stage_indices(0, ranks, strategy.schedule)) * ranks
-    try:
-        strategy.options.check_batch_size(batch_size, strategy.schedule, stages)
-    except ValueError as err:
-        raise UserError(f"data.batch_size={batch_size}: {_first_line(err)}") from None
-
-
-def _check_balance(strategy: Any, net: Any) -> None:
-    """An explicit GPipe balance must cover the network's blocks (the strategy's own check)."""
-    from lightning_accel.strategies.gpipe import GPipeStrategy
-
-    if not isinstance(strategy, GPipeStrategy) or not isinstance(strategy.balance, (list, tuple)):
-        return
-    from lightning_accel.models.block_policy import find_blocks
-    from lightning_accel.pipeline.partition import check_balance
-
-    try:
-        blocks = find_blocks(net, strategy.blocks, stacks="all")  # as the strategy finds them: every repeated stack
-        check_balance(strategy.balance, len(blocks), len(strategy.devices))
-    except ValueError as err:
-        raise UserError(f"strategy.balance={list(strategy.balance)}: {_first_line(err)}") from None
 
 
 def check_checkpoint(path: str, module: Any) -> None:
@@ -334,12 +263,14 @@ def recipe_root(cfg: DictConfig, recipe_path: Path) -> Path:
     return Path(str(cfg.paths.root_dir)).expanduser() / recipe_path.stem
 
 
-def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True) -> DictConfig:
+def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False) -> DictConfig:
     """Compose ``recipe`` with ``overrides`` once and run every check (see the module doc).
 
     Returns the composed config (Hydra's node included); ``ckpt_path=last`` comes back as
     the checkpoint file it resolved to. ``launch=False`` (``validate``) skips what only a
-    run on this machine needs: hardware and a writable outputs directory.
+    run on this machine needs: hardware and a writable outputs directory. ``relaunched``: a
+    rank that rank 0 started (:mod:`lightning_accel.config.ranks`): earlier runs are left to
+    rank 0 to reap (its own run is already under way there).
     """
     from lightning_accel.run_dir import find_last_checkpoint, reap
     from lightning_accel.sweep import check_sweep
@@ -362,7 +293,7 @@ def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True) -> 
     with _hydra_runtime(cfg, recipe_root(cfg, path) / "(preflight)"):
         module = _check_objects(cfg, launch)
     ckpt_path = cfg.get("ckpt_path")
-    if launch and recipe_root(cfg, path).is_dir():
+    if launch and not relaunched and recipe_root(cfg, path).is_dir():
         reap(recipe_root(cfg, path))  # earlier runs that died: marked killed, their last.ckpt made true
     if ckpt_path == "last":
         ckpt_path = str(find_last_checkpoint(recipe_root(cfg, path), cfg))

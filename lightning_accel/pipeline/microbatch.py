@@ -84,13 +84,19 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
     """Split ``batch`` into ``chunks`` micro-batches along dimension 0, keeping its structure."""
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive int, got {chunks!r}; e.g. chunks=4 splits each batch into 4 micro-batches")
-    size = batch_size(batch)
+    check_chunks(chunks, batch_size(batch))
+    return _split(batch, chunks)
+
+
+def check_chunks(chunks: int, size: int) -> None:
+    """Refuse splitting a batch of ``size`` samples into ``chunks`` micro-batches when some would be empty.
+    :func:`scatter` asks it of every batch, ``GPipeStrategy`` of the first batch its network sees, and
+    ``lightning_accel.config.preflight`` of the configured batch size before any work."""
     if chunks > size:
         raise ValueError(
             f"chunks={chunks} is greater than the batch size {size}: some micro-batches would be empty; "
             f"set chunks <= {size} or raise the DataLoader's batch_size to at least {chunks}"
         )
-    return _split(batch, chunks)
 
 
 def gather(microbatches: Sequence[Any]) -> Any:

@@ -50,7 +50,7 @@ from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
-from lightning_accel.pipeline.microbatch import call_batch_size, scatter_call
+from lightning_accel.pipeline.microbatch import call_batch_size, check_chunks, scatter_call
 from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 
@@ -258,10 +258,7 @@ class GPipeStrategy(SingleDeviceStrategy):
             self._full_batch_seen = True
             return self.chunks
         if not self._full_batch_seen:
-            raise ValueError(
-                f"chunks={self.chunks} is greater than the batch size {size}: some micro-batches would be empty; "
-                f"set chunks <= {size} or raise the DataLoader's batch_size to at least {self.chunks}"
-            )
+            check_chunks(self.chunks, size)  # a first batch: the setting could never be honoured (also preflight's check)
         self._say_once("ragged", f"GPipeStrategy(chunks={self.chunks}): a batch of {size} samples runs as {size} micro-batches")
         return size
 

@@ -16,7 +16,8 @@ size ``pp * dp`` runs ``dp`` replicas on a ``("pp", "dp")`` mesh (:mod:`~lightni
 each on its own shard of the data (Lightning's ``DistributedSampler`` with ``num_replicas=dp``),
 each stage's gradients averaged over the replicas once per optimizer step, so training matches
 plain training on the global batch. ``sync_dist=True`` logs and torchmetrics reduce over the
-replicas. A world size that is not a multiple of ``pp`` fails when the ``Trainer`` is built.
+replicas. A world size that is not a multiple of ``pp`` fails when the ``Trainer`` is built
+(:meth:`DistributedGPipeStrategy.check_layout`; preflight asks it of ``trainer.devices`` first).
 
 A training step: every rank of a pipeline loads the same batch and runs
 :class:`~lightning_accel.pipeline.RankPipeline`'s schedule, and with it the user's
@@ -256,19 +257,23 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
         """Pipeline replicas training data parallel (dp)."""
         return self.world_size // self.pipeline_parallel_size
 
-    def _check_world_size(self, world_size: int) -> None:
+    def check_layout(self, world_size: int) -> int:
+        """Refuse a world size the pipeline layout (``pipeline_parallel_size``, or ``len(balance)``) does not divide;
+        returns the ranks per pipeline. Called before any process starts (the Trainer's launcher, torchrun's
+        ``setup_distributed``) and by ``lightning_accel.config.preflight`` on ``trainer.devices x num_nodes``."""
         given = "given" if self._pp_size is not None else f"from len(balance)={len(self.balance)}"
         check_world_size(world_size, self._pp(world_size), given, type(self).__name__)
+        return self._pp(world_size)
 
     @override
     def _configure_launcher(self) -> None:
         if self.num_processes:  # the Trainer is being built: fail before any process starts
-            self._check_world_size(self.num_nodes * self.num_processes)
+            self.check_layout(self.num_nodes * self.num_processes)
         super()._configure_launcher()
 
     @override
     def setup_distributed(self) -> None:
-        self._check_world_size(self.num_nodes * self.num_processes)  # torchrun: before the process group
+        self.check_layout(self.num_nodes * self.num_processes)  # torchrun: before the process group
         super().setup_distributed()
         self._mesh = process_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size, self._timeout)
         hold_mesh(self)

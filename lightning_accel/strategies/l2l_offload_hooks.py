@@ -65,13 +65,14 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.cpu_budget import CpuBudget
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
+from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_optimizer, check_host_optimizer
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
@@ -187,7 +188,7 @@ class L2LOffloadHooks(Strategy):
         self._base_setup(trainer)
         kernels = []
         for optimizer in self.optimizers:
-            _check_host_optimizer(optimizer)
+            check_host_optimizer(optimizer)
             kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
             kernels.append(kernel.why)
         said = "; ".join([self._plan_text, *kernels])
@@ -212,13 +213,7 @@ class L2LOffloadHooks(Strategy):
                 "sets automatic_optimization=False; use delayed_update=False with manual optimization"
             )
         for optimizer in self.optimizers:
-            # the exact class: a subclass may override step() with a rule across parameters
-            if type(optimizer) not in _PER_PARAMETER:
-                raise ValueError(
-                    f"L2LOffloadStrategy(delayed_update=True) updates the host parameters apart from the device ones, "
-                    f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; use one of "
-                    f"{', '.join(c.__name__ for c in _PER_PARAMETER)}, or delayed_update=False"
-                )
+            check_delayed_optimizer(optimizer)
 
     @override
     def model_to_device(self) -> None:
@@ -434,7 +429,7 @@ class L2LOffloadHooks(Strategy):
         scaling = getattr(self.precision_plugin, "scaler", None) is not None
         # a hook that reads the gradients must see every one of them before any block steps
         hooks = self._reads_gradients("on_after_backward", "on_before_optimizer_step")
-        return isinstance(optimizer, _PER_PARAMETER) and not clipping and not scaling and not hooks
+        return isinstance(optimizer, PER_PARAMETER) and not clipping and not scaling and not hooks
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -482,14 +477,6 @@ class L2LOffloadHooks(Strategy):
         """After a point where a pending host update may have landed (every rank reaches the same ones)."""
 
 
-# Optimizers whose update of a parameter reads only that parameter's gradient and state:
-# stepping them block by block equals one step over all parameters.
-_PER_PARAMETER = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
-)
-
-
 @contextmanager
 def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[None, None, None]:
     """For the ``optimizer.step(closure)`` calls inside: run ``fn()`` after the closure
@@ -508,24 +495,6 @@ def _after_closure(optimizer: Optimizer, fn: Callable[[], None]) -> Generator[No
 
     with swapped(optimizer, "step", step_then):
         yield
-
-
-def _check_host_optimizer(optimizer: Optimizer) -> None:
-    """Refuse optimizers that cannot step parameters living in host memory."""
-    name = type(optimizer).__name__
-    if isinstance(optimizer, LBFGS):
-        raise ValueError(
-            "L2LOffloadStrategy cannot run LBFGS on the host: it re-evaluates the whole model inside step(); "
-            "use a per-parameter optimizer such as AdamW or SGD"
-        )
-    # fused=True is fine: SGD, Adam, AdamW and Adagrad have fused CPU kernels (torch >= 2.4)
-    for group in optimizer.param_groups:
-        if group.get("capturable"):
-            raise ValueError(
-                f"L2LOffloadStrategy steps block parameters on the host, but {name}(capturable=True) is for CUDA-graph "
-                "capture on an accelerator, which host parameters cannot take part in; set capturable=False "
-                "in configure_optimizers (fused=True stays fast on the host)"
-            )
 
 
 def _check_fits(plan: Any, device: torch.device, dtype: torch.dtype) -> None:

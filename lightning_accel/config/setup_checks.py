@@ -1,0 +1,160 @@
+"""A strategy's set-up checks, asked before any work: :func:`check_strategy_setup`.
+
+Each strategy validates at set-up what only its set-up sees: the blocks its policy names, the micro-batches a batch
+splits into, the world size its pipeline layout divides, the optimizers it can host, the precision it pairs with. Those
+checks live beside the mechanism they protect, as functions of plain data (``find_blocks``,
+``pipeline.microbatch.check_chunks``, ``PipelineOptions.check_batch_size``, ``DistributedGPipeStrategy.check_layout``,
+``offload.host_optimizer``); the strategy calls them at set-up, and preflight calls the same ones here, on the strategy
+built from the composed config, the network built on the meta device, the configured batch size and world size, so bad
+input is refused in one line, exit 2, before a run directory exists. Nothing is checked here in words of its own except
+:func:`check_offload_precision`, whose input (a Trainer flag beside a plugin option) no strategy sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lightning_accel.config.errors import UserError, one_line
+
+__all__ = ["check_offload_precision", "check_strategy_setup"]
+
+
+def _line(err: BaseException) -> str:
+    return one_line(str(err)) or type(err).__name__
+
+
+def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
+    """Ask ``strategy`` (built from ``cfg.strategy``) its set-up questions about ``module`` (built on the meta device),
+    the configured ``data.batch_size`` and the world size ``trainer.devices x trainer.num_nodes``."""
+    import torch
+
+    from lightning_accel.pipeline.microbatch import check_chunks
+    from lightning_accel.strategies.gpipe import GPipeStrategy
+    from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+
+    if not isinstance(strategy, (GPipeStrategy, DistributedGPipeStrategy, L2LOffloadHooks)):
+        return
+    net = getattr(module, "net", None)
+    net = net if isinstance(net, torch.nn.Module) else module
+    # L2L streams the LightningModule's blocks (its model), the pipelines split the network's
+    blocks = _check_blocks(strategy, module if isinstance(strategy, L2LOffloadHooks) else net)
+    batch_size = (cfg.get("data") or {}).get("batch_size")
+    batch_size = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else None
+    if isinstance(strategy, GPipeStrategy):
+        _check_balance(strategy, len(blocks))
+        if batch_size is not None:
+            _as_user_error(f"data.batch_size={batch_size}", check_chunks, strategy.chunks, batch_size)
+    if isinstance(strategy, DistributedGPipeStrategy):
+        _check_pipeline(strategy, cfg, batch_size)
+    if isinstance(strategy, L2LOffloadHooks):
+        _check_host_optimizers(strategy, module)
+
+
+def _as_user_error(where: str, check: Any, *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ValueError as err:
+        raise UserError(f"{where}: {_line(err)}") from None
+
+
+def _check_blocks(strategy: Any, model: Any) -> list[Any]:
+    """The blocks the strategy's policy finds (every repeated stack, as each strategy asks for them)."""
+    from lightning_accel.models.block_policy import find_blocks
+
+    policy = strategy.blocks
+    shown = [str(p) for p in policy] if isinstance(policy, Iterable) and not isinstance(policy, str) else policy
+    where = f"strategy.blocks={shown}" if isinstance(shown, (str, list)) else "strategy.blocks"
+    try:
+        return find_blocks(model, policy, stacks="all")
+    except (ValueError, ImportError, AttributeError) as err:
+        raise UserError(f"{where}: {_line(err)}") from None
+
+
+def _check_balance(strategy: Any, blocks: int) -> None:
+    """An explicit GPipe balance must cover the network's blocks (the strategy's own check)."""
+    from lightning_accel.pipeline.partition import check_balance
+
+    if isinstance(strategy.balance, (list, tuple)):
+        _as_user_error(f"strategy.balance={list(strategy.balance)}", check_balance, strategy.balance, blocks, len(strategy.devices))
+
+
+def _world_size(cfg: DictConfig) -> int | None:
+    trainer = cfg.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        return None  # "auto", a list of ids: the launcher counts them
+    return devices * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+
+
+def _check_pipeline(strategy: Any, cfg: DictConfig, batch_size: int | None) -> None:
+    """A multi-process pipeline: the world size its layout divides, and a batch size that some micro-batch count its
+    schedule runs divides; refused now with the strategy's own checks, instead of after the processes start."""
+    from lightning_accel.pipeline.distributed import stage_indices
+
+    world = _world_size(cfg)
+    if world is None:
+        return
+    nodes = (cfg.get("trainer") or {}).get("num_nodes", 1)
+    where = f"trainer.devices={cfg.trainer.devices}" + (f" x num_nodes={nodes}" if nodes not in (None, 1) else "")
+    ranks = _as_user_error(where, strategy.check_layout, world)
+    if batch_size is not None:
+        stages = len(stage_indices(0, ranks, strategy.schedule)) * ranks
+        _as_user_error(f"data.batch_size={batch_size}", strategy.options.check_batch_size, batch_size, strategy.schedule, stages)
+
+
+def _check_host_optimizers(strategy: Any, module: Any) -> None:
+    """The optimizers ``configure_optimizers`` returns for the meta network, asked what the L2L strategy asks at set-up.
+    A ``configure_optimizers`` that needs a Trainer (``self.trainer.estimated_stepping_batches``) cannot be asked
+    here: the strategy still asks at set-up."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    from lightning_accel.offload.host_optimizer import check_delayed_optimizer, check_host_optimizer
+
+    configure = getattr(module, "configure_optimizers", None)
+    try:
+        optimizers = _configure_optimizers(configure())[0] if configure is not None else []
+    except Exception:  # needs a Trainer, or returns nothing Lightning knows: asked at set-up
+        return
+    for optimizer in optimizers:
+        where = f"strategy={strategy.strategy_name}"
+        _as_user_error(where, check_host_optimizer, optimizer)
+        if strategy.delayed_update:
+            _as_user_error(where, check_delayed_optimizer, optimizer)
+
+
+# Lightning's flags the L2L strategies pair with an offload plugin, and that plugin's option.
+_OFFLOAD_TWIN = {"bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "16-mixed": "16-mixed", "16": "16-mixed"}
+_FP32 = ("32-true", "32")
+
+
+def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) -> None:
+    """L2L offload computes on device copies of fp32 host masters. ``trainer.precision=bf16-mixed``
+    or ``16-mixed`` is paired by the strategy itself with the offload plugin of that flag (as
+    ``precision=offload-*`` would set it); a flag that changes the masters' dtype (``bf16-true``,
+    ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
+    the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
+    from lightning_accel.plugins.precision import OffloadPrecision
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
+
+    offload = next((p for p in plugins if isinstance(p, OffloadPrecision)), None)
+    flag = None if flag is None else str(flag)
+    if isinstance(strategy, L2LOffloadHooks):
+        if offload is not None and flag is not None:
+            raise UserError(
+                f"trainer.precision={flag} and precision=offload-{offload.precision} are both set; "
+                f"keep one: precision=offload-{_OFFLOAD_TWIN.get(flag, offload.precision)} (it sets trainer.precision=null)"
+            )
+        if offload is None and flag is not None and flag not in _FP32 and flag not in _OFFLOAD_TWIN:
+            raise UserError(
+                f"trainer.precision={flag}: strategy={strategy.strategy_name} keeps fp32 masters on the host and makes "
+                f"only the device copies low precision; use precision=bf16-mixed, 16-mixed or 32-true"
+            )
+    elif offload is not None:
+        raise UserError(
+            f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "
+            f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
+        )
