@@ -39,8 +39,11 @@ def _fail(message: str) -> int:
 def cmd_run(recipe: str, args: Sequence[str]) -> int:
     import hydra
 
+    from omegaconf import OmegaConf
+
     from lightning_accel.config.compose import resolve_recipe, searchpath_override
-    from lightning_accel.config.preflight import preflight
+    from lightning_accel.config.preflight import is_sweep, preflight
+    from lightning_accel.config.ranks import CONFIG_ENV, check_rank, publish
     from lightning_accel.config.schema import register_schemas
     from lightning_accel.runner import RunFailed, task
 
@@ -49,12 +52,23 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     # Hydra's inspection flags: let Hydra answer, nothing runs, nothing to check
     check = not any(f in ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve") for f in hydra_flags)
     path = resolve_recipe(recipe)
-    if check and not os.environ.get(RECIPE_ENV):  # a re-launched DDP rank was checked by rank 0
-        cfg = preflight(str(path), args)
-        given = [a for a in args if a.split("=", 1)[0] == "ckpt_path"]
-        if cfg.get("ckpt_path") is not None and any(a.split("=", 1)[1] == "last" for a in given):
-            # Every rank and trial resumes from the file preflight checked, not a newer one.
-            args.append(f"ckpt_path='{cfg.ckpt_path}'")
+    relaunched = bool(os.environ.get(RECIPE_ENV))  # a DDP or pipeline rank that rank 0 started
+    published = False
+    if check:
+        # every rank checks its own composition (cheap: the network on meta), before any process group exists
+        cfg = preflight(str(path), args, relaunched=relaunched)
+        if relaunched:
+            check_rank(cfg)  # the same as rank 0's, or refused by name
+        else:
+            given = [a for a in args if a.split("=", 1)[0] == "ckpt_path"]
+            if cfg.get("ckpt_path") is not None and any(a.split("=", 1)[1] == "last" for a in given):
+                # Every rank and trial resumes from the file preflight checked, not a newer one.
+                args.append(f"ckpt_path='{cfg.ckpt_path}'")
+            os.environ.pop(CONFIG_ENV, None)  # an earlier run's, in this process
+            multirun = str(OmegaConf.select(cfg, "hydra.mode", default="")).endswith("MULTIRUN")
+            if not (multirun or any(a in ("-m", "--multirun") or is_sweep(a) for a in args)):
+                publish(cfg)  # a sweep's trials compose differently from this: each trial's ranks are its own
+                published = True
     register_schemas()  # the ConfigStore schemas, in this process (a re-launched rank too)
     os.environ[RECIPE_ENV] = str(path)
     # Keep argv[0]: Lightning re-runs it (the console script's path, or -m lightning_accel)
@@ -68,6 +82,9 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
         if failed.rank == 0:
             print(f"lightning-accel: error: {failed.line}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    finally:
+        if published:  # the ranks this run started have read it
+            os.environ.pop(CONFIG_ENV, None)
     return 0
 
 
