@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
