@@ -4,7 +4,8 @@ Decided once, before training, from the block policy (see
 :mod:`lightning_accel.models.block_policy`); the executor receives plain data. Each block
 is a unit; the parameters outside every block (embeddings, head, final norm) form the
 *resident* unit, which either stays on the device for the whole run or streams in at the
-start of each step and out at its end (``offload_resident=True``).
+start of each step and out at its end (``offload_resident=True``). (The multi-process
+pipeline calls the same parameters *shared*, for being on every rank.)
 """
 
 from __future__ import annotations

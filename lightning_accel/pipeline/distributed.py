@@ -14,7 +14,7 @@ every rank, but only the ranks whose part of the forward uses a parameter get it
 gradient and step it: an untied embedding on the first stage's rank, the final norm and
 head on the last's. Only a parameter two ranks use (a tied embedding and head) has its
 gradients summed, between those ranks, as Megatron all-reduces the embedding shared by
-its first and last stage (:meth:`RankPipeline._sum_resident`). Gradients are scaled by ``1 / chunks`` so a mean loss matches
+its first and last stage (:meth:`RankPipeline._sum_shared`). Gradients are scaled by ``1 / chunks`` so a mean loss matches
 plain training.
 
 Why this design and not the ``torch.distributed.pipelining`` tracer (``pipeline()``
@@ -125,7 +125,7 @@ class StageModule(nn.Module):
         ``submod.parameters()``, so those would otherwise get no gradient."""
         yield from super().parameters(recurse)
         if self.split_backward:
-            yield from (p for p in self.pipe.resident if p.requires_grad)
+            yield from (p for p in self.pipe.shared_params if p.requires_grad)
 
     def forward(self, *xs: Tensor) -> Tensor | tuple[Tensor, ...]:
         # stage 0: the micro-batch index; a later stage: the previous stage's tensors (one, or a block output's several)
@@ -194,7 +194,7 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
                     )
         start += count
     in_blocks = {id(m) for b in blocks for m in b.module.modules()}
-    resident: list[nn.Parameter] = []
+    shared_params: list[nn.Parameter] = []
     kept: set[int] = set()
     for name, module in net.named_modules(remove_duplicate=False):
         if id(module) in in_blocks:
@@ -207,8 +207,8 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
                 )
             if id(p) not in kept:
                 kept.add(id(p))
-                resident.append(p)
-    return resident
+                shared_params.append(p)
+    return shared_params
 
 
 class _Stage(PipelineStage):
@@ -283,11 +283,13 @@ class RankPipeline:
     rank runs the model's own forward, its stages' blocks computing and the others'
     becoming receive and send points (:mod:`lightning_accel.pipeline.boundaries`). The
     blocks of other ranks' stages go to the ``meta`` device; everything outside the blocks
-    (embeddings, norms, heads, their tied weights) stays on every rank; after each step
+    (embeddings, norms, heads, their tied weights) stays on every rank, its parameters
+    :attr:`shared_params` (shared by the ranks; ``offload/`` calls the same part its *resident*
+    unit, for staying on the device while the blocks stream); after each step
     a parameter there has a gradient only on the ranks whose stages' forward used it,
     summed between them where there are two or more (a tied embedding and head), so the
-    ranks that use it step it alike and the others leave it (:meth:`_sum_resident`;
-    :meth:`resident_rank` says whose value counts).
+    ranks that use it step it alike and the others leave it (:meth:`_sum_shared`;
+    :meth:`shared_rank` says whose value counts).
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
     ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
@@ -337,11 +339,11 @@ class RankPipeline:
         self.indices = stage_indices(self.rank, self.world_size, schedule)
         self.blocks = [b.module for b in found]
         self.block_names = [b.name for b in found]
-        self.resident = _check_stage_tensors(net, found, self.balance)
-        # per resident parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
-        # first step that gives it one; () until then (see _sum_resident)
-        self.users: list[tuple[int, ...]] = [() for _ in self.resident]
-        self.resident_owner: dict[int, int] = {}  # id -> the rank whose value counts (its first user), once known
+        self.shared_params = _check_stage_tensors(net, found, self.balance)
+        # per shared parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
+        # first step that gives it one; () until then (see _sum_shared)
+        self.users: list[tuple[int, ...]] = [() for _ in self.shared_params]
+        self.shared_owner: dict[int, int] = {}  # id -> the rank whose value counts (its first user), once known
         self.summed_bytes = 0  # gradient bytes this rank put into sums at the last step
         for k, block in enumerate(self.blocks):  # other ranks' blocks: names, shapes and dtypes stay, storage goes
             if not any(k in self._stage_range(s) for s in self.indices):
@@ -460,7 +462,7 @@ class RankPipeline:
 
     def parameters(self) -> list[nn.Parameter]:
         """What this rank trains: its stages' blocks' parameters, then everything outside the blocks."""
-        return [*(p for m in self.modules for p in m.parameters()), *self.resident]
+        return [*(p for m in self.modules for p in m.parameters()), *self.shared_params]
 
     def microbatches(self, size: int) -> int:
         """The equal micro-batches a training batch of ``size`` runs in: ``chunks``, or for a batch it does not divide
@@ -519,11 +521,11 @@ class RankPipeline:
         finally:
             self._forward = lambda i: None
         self.batch_norm.commit()  # deferred: the whole batch's statistics, once
-        self._sum_resident()
+        self._sum_shared()
         losses = self._losses[-chunks:]
         return torch.stack(losses).mean() if self.holds_last and losses else None
 
-    def _sum_resident(self) -> None:
+    def _sum_shared(self) -> None:
         """Sum the gradients of what is outside the blocks between the ranks that used it, and only those.
 
         Who uses a parameter is observed, not guessed: after the step's backward a rank holds a gradient of exactly
@@ -533,17 +535,17 @@ class RankPipeline:
         a residual from the embedding, a model's own helper): the gradient says. Each parameter's users are fixed at
         the first step that gives it a gradient (every rank sees the same, one small all-gather per step); a rank
         outside them never gets a gradient of it, so its optimizer leaves it (and makes no state for it), and its
-        value that counts (checkpoints, :attr:`resident_owner`) is its first user's. A later step in which another
+        value that counts (checkpoints, :attr:`shared_owner`) is its first user's. A later step in which another
         rank uses it is refused: that rank's copy and optimizer state would be stale."""
-        if not self.resident:
+        if not self.shared_params:
             return
-        present = gradient_presence(self.resident, self.group)
+        present = gradient_presence(self.shared_params, self.group)
         now: list[tuple[int, ...]] = []
-        for i, p in enumerate(self.resident):
+        for i, p in enumerate(self.shared_params):
             used = tuple(r for r in range(len(present)) if present[r][i])
             if used and not self.users[i]:
                 self.users[i] = used
-                self.resident_owner[id(p)] = used[0]
+                self.shared_owner[id(p)] = used[0]
             elif not set(used) <= set(self.users[i]):
                 name = next((n for n, q in self.net.named_parameters(remove_duplicate=False) if q is p), "a parameter")
                 raise RuntimeError(
@@ -553,12 +555,12 @@ class RankPipeline:
                     "freeze it (requires_grad=False)"
                 )
             now.append(self.users[i] if used else ())  # nobody used it this step: it keeps no gradient
-        self.summed_bytes = sum_over_users(self.resident, now, self.rank, self.group)
+        self.summed_bytes = sum_over_users(self.shared_params, now, self.rank, self.group)
 
-    def resident_rank(self, p: Tensor) -> int:
+    def shared_rank(self, p: Tensor) -> int:
         """The pipeline rank whose value of ``p`` (outside the blocks) counts: its first user, or before any step the
         last stage's rank (every rank then holds the same value)."""
-        return self.resident_owner.get(id(p), stage_rank(len(self.balance) - 1, self.world_size, self.schedule_name))
+        return self.shared_owner.get(id(p), stage_rank(len(self.balance) - 1, self.world_size, self.schedule_name))
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

@@ -38,16 +38,16 @@ def tensors_of(module: nn.Module) -> list[Tensor]:
 @dataclass
 class RankSplit:
     """Per tensor of :func:`tensors_of` the module: the pipeline rank whose stage trains it (``owners``) and whether it is
-    outside every block, so on every rank (``shared``); the ids of the parameters outside the blocks (``resident``);
+    outside every block, so on every rank (``shared``); the ids of the parameters outside the blocks (``shared_params``);
     per optimizer, the whole model's optimizer's parameter indices per group and this rank's among them."""
 
     owners: list[int]
     shared: list[bool]
-    resident: set[int]
+    shared_params: set[int]
     optimizer_index: list[tuple[list[list[int]], list[int]]] = field(default_factory=list)
-    # parameter id -> the pipeline rank that uses it (RankPipeline.resident_owner, filled at the first step): a rank
+    # parameter id -> the pipeline rank that uses it (RankPipeline.shared_owner, filled at the first step): a rank
     # that does not use a parameter outside the blocks never steps it, so its value and optimizer state come from here
-    resident_owner: dict[int, int] = field(default_factory=dict)
+    shared_owner: dict[int, int] = field(default_factory=dict)
     # the pipeline rank of the last stage: the last (-1), or rank 0 for a V-shaped schedule (zbv, dualpipev)
     last_rank: int = -1
     kept_ids: list[list[int]] = field(default_factory=list)  # per optimizer: its parameters' ids, in state_dict order
@@ -68,7 +68,7 @@ class RankSplit:
     def sync_shared(self, module: nn.Module, layout: RankLayout) -> None:
         """Every rank gets the current values of what lives outside the stages (every rank of the pipeline calls it)."""
         tensors = tensors_of(module)
-        owners = [self.resident_owner.get(id(t), o) for t, o in zip(tensors, self.owners)]  # the users' values
+        owners = [self.shared_owner.get(id(t), o) for t, o in zip(tensors, self.owners)]  # the users' values
         broadcast_shared(tensors, owners, self.shared, layout)
 
     def optimizer_state(self, index: int, state: dict[str, Any], layout: RankLayout) -> dict[str, Any]:
@@ -82,7 +82,7 @@ class RankSplit:
         return gather_optimizer_state(state, full, kept, layout)
 
     def _steps_here(self, pid: int, layout: RankLayout) -> bool:
-        return pid not in self.resident or self.resident_owner.get(pid, self.last_rank % layout.pp_size) == layout.pp_rank
+        return pid not in self.shared_params or self.shared_owner.get(pid, self.last_rank % layout.pp_size) == layout.pp_rank
 
     def local_optimizer_state(self, index: int, whole: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's part of optimizer ``index``'s whole-model state."""
@@ -111,4 +111,4 @@ def split_module(
         **pipeline,
     )
     last = stage_rank(len(balance) - 1, layout.pp_size, schedule)
-    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.resident}, resident_owner=pipe.resident_owner, last_rank=last)
+    return pipe, RankSplit(owned, shared, {id(p) for p in pipe.shared_params}, shared_owner=pipe.shared_owner, last_rank=last)

@@ -36,7 +36,7 @@ holds only this rank's parameters (:mod:`~lightning_accel.pipeline.placement`). 
 blocks, only the ranks whose part of the forward uses a weight get its gradient and step it (an
 untied embedding on the first rank, norm and head on the last; their gradients are never sent),
 and a weight two stages use (a tied embedding and head) is summed between those two only;
-checkpoints and the clip norm take each from a rank that uses it (``RankPipeline._sum_resident``).
+checkpoints and the clip norm take each from a rank that uses it (``RankPipeline._sum_shared``).
 The unused copies stay allocated (not yet freed: a later rank's forward still runs the
 embedding, and e.g. Llama takes its rotary tables' device from its output). A network built
 in ``__init__`` exists whole on every rank before setup (rank 0 sends each rank its starting

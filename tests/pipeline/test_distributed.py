@@ -129,9 +129,9 @@ def test_two_ranks_match_plain_training_for_every_schedule(trained_and_evaluated
 
 
 def _grads_equal_the_whole_models(out, name: str, world: int) -> tuple[list[dict], nn.Module]:
-    """Load each rank's result of resident_worker; every gradient a rank holds equals the whole model's on the same
+    """Load each rank's result of shared_params_worker; every gradient a rank holds equals the whole model's on the same
     batch, and together the ranks hold all of them. Returns the ranks' results and the reference model."""
-    from tests.support.workers.resident_worker import batch, build, lm_loss
+    from tests.support.workers.shared_params_worker import batch, build, lm_loss
 
     ranks = [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)]
     reference = build(name)
@@ -152,8 +152,8 @@ def test_only_weights_two_stages_use_are_summed_and_gradients_equal_plain_traini
     GPT-2 (wte tied to lm_head) sums exactly wte, on both ranks, every step. Each gradient equals the whole model's."""
     pytest.importorskip("transformers")
     models = ["llama", "gpt2-no-dropout"]
-    resident_worker = WORKER.with_name("resident_worker.py")
-    results = _launch(tmp_path, ",".join(models), "train", timeout=120, worker=resident_worker)
+    shared_params_worker = WORKER.with_name("shared_params_worker.py")
+    results = _launch(tmp_path, ",".join(models), "train", timeout=120, worker=shared_params_worker)
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     for name in models:
         ranks, reference = _grads_equal_the_whole_models(tmp_path, name, 2)
@@ -183,7 +183,7 @@ def test_a_tied_weight_is_summed_between_its_two_users_only_on_three_ranks(tmp_p
     Every gradient equals the whole model's."""
     pytest.importorskip("transformers")
     name = "gpt2-no-dropout"
-    results = _launch(tmp_path, name, "train", timeout=120, worker=WORKER.with_name("resident_worker.py"), ranks=3)
+    results = _launch(tmp_path, name, "train", timeout=120, worker=WORKER.with_name("shared_params_worker.py"), ranks=3)
     assert [r.returncode for r in results] == [0, 0, 0], "\n".join(r.stdout[-3000:] for r in results)
     ranks, reference = _grads_equal_the_whole_models(tmp_path, name, 3)
     assert ranks[0]["users"]["transformer.wte.weight"] == (0, 2)

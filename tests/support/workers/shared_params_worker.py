@@ -1,6 +1,6 @@
 """Two ranks of :class:`RankPipeline` on transformers models, for which parameters outside the blocks get summed.
 
-Run by ``tests/pipeline/test_distributed.py`` as ``python resident_worker.py OUT_DIR MODELS MODE``: for each
+Run by ``tests/pipeline/test_distributed.py`` as ``python shared_params_worker.py OUT_DIR MODELS MODE``: for each
 model of ``tests/support/real_models.py`` in MODELS (comma-separated), float64, 2 stages of a 3-layer model, 2
 micro-batches (one block per stage on more than 2 ranks), 2 steps of one batch with the gradients zeroed between them. Saves ``{model}-rank{r}.pt``: the
 second step's gradients this rank holds, its users per parameter outside the blocks, and the bytes it summed per step.
@@ -85,7 +85,7 @@ def main() -> None:
         torch.save(
             {
                 "grads": {n: p.grad for n, p in net.named_parameters() if not p.is_meta and p.grad is not None},
-                "users": {names[id(p)]: u for p, u in zip(pipe.resident, pipe.users)},
+                "users": {names[id(p)]: u for p, u in zip(pipe.shared_params, pipe.users)},
                 "summed": summed,
             },
             out / f"{name}-rank{rank}.pt",
