@@ -55,7 +55,7 @@ LightningModule's ``example_input_array`` before the first batch;
 does not divide runs in equal micro-batches of another count (torch's stages take one shape per
 step); a ``batch_size`` or last batch that no count the schedule runs divides is refused before
 the first step, naming ``drop_last=True`` or the batch size that works. Checkpoints hold the whole model under the user's
-names and plain training's optimizer indices (:mod:`~lightning_accel.pipeline.checkpoint`).
+names and plain training's optimizer indices (:mod:`~lightning_accel.pipeline.state_gather`).
 Evaluation streams the batch through the stages (:mod:`~lightning_accel.pipeline.evaluation`);
 the last rank runs the user's step once on the whole batch and every rank logs what it logged.
 """
@@ -89,13 +89,11 @@ from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.patching import Patch, patch, swapped
 from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
-from lightning_accel.pipeline.checkpoint import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
-from lightning_accel.pipeline.metric_state import metrics_over_replicas, restore_metric_sync
 from lightning_accel.pipeline.microbatch import batch_size
 from lightning_accel.pipeline.options import PipelineOptions
 from lightning_accel.pipeline.placement import RankLayout, check_split
@@ -105,7 +103,8 @@ from lightning_accel.pipeline.rank_step import eval_step, train_step
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
-from lightning_accel.pipeline.step_result import broadcast_step_result
+from lightning_accel.pipeline.state_gather import gather_model_state, gather_whole_module, load_own_state
+from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.user_hooks import overrides
 
