@@ -244,12 +244,14 @@ class WhereLoaded(Dataset):
         return torch.tensor(i), torch.full((4,), float(i))
 
 
-def test_workers_start_while_the_first_batch_loads(recorder, make_trainer):
+def test_workers_start_while_the_first_batch_loads(recorder, make_trainer, monkeypatch):
     # From the defaults, a first batch slower than a worker's start (50 ms before any was measured)
     # starts the workers while it loads: they serve from the next batch, so only batch 0 is loaded
     # here and no step waits a second whole batch in this process (seed 004's workload: 0.54 s saved).
     # (Two workers at most: the count does not hang on the CPU share measured in the first few ms,
-    # and two forks cannot stretch step 0 past its 0.4 s wait on a loaded machine.)
+    # and two forks cannot stretch step 0 past its 0.4 s wait on a loaded machine. The start is pinned
+    # at 50 ms, as before any: the last one measured is an earlier test's, slow on a loaded machine.)
+    monkeypatch.setattr("lightning_accel.prefetch.online.worker_start_s", lambda: 0.05)
     dataset = WhereLoaded(24, latency_s=0.4)
     tuner = PrefetchTuner(max_workers=2)
     model = recorder(step_s=0.01)

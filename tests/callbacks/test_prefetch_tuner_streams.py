@@ -62,8 +62,9 @@ def test_endless_stream_is_tuned_within_its_one_epoch(recorder, make_trainer):
     assert len(served) == 90 == len(set(served))
     w = tuner.chosen.num_workers
     assert sorted(served)[: 90 - w] == list(range(90 - w))
-    # Steady state inside the same epoch: the untuned wait was ~50 ms per step.
-    assert steady_wait(monitor) < 0.02
+    # Steady state inside the same epoch: under half the untuned wait measured in this run (50 ms of I/O and
+    # whatever the machine adds; against a fixed 20 ms, a load of 11 on 2 cores made the tuned wait 28 ms).
+    assert steady_wait(monitor) < 0.5 * tuner.search.trials[0].wait_s, tuner.report()
 
 
 def test_stream_without_position_keeps_its_settings_this_epoch_and_says_so(recorder, make_trainer, caplog):
@@ -79,10 +80,12 @@ def test_stream_without_position_keeps_its_settings_this_epoch_and_says_so(recor
 
 
 def test_stream_without_position_restarts_now_when_asked(recorder, make_trainer):
+    # 100 ms items: the probed candidates (25 ms a batch with 4 workers) beat the start's two measured steps beyond
+    # their noise on a loaded machine too (at 50 ms, a load of 11 on 2 cores once kept the start); 20 steps, not 30.
     tuner = PrefetchTuner(max_workers=4, max_search_steps=20, stream_switch="restart")
     model = recorder(step_s=0.005)
-    make_trainer([tuner], max_steps=30).fit(model, DataLoader(SlowStream(0.05), batch_size=1))
-    assert tuner.chosen is not None and tuner.loader.settings == tuner.chosen and tuner.loader.restarts == 1
+    make_trainer([tuner], max_steps=20).fit(model, DataLoader(SlowStream(0.1), batch_size=1))
+    assert tuner.chosen is not None and tuner.loader.settings == tuner.chosen and tuner.loader.restarts == 1, tuner.report()
     assert "serving now, the stream restarted from its beginning" in tuner.reason
     first = model.indices.index(0, 1)  # the restart: position 0 comes again
     assert model.indices[:first] == list(range(first)) and sorted(set(model.indices[first:])) == sorted(model.indices[first:])
@@ -173,9 +176,10 @@ def test_a_stream_is_read_once_from_lightnings_read_ahead_on(recorder, make_trai
     # Lightning's fetcher reads one batch of a loader without a length before on_train_start; the
     # tuner wrapped the loader before that read, so it is the tuned loader's first batch, read once.
     stream, _ = CountedPositions(), READS.clear()
-    # Instant items against 50 ms steps: compute-bound (a loaded CI machine made a 10 ms step's 2 ms
-    # of loader overhead 13% waiting, over the 10% threshold), so no worker ever starts.
-    tuner = PrefetchTuner()
+    # Instant items against 50 ms steps: compute-bound, so no worker ever starts. Judged at half the time
+    # waiting, not 10%: the loader's overhead on a loaded machine is not I/O (a loaded CI machine made a 10 ms
+    # step's 2 ms of it 13%; a load of 11 on 2 cores, 10 ms against an 88 ms step).
+    tuner = PrefetchTuner(data_bound_fraction=0.5)
     model = recorder(step_s=0.05)
     make_trainer([tuner], max_steps=12).fit(model, DataLoader(stream, batch_size=2))
     assert "compute-bound" in tuner.reason, tuner.report()
@@ -189,9 +193,12 @@ class SlowCountedPositions(CountedPositions):
         return super().read(position)
 
 
-def test_workers_start_while_lightning_reads_ahead_of_a_slow_stream(recorder, make_trainer):
+def test_workers_start_while_lightning_reads_ahead_of_a_slow_stream(recorder, make_trainer, monkeypatch):
     # The batch Lightning reads ahead is the first one loaded here: slower than a worker's start, it
     # starts the workers, which make the next ones (before, that batch and the next loaded here: 0.6 s).
+    # (A worker's start is the last one measured in this process, by an earlier test: 50 ms pinned here, as
+    # before any, so that a loaded machine's slow forks cannot make 300 ms look quick.)
+    monkeypatch.setattr("lightning_accel.prefetch.online.worker_start_s", lambda: 0.05)
     stream, _ = SlowCountedPositions(), READS.clear()
     tuner = PrefetchTuner(max_workers=2)
     model = recorder(step_s=0.01)

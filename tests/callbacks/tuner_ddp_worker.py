@@ -1,7 +1,8 @@
 """Two-rank DDP fit with PrefetchTuner, run as a script: Lightning re-launches it for rank 1.
 
 Each rank writes ``rank<r>.json`` into the directory given as the first argument: the
-sample indices it trained on, its per-rank budget, what its tuner chose and why.
+sample indices it trained on, its per-rank budget, what its tuner chose and why, and the
+memory budget a single rank would get on this machine, measured before and after its fit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_accel.callbacks import PrefetchTuner
+from lightning_accel.prefetch.search import default_budget
 
 
 class SlowIndices(Dataset):
@@ -49,6 +51,7 @@ class Recorder(pl.LightningModule):
 
 
 def main(out: Path, samples: int) -> None:
+    whole_machine = [default_budget(None, None, 1).memory_bytes]
     tuner = PrefetchTuner(warmup_steps=1, trial_steps=2, max_search_steps=24)
     model = Recorder()
     trainer = pl.Trainer(
@@ -56,12 +59,14 @@ def main(out: Path, samples: int) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[tuner],
     )
-    trainer.fit(model, DataLoader(SlowIndices(samples, latency_s=0.03), batch_size=1, shuffle=True))
+    trainer.fit(model, DataLoader(SlowIndices(samples, latency_s=0.05), batch_size=1, shuffle=True))
+    whole_machine.append(default_budget(None, None, 1).memory_bytes)
     budget = tuner.search.budget if tuner.search is not None else None
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
         "indices": model.indices,
         "budget_workers": budget.max_workers if budget else None,
         "budget_bytes": budget.memory_bytes if budget else None,
+        "whole_machine_bytes": whole_machine,
         "chosen_workers": tuner.chosen.num_workers if tuner.chosen else None,
         "tried_workers": [t.settings.num_workers for t in tuner.search.trials] if tuner.search else [],
         "reason": tuner.reason,
