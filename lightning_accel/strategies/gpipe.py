@@ -133,9 +133,6 @@ class GPipeStrategy(SingleDeviceStrategy):
                 f"given; list one device per stage (devices of length {len(list(balance))}) or use fewer stages"
             )
         super().__init__(device=self.devices[0], checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self.chunks = chunks
-        self.balance = balance if isinstance(balance, str) else list(balance)
-        self.checkpoint = checkpoint
         self.blocks = blocks
         self.deferred_batch_norm = deferred_batch_norm
         self.pipeline: LocalPipeline | None = None
@@ -146,6 +143,23 @@ class GPipeStrategy(SingleDeviceStrategy):
         self._full_batch_seen = False  # a batch of >= chunks samples came: a smaller one later is an epoch's last
         self._said: set[str] = set()  # one-time notices already given
 
+    # the options are the single source of these three: the strategy keeps no copy
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per batch (``PipelineOptions.chunks``)."""
+        return self.options.chunks
+
+    @property
+    def balance(self) -> list[int] | str:
+        """Blocks per stage as a list, or the mode that places them (``PipelineOptions.balance``)."""
+        balance = self.options.balance
+        return balance if isinstance(balance, str) else list(balance)
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches re-materialize in backward (``PipelineOptions.checkpoint``)."""
+        return self.options.checkpoint
+
     def _net(self) -> nn.Module:
         """The network the blocks live in: the LightningModule's ``net`` if it has one (zoo tasks), else itself."""
         module = self.lightning_module
@@ -155,7 +169,7 @@ class GPipeStrategy(SingleDeviceStrategy):
 
     def _place(self, net: nn.Module, blocks: list[Block], balance: list[int], why: str) -> None:
         self.pipeline = LocalPipeline(
-            net, blocks, balance, self.devices, checkpoint_stop(self.checkpoint, self.chunks), self.deferred_batch_norm,
+            net, blocks, balance, self.devices, self.options.checkpoint_stop, self.deferred_batch_norm,
             owner=type(self).__name__,
         )
         self.pipeline.place()
@@ -222,7 +236,7 @@ class GPipeStrategy(SingleDeviceStrategy):
         Without re-materialization (``checkpoint="never"``, or ``"except_last"`` with one micro-batch) every
         micro-batch's forward builds and drops its own cache, as plain training does: the setting stays.
         """
-        if checkpoint_stop(self.checkpoint, self.chunks) > 0:
+        if self.options.checkpoint_stop > 0:
             assert self.model is not None
             if (notice := self._kv_cache.off(self.model)) is not None:
                 rank_zero_warn(notice)

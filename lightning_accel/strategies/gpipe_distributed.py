@@ -62,6 +62,7 @@ the last rank runs the user's step once on the whole batch and every rank logs w
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -223,8 +224,7 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULE_TABLE)}, got {schedule!r}; or 'auto' (chosen by measurement); '1f1b' keeps the fewest activations alive")
         check_ranks_per_pipeline(pipeline_parallel_size, balance, SCHEDULE_TABLE[schedule].stages_per_rank, schedule)
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
-        self.chunks, self.schedule, self.loss_reduction, self.checkpoint = chunks, schedule, loss_reduction, checkpoint
-        self.balance = balance if isinstance(balance, str) else list(balance)
+        self.schedule = schedule
         self._pp_size = pipeline_parallel_size
         self.blocks = blocks
         self.deferred_init = deferred_init
@@ -240,6 +240,29 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
         self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
+
+    # the options are the single source of these four: the strategy keeps no copy (the schedule tuner's choice of
+    # chunks replaces the options)
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per batch (``PipelineOptions.chunks``)."""
+        return self.options.chunks
+
+    @property
+    def balance(self) -> list[int] | str:
+        """Blocks per stage as a list, or the mode that places them (``PipelineOptions.balance``)."""
+        balance = self.options.balance
+        return balance if isinstance(balance, str) else list(balance)
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches re-materialize in backward (``PipelineOptions.checkpoint``)."""
+        return self.options.checkpoint
+
+    @property
+    def loss_reduction(self) -> str:
+        """How ``training_step``'s loss reduces over samples (``PipelineOptions.loss_reduction``)."""
+        return self.options.loss_reduction
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -388,7 +411,7 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
             rank_zero_warn(router)  # each stage carries its routers' sums to the last (lightning_accel.pipeline.router_carry)
         self.pipeline, self._split_state = split_module(
             module, blocks, balance, self._layout, first=layout is None, chunks=self.chunks, schedule=self.schedule,
-            scale_grads=self.loss_reduction == "mean", checkpoint=self.checkpoint,
+            scale_grads=self.options.scale_grads, checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
         )
         if layout is None:
@@ -425,7 +448,8 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
             )
         choice = tuner.after_step(time.perf_counter() - start) if tuner is not None else None
         if choice is not None:  # the next step runs the choice (its placement is this one's)
-            self.schedule, self.chunks = choice.chosen
+            self.schedule, chunks = choice.chosen
+            self.options = dataclasses.replace(self.options, chunks=chunks)
             rank_zero_info(f"DistributedGPipeStrategy: {choice.report()}")
         # the last rank has the loss and the logs: every rank returns and logs the same
         layout = self._layout
