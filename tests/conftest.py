@@ -114,11 +114,15 @@ class CliProcesses:
                 for name, job in list(pending.items()):
                     busy = sum(jobs[n].processes for n in running)
                     if (job.after is None or job.after in done) and (not running or busy + job.processes <= slots):
-                        out, err = open(Path(logs, f"{len(done) + len(running)}.out"), "w+"), open(Path(logs, f"{len(done) + len(running)}.err"), "w+")
+                        stem = Path(logs, str(len(done) + len(running)))
+                        out, err = open(f"{stem}.out", "w+"), open(f"{stem}.err", "w+")
                         proc = subprocess.Popen([sys.executable, "-m", "lightning_accel", *job.args], env=job.env, stdout=out,
                                                 stderr=err, text=True)
                         running[name] = (proc, out, err, time.monotonic())
                         del pending[name]
+                if pending and not running:  # nothing can start: an `after` names a job that is not in `jobs`
+                    missing = sorted({str(j.after) for j in pending.values()})
+                    raise ValueError(f"jobs {sorted(pending)} wait for jobs that are not given: {missing}")
                 for name, (proc, out, err, started) in list(running.items()):
                     overran = proc.poll() is None
                     if overran and time.monotonic() - started < timeout:
