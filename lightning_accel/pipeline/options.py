@@ -15,7 +15,7 @@ from typing import Union
 from lightning_accel.pipeline.local import CHECKPOINT_MODES, checkpoint_stop
 from lightning_accel.pipeline.reduction import REDUCTIONS
 
-__all__ = ["BALANCE_MODES", "PipelineOptions"]
+__all__ = ["BALANCE_MODES", "PipelineOptions", "ReadsPipelineOptions"]
 
 BALANCE_MODES = ("by_size", "by_time")
 
@@ -91,3 +91,31 @@ class PipelineOptions:
                 f"{stages}); use {fix}, or schedule='gpipe'"
             )
         return count
+
+
+class ReadsPipelineOptions:
+    """For a strategy that holds its settings in ``self.options``: reads them as attributes, so that the options
+    stay the single source and the strategy keeps no copy (to change one, replace the options)."""
+
+    options: PipelineOptions
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per batch (``PipelineOptions.chunks``)."""
+        return self.options.chunks
+
+    @property
+    def balance(self) -> list[int] | str:
+        """Blocks per stage as a list, or the mode that places them (``PipelineOptions.balance``)."""
+        balance = self.options.balance
+        return balance if isinstance(balance, str) else list(balance)
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches re-materialize in backward (``PipelineOptions.checkpoint``)."""
+        return self.options.checkpoint
+
+    @property
+    def loss_reduction(self) -> str:
+        """How ``training_step``'s loss reduces over samples (``PipelineOptions.loss_reduction``)."""
+        return self.options.loss_reduction

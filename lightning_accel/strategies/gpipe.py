@@ -51,7 +51,7 @@ from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.microbatch import call_batch_size, check_chunks, scatter_call
-from lightning_accel.pipeline.options import PipelineOptions
+from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptions
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
 
 DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
@@ -93,7 +93,7 @@ def _devices(devices: DeviceSpec) -> list[torch.device]:
     return out
 
 
-class GPipeStrategy(SingleDeviceStrategy):
+class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
     """Split the model's blocks into stages over ``devices`` and each batch into ``chunks`` micro-batches.
 
     Args:
@@ -142,23 +142,6 @@ class GPipeStrategy(SingleDeviceStrategy):
         self._called = False  # the network's forward ran during this training_step
         self._full_batch_seen = False  # a batch of >= chunks samples came: a smaller one later is an epoch's last
         self._said: set[str] = set()  # one-time notices already given
-
-    # the options are the single source of these three: the strategy keeps no copy
-    @property
-    def chunks(self) -> int:
-        """Micro-batches per batch (``PipelineOptions.chunks``)."""
-        return self.options.chunks
-
-    @property
-    def balance(self) -> list[int] | str:
-        """Blocks per stage as a list, or the mode that places them (``PipelineOptions.balance``)."""
-        balance = self.options.balance
-        return balance if isinstance(balance, str) else list(balance)
-
-    @property
-    def checkpoint(self) -> str:
-        """Which micro-batches re-materialize in backward (``PipelineOptions.checkpoint``)."""
-        return self.options.checkpoint
 
     def _net(self) -> nn.Module:
         """The network the blocks live in: the LightningModule's ``net`` if it has one (zoo tasks), else itself."""

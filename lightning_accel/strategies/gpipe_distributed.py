@@ -96,7 +96,7 @@ from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
 from lightning_accel.pipeline.microbatch import batch_size
-from lightning_accel.pipeline.options import PipelineOptions
+from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptions
 from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
@@ -145,7 +145,7 @@ def _shapes(batch: Any) -> tuple:
     return tuple(found)
 
 
-class DistributedGPipeStrategy(DDPWithoutWrapper):
+class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -240,29 +240,6 @@ class DistributedGPipeStrategy(DDPWithoutWrapper):
         self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
-
-    # the options are the single source of these four: the strategy keeps no copy (the schedule tuner's choice of
-    # chunks replaces the options)
-    @property
-    def chunks(self) -> int:
-        """Micro-batches per batch (``PipelineOptions.chunks``)."""
-        return self.options.chunks
-
-    @property
-    def balance(self) -> list[int] | str:
-        """Blocks per stage as a list, or the mode that places them (``PipelineOptions.balance``)."""
-        balance = self.options.balance
-        return balance if isinstance(balance, str) else list(balance)
-
-    @property
-    def checkpoint(self) -> str:
-        """Which micro-batches re-materialize in backward (``PipelineOptions.checkpoint``)."""
-        return self.options.checkpoint
-
-    @property
-    def loss_reduction(self) -> str:
-        """How ``training_step``'s loss reduces over samples (``PipelineOptions.loss_reduction``)."""
-        return self.options.loss_reduction
 
     # -- placement ----------------------------------------------------------------------------
 
