@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,21 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Pa
     # that seed, not the reference's 0
     for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         os.environ.pop(var, None)
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[dist.ProcessGroup]:
+    """A gloo process group of one rank in this process (the world's own, then a new group over it, as a strategy
+    makes one), destroyed afterwards with the environment variables it set."""
+    saved = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture

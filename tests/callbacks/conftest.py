@@ -29,6 +29,17 @@ class SleepyIndices(Dataset):
         return item
 
 
+class EndlessIndices(torch.utils.data.IterableDataset):
+    """A stream without a length: item ``i`` is ``(i, x)`` as :class:`SleepyIndices` makes it, for ever (Lightning's
+    fetcher reads a batch of such a loader ahead before the first hook)."""
+
+    def __iter__(self):
+        i = 0
+        while True:
+            yield torch.tensor(i), torch.full((4,), float(i))
+            i += 1
+
+
 class Recorder(pl.LightningModule):
     """Linear model; records the sample indices and batch objects it trained on; optional step sleep."""
 
@@ -68,6 +79,11 @@ def _trainer(callbacks, **kwargs) -> pl.Trainer:
 @pytest.fixture
 def sleepy() -> type[SleepyIndices]:
     return SleepyIndices
+
+
+@pytest.fixture
+def endless() -> type[EndlessIndices]:
+    return EndlessIndices
 
 
 @pytest.fixture

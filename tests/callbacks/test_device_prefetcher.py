@@ -106,17 +106,10 @@ def test_the_copy_wraps_the_train_loader_and_every_batch_comes_once_in_order(cap
     assert "process_dataloader" not in vars(trainer.strategy)
 
 
-def test_a_streams_read_ahead_batch_comes_through_the_copy(on_cuda, make_trainer):
-    class Endless(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            i = 0
-            while True:
-                yield torch.tensor(i), torch.full((4,), float(i))
-                i += 1
-
+def test_a_streams_read_ahead_batch_comes_through_the_copy(on_cuda, make_trainer, endless):
     model = on_cuda()
     trainer = make_trainer([DevicePrefetcher()], max_steps=5)
-    trainer.fit(model, DataLoader(Endless(), batch_size=1))
+    trainer.fit(model, DataLoader(endless(), batch_size=1))
     served = trainer.fit_loop._combined_loader.flattened[0]
     assert isinstance(served, OnCpu) and served.read == 6 and model.indices == list(range(5))  # five trained, one ahead
 

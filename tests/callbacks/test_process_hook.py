@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from torch.utils.data import DataLoader
 
 from lightning_accel.callbacks import PrefetchTuner
@@ -69,18 +68,11 @@ def test_workers_are_seeded_before_the_wrap_as_lightning_would(sleepy, recorder,
     assert seen.wrapped == [train] and train.worker_init_fn is not None  # Lightning skips a non-DataLoader
 
 
-def test_a_streams_read_ahead_comes_through_the_tuned_loader(recorder, make_trainer):
-    class Endless(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            i = 0
-            while True:
-                yield torch.tensor(i), torch.full((4,), float(i))
-                i += 1
-
+def test_a_streams_read_ahead_comes_through_the_tuned_loader(recorder, make_trainer, endless):
     tuner = PrefetchTuner()
     model = recorder()
     trainer = make_trainer([tuner], max_steps=5)
-    trainer.fit(model, DataLoader(Endless(), batch_size=1))
+    trainer.fit(model, DataLoader(endless(), batch_size=1))
     assert trainer.fit_loop._combined_loader.flattened[0] is tuner.loader  # the wrapper Lightning read ahead of
     assert tuner.loader.handed_out == 6 and model.indices == list(range(5))  # five trained, one read ahead
     assert "process_dataloader" not in vars(trainer.strategy)

@@ -3,9 +3,6 @@ group of one (the 2-rank behaviour runs in tests/strategies/test_l2l_offload_ddp
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,19 +11,6 @@ from torch import nn
 from lightning_accel.comm.gradients import agree_found_inf, clip_grad_norm_over, grad_norm_over
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def group_of_one() -> Iterator[dist.ProcessGroup]:
-    saved = dict(os.environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_clip_across_ranks_counts_each_gradient_once_like_torch(group_of_one: dist.ProcessGroup) -> None:

@@ -5,8 +5,6 @@ tests/strategies/test_l2l_offload_ddp.py)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -35,19 +33,6 @@ def test_unequal_units_balance_by_size_and_fewer_units_than_ranks_leave_a_rank_e
     assert partition_units([5], 2).owned(1) == []
     with pytest.raises(ValueError, match="world size must be >= 1, got 0"):
         partition_units([1], 0)
-
-
-@pytest.fixture
-def group_of_one() -> Iterator[dist.ProcessGroup]:
-    saved = dict(os.environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_mean_keeps_no_gradient_where_no_rank_had_one(group_of_one: dist.ProcessGroup) -> None:
