@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Patch", "patch", "swapped"]
+__all__ = ["Patch", "patch", "remove_all", "swapped"]
 
 _MISSING = object()
 
@@ -50,6 +50,14 @@ class Patch:
 def patch(obj: Any, name: str, value: Any) -> Patch:
     """Set ``obj.<name> = value`` until the returned handle's ``remove()``."""
     return Patch(obj, name, value)
+
+
+def remove_all(patches: list[Patch]) -> None:
+    """Remove every patch in ``patches``, the last set first (as nested ``with`` blocks would unwind, so that two
+    patches of one attribute restore the first one's original), and empty the list."""
+    for installed in reversed(patches):
+        installed.remove()
+    patches.clear()
 
 
 @contextmanager

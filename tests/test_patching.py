@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_accel.patching import patch, swapped
+from lightning_accel.patching import patch, remove_all, swapped
 
 
 class Thing:
@@ -48,3 +48,12 @@ def test_patch_of_a_class_method_leaves_no_instance_attribute() -> None:
     assert thing.step() == "patched"
     handle.remove()
     assert thing.step() == "class" and "step" not in vars(thing)
+
+
+def test_remove_all_unwinds_the_last_patch_first_and_empties_the_list() -> None:
+    thing = Thing()
+    own = lambda: "own"  # noqa: E731
+    thing.step = own  # type: ignore[method-assign]
+    patches = [patch(thing, "step", lambda: "outer"), patch(thing, "step", lambda: "inner")]
+    remove_all(patches)
+    assert vars(thing)["step"] is own and patches == []  # in setting order, "outer" would come back

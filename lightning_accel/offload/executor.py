@@ -62,7 +62,7 @@ from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
-from lightning_accel.patching import Patch, patch
+from lightning_accel.patching import Patch, patch, remove_all
 
 RESIDENT = -1  # the resident unit's index in the streamer
 
@@ -158,9 +158,7 @@ class L2LExecutor:
 
     def detach(self) -> None:
         """Undo :meth:`attach`: the model computes normally again (weights stay on the host)."""
-        for installed in reversed(self._patches):
-            installed.remove()
-        self._patches.clear()
+        remove_all(self._patches)
         self._originals.clear()
         for hook in self._hooks:
             hook.remove()

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_accel.patching import patch
+from lightning_accel.patching import patch, remove_all
 
 __all__ = ["DeferredBatchNorm"]
 
@@ -99,5 +99,4 @@ class DeferredBatchNorm:
 
     def detach(self) -> None:
         """Leave plain BatchNorm modules (any uncommitted sums are dropped)."""
-        for installed in reversed(self._patches):
-            installed.remove()
+        remove_all(self._patches)

@@ -48,7 +48,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from lightning_accel.models.side_effects import cache_argument, describe_cache_refusal
-from lightning_accel.patching import patch
+from lightning_accel.patching import patch, remove_all
 from lightning_accel.pipeline.microbatch import map_tensors, tensors_in
 from lightning_accel.pipeline.stack_carry import carried_into, carried_out_of, stack_ends
 
@@ -205,9 +205,7 @@ class StageBoundaries:
         self._patches = [patch(block, "forward", self._boundary(k, block.forward)) for k, block in enumerate(self.blocks)]
 
     def restore(self) -> None:
-        for installed in reversed(self._patches):
-            installed.remove()
-        self._patches = []
+        remove_all(self._patches)
 
     @property
     def active_stage(self) -> int | None:

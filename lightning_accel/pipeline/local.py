@@ -60,7 +60,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_accel.models.block_policy import Block
 from lightning_accel.models.side_effects import BufferRestore, buffer_versions, cache_argument, describe_cache_refusal, mutated_buffers
-from lightning_accel.patching import Patch, patch
+from lightning_accel.patching import Patch, patch, remove_all
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.microbatch import gather_output, scatter_call, tensors_in
 from lightning_accel.pipeline.partition import stage_of_block
@@ -208,9 +208,8 @@ class LocalPipeline:
         """Remove the staged forwards and hooks; the model is a plain model again (modules stay where they are)."""
         for handle in self._handles:
             handle.remove()
-        for installed in reversed(self._patches):
-            installed.remove()
-        self._handles, self._patches = [], []
+        remove_all(self._patches)
+        self._handles = []
         if self._batch_norm is not None:
             self._batch_norm.detach()
             self._batch_norm = None

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_accel.comm.gradients import agree_found_inf
-from lightning_accel.patching import Patch, patch
+from lightning_accel.patching import Patch, patch, remove_all
 
 __all__ = ["DEFAULT_TIMEOUT", "DDPWithoutWrapper"]
 
@@ -148,9 +148,7 @@ class DDPWithoutWrapper(DDPStrategy):
             self._plugin_patches.append(patch(plugin, "_after_closure", agreed))
 
     def _remove_plugin_methods(self) -> None:
-        for installed in reversed(self._plugin_patches):
-            installed.remove()
-        self._plugin_patches = []
+        remove_all(self._plugin_patches)
 
     @override
     def teardown(self) -> None:

@@ -87,7 +87,7 @@ from lightning_accel.comm.gradients import clip_grad_norm_over, grad_norm_over
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
-from lightning_accel.patching import Patch, patch, swapped
+from lightning_accel.patching import Patch, patch, remove_all, swapped
 from lightning_accel.host_memory import available_host_bytes
 from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
@@ -619,9 +619,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
             )
 
     def _unpatch(self) -> None:
-        for installed in reversed(self._patches):
-            installed.remove()
-        self._patches = []
+        remove_all(self._patches)
         self._remove_plugin_methods()
 
     @override

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_accel.accelerators import register_accelerators, spmd
 from lightning_accel.accelerators.compilations import CompileLog
-from lightning_accel.patching import Patch, patch
+from lightning_accel.patching import Patch, patch, remove_all
 from lightning_accel.plugins.precision.xla_pjrt import XLAPJRTPrecision
 
 
@@ -132,9 +132,7 @@ class XLAPJRTStrategy(SingleDeviceStrategy):
         super().teardown()
 
     def _unpatch(self) -> None:
-        for handle in reversed(self._patches):
-            handle.remove()
-        self._patches = []
+        remove_all(self._patches)
 
     @override
     def on_train_start(self) -> None:
