@@ -126,11 +126,6 @@ def _check_host_optimizers(strategy: Any, module: Any) -> None:
             _as_user_error(where, check_delayed_optimizer, optimizer)
 
 
-# Lightning's flags the L2L strategies pair with an offload plugin, and that plugin's option.
-_OFFLOAD_TWIN = {"bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed", "16-mixed": "16-mixed", "16": "16-mixed"}
-_FP32 = ("32-true", "32")
-
-
 def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) -> None:
     """L2L offload computes on device copies of fp32 host masters. ``trainer.precision=bf16-mixed``
     or ``16-mixed`` is paired by the strategy itself with the offload plugin of that flag (as
@@ -138,6 +133,7 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
     ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
     the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
     from lightning_accel.plugins.precision import OffloadPrecision
+    from lightning_accel.plugins.precision.offload import KEEPS_FP32_MASTERS, OFFLOAD_PAIRS
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
 
     offload = next((p for p in plugins if isinstance(p, OffloadPrecision)), None)
@@ -146,12 +142,12 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
         if offload is not None and flag is not None:
             raise UserError(
                 f"trainer.precision={flag} and precision=offload-{offload.precision} are both set; "
-                f"keep one: precision=offload-{_OFFLOAD_TWIN.get(flag, offload.precision)} (it sets trainer.precision=null)"
+                f"keep one: precision=offload-{OFFLOAD_PAIRS.get(flag) or offload.precision} (it sets trainer.precision=null)"
             )
-        if offload is None and flag is not None and flag not in _FP32 and flag not in _OFFLOAD_TWIN:
+        if offload is None and flag is not None and flag not in OFFLOAD_PAIRS:
             raise UserError(
-                f"trainer.precision={flag}: strategy={strategy.strategy_name} keeps fp32 masters on the host and makes "
-                f"only the device copies low precision; use precision=bf16-mixed, 16-mixed or 32-true"
+                f"trainer.precision={flag}: strategy={strategy.strategy_name} {KEEPS_FP32_MASTERS}; "
+                f"use precision=bf16-mixed, 16-mixed or 32-true"
             )
     elif offload is not None:
         raise UserError(

@@ -23,6 +23,12 @@ from typing_extensions import override
 
 OffloadPrecisionFlag = Literal["bf16-mixed", "16-mixed", "32-true"]
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
+# Lightning's precision flags an L2L strategy runs under, as a user may write them, and the
+# OffloadPrecision each becomes (None: fp32, run as given). Every other flag would change the host
+# masters' dtype and is refused, at set-up (for_offload) and before it (config.setup_checks).
+OFFLOAD_PAIRS: dict[str, str | None] = {"32-true": None, "32": None, "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+                                        "16-mixed": "16-mixed", "16": "16-mixed"}
+KEEPS_FP32_MASTERS = "keeps fp32 masters on the host and makes only the device copies low precision"
 
 
 class OffloadPrecision(MixedPrecision):
@@ -82,7 +88,7 @@ def for_offload(plugin: Precision | None, strategy_name: str) -> Precision | Non
         return plugin
     flag = getattr(plugin, "precision", None)
     scaler = getattr(plugin, "scaler", None)
-    if type(plugin) is MixedPrecision and flag in ("bf16-mixed", "16-mixed"):
+    if type(plugin) is MixedPrecision and OFFLOAD_PAIRS.get(flag) is not None:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"precision={flag!r} with a {type(scaler).__name__} loss scaler: strategy={strategy_name!r} scales "
@@ -93,7 +99,7 @@ def for_offload(plugin: Precision | None, strategy_name: str) -> Precision | Non
         return OffloadPrecision(flag, device=plugin.device, init_scale=init_scale)
     named = f"precision={flag!r}" if isinstance(flag, str) else "the precision plugin"
     raise ValueError(
-        f"{named} ({type(plugin).__name__}): strategy={strategy_name!r} keeps fp32 masters on the host and makes only "
-        f"the device copies low precision; use precision='bf16-mixed', '16-mixed' or '32-true' "
+        f"{named} ({type(plugin).__name__}): strategy={strategy_name!r} {KEEPS_FP32_MASTERS}; "
+        f"use precision='bf16-mixed', '16-mixed' or '32-true' "
         f"(or plugins=[OffloadPrecision('bf16-mixed')])"
     )
