@@ -36,16 +36,12 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Pa
 @pytest.fixture
 def group_of_one() -> Iterator[dist.ProcessGroup]:
     """A gloo process group of one rank in this process (the world's own, then a new group over it, as a strategy
-    makes one), destroyed afterwards with the environment variables it set."""
-    saved = dict(os.environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    makes one), destroyed afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: in-memory, no port
     try:
         yield dist.new_group(backend="gloo")
     finally:
         dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from torch.distributed import TCPStore
+
+from tests.support.rendezvous import held_store, store_env
 
 WORKER = Path(__file__).with_name("tuner_ddp_worker.py")
 SAMPLES = 64
@@ -27,22 +27,12 @@ INHERITED = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "GROUP_RANK", "WO
              "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_USE_AGENT_STORE")
 
 
-def _rendezvous() -> TCPStore:
-    """The ranks' store, held here as torchrun's agent holds it: bound to a port the kernel picks and kept until
-    the ranks are done. Lightning's own rendezvous picks a free port, closes it, and rank 0 binds it again later;
-    in between another run on the machine could take it, and its ranks and ours then meet in one store (a rank
-    of the other run connects, leaves, and ours fail with gloo's "Connection closed by peer"). A bound port
-    cannot be picked by anyone else, so that race cannot happen."""
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-
-
 @pytest.mark.slow
 def test_each_rank_tunes_its_shard_within_its_share_and_loses_no_sample(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
-    store = _rendezvous()
-    # Both ranks are the store's clients (torch's env:// rendezvous with an agent's store); Lightning reads the port.
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    store = held_store(HANG_S)
+    env.update(store_env(store))
     # A session of its own: on a hang, rank 0, the rank Lightning launched and their loader workers go together
     # (killing rank 0 alone leaves rank 1 waiting on the store this test holds, and its pipes open).
     ranks = subprocess.Popen(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from lightning_accel.models import GPT, MLP
 from lightning_accel.pipeline.distributed import stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
+from tests.support.rendezvous import held_store, store_env
 from tests.support.workers import WORKERS
 from tests.support.workers.dist_worker import EVAL_SIZES, eval_batch
 from tests.support.workers.remat_worker import chunk_counts
@@ -34,12 +34,10 @@ def _launch(
     """Start ``ranks`` ranks of ``worker`` with Lightning-style env vars; kill all if they outlive ``timeout`` (so CI never hangs).
     ``ended``, if given, gets each rank's exit time (``time.monotonic``, to 50 ms), polled: only for a launch whose ranks
     print little (nothing reads their pipes meanwhile)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = held_store(timeout)  # a port nobody else can take between picking it and the ranks' rendezvous
     procs = []
     for rank in range(ranks):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, **store_env(store), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
         procs.append(subprocess.Popen([sys.executable, str(worker), str(out), schedule, mode], env=env,

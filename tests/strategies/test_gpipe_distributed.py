@@ -233,17 +233,17 @@ def test_logged_values_keep_their_reduce_fx_over_micro_batches(fx, expected):
 
 @pytest.fixture(scope="module")
 def step_results(tmp_path_factory):
-    """tests/support/workers/step_result_worker.py on 2 ranks: what each rank logged and returned per step."""
+    """tests/support/workers/step_report_worker.py on 2 ranks: what each rank logged and returned per step."""
     out = tmp_path_factory.mktemp("step_results")
-    result = _launch(out, script="step_result_worker.py", args=[str(out)])
+    result = _launch(out, script="step_report_worker.py", args=[str(out)])
     assert result.returncode == 0, result.stdout[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return ranks, [int((out / f"threads-at-exit-rank{r}.txt").read_text()) for r in range(2)]
 
 
 def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_every_rank(step_results):
-    from tests.support.workers.step_result_worker import CHANGED, STEPS, expected_logs
-    from tests.support.workers.step_result_worker import bits
+    from tests.support.workers.step_report_worker import CHANGED, STEPS, expected_logs
+    from tests.support.workers.step_report_worker import bits
 
     first, last = step_results[0]  # rank 1 runs training_step: its values are the source
     for step in range(STEPS):
@@ -281,18 +281,13 @@ def test_after_destroy_process_group_no_gloo_thread_outlives_into_interpreter_te
 
 
 def test_every_fit_in_a_process_shares_one_mesh_until_the_process_group_is_replaced(one_rank):
-    import socket
-
     import torch.distributed as dist
 
     from lightning_accel.pipeline.mesh import process_mesh
 
     meshes = []
-    for _ in range(2):  # a process group, destroyed, then a new one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    for _ in range(2):  # a process group, destroyed, then a new one (one rank: an in-memory store, no port)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         meshes.append(process_mesh("cpu", 1, 1, timedelta(seconds=17)))
         assert process_mesh("cpu", 1, 1, timedelta(seconds=17)) is meshes[-1]  # a second fit: the same groups
         for dim in ("pp", "dp"):  # the strategy's timeout, not torch's 30-minute default for new groups
