@@ -289,7 +289,7 @@ class RankPipeline:
     a parameter there has a gradient only on the ranks whose stages' forward used it,
     summed between them where there are two or more (a tied embedding and head), so the
     ranks that use it step it alike and the others leave it (:meth:`_sum_shared`;
-    :meth:`shared_rank` says whose value counts).
+    :attr:`shared_owner` says whose value counts, :class:`~.rank_split.RankSplit` reads it).
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
     ``interleaved_1f1b``. ``loss_fn(output, target)`` is the per-micro-batch loss: a mean
@@ -556,11 +556,6 @@ class RankPipeline:
                 )
             now.append(self.users[i] if used else ())  # nobody used it this step: it keeps no gradient
         self.summed_bytes = sum_over_users(self.shared_params, now, self.rank, self.group)
-
-    def shared_rank(self, p: Tensor) -> int:
-        """The pipeline rank whose value of ``p`` (outside the blocks) counts: its first user, or before any step the
-        last stage's rank (every rank then holds the same value)."""
-        return self.shared_owner.get(id(p), stage_rank(len(self.balance) - 1, self.world_size, self.schedule_name))
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

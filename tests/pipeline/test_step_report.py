@@ -23,7 +23,7 @@ from lightning_accel.pipeline.step_report import (
     step_signature,
     unpack_number,
 )
-from tests.support.workers.step_result_worker import bits
+from tests.support.workers.step_report_worker import bits
 
 
 class Logged(nn.Module):

@@ -1,6 +1,6 @@
 """A user script whose ``training_step`` logs what changes from step to step, on 2 CPU processes (gloo).
 
-Run as ``python step_result_worker.py OUT_DIR``: Lightning's subprocess launcher re-runs
+Run as ``python step_report_worker.py OUT_DIR``: Lightning's subprocess launcher re-runs
 this script for rank 1. The last rank (1) runs ``training_step`` and sends every rank the
 loss and what it logged; each rank saves ``rank{r}.pt``: per step, every ``self.log`` call
 the strategy made on that rank (name, value, options), the loss ``training_step`` returned
