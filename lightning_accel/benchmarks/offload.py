@@ -189,8 +189,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--contenders", action="store_true",
                         help="CPU table: plain, l2l_offload, per-block FSDP2 CPU offload and ZeRO-3 offload instead of l2l's variants")
     parser.add_argument("--gpu-layers", type=int, nargs="+", default=[12, 24, 48], help="GPT depths for the CUDA table")
-    parser.add_argument("--only", choices=["all", "fit", "host-step"], default="all",
-                        help="fit: the training tables only; host-step: the host optimizer step tables only")
+    parser.add_argument("--only", choices=["all", "fit", "host-step", "in-fit"], default="all",
+                        help="fit: the training tables only; host-step: the host optimizer step tables only; in-fit: "
+                             "only the host-step report's time in AdamW.step inside a fit (--fit-* and --rounds)")
     parser.add_argument("--host-params", type=float, nargs="+", default=[50, 200],
                         help="sizes (millions of parameters) of the host-step table")
     parser.add_argument("--host-rounds", type=int, default=5, help="interleaved rounds of the host-step tables")
@@ -218,6 +219,12 @@ def main(argv: list[str]) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be > 0, got {values}; e.g. --host-params 50 200 --host-rounds 5")
     if args.fit_steps <= args.warmup:
         parser.error(f"--fit-steps {args.fit_steps} must exceed --warmup {args.warmup} (steps after the warm-up are timed)")
+    if args.only == "in-fit":  # minutes instead of the whole host-step report's tens of minutes
+        from lightning_accel.benchmarks.offload_host_step import in_fit_table
+
+        print(in_fit_table(args)[0])
+        print(machine_line())
+        return 0
     if args.only != "host-step":
         print(_cuda_table(args) if torch.cuda.is_available() else _cpu_table(args))
     if args.only != "fit":

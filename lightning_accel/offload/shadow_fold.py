@@ -188,10 +188,12 @@ def _plan(kind: str, kw: dict[str, Any], step: float) -> tuple[Callable[..., Non
 
 @dataclass(frozen=True)
 class _Update:
-    """How one parameter of a call is stepped in one pass: ``fn(stepped, shadow)``; ``native``: by the
-    C kernel (a call costs microseconds), else by the compiled update (~0.1 ms a call)."""
+    """How one parameter of a call is stepped in one pass: ``fn(stepped, shadow, n)`` steps the first
+    ``n`` elements (a multiple of :data:`ALIGN`) of the contiguous tensors ``stepped`` and ``shadow``, of
+    any shape; ``native``: by the C kernel (a call costs microseconds), else by the compiled update
+    (~0.1 ms a call)."""
 
-    fn: Callable[[list[Tensor], Tensor], Any]
+    fn: Callable[[list[Tensor], Tensor, int], Any]
     native: bool
 
 
@@ -224,9 +226,10 @@ class _Folds:
             if self._native[key]:
                 native = shadow_kernel.kernel()
                 assert native is not None
-                return _Update(lambda stepped, shadow: native(kind, flags, sc, stepped, shadow), True)
+                return _Update(lambda stepped, shadow, n: native(kind, flags, sc, stepped, shadow, numel=n), True)
             compiled = self._compiled[update]
-        return _Update(lambda stepped, shadow: compiled(stepped, shadow, sc, **flags), False)
+        return _Update(lambda stepped, shadow, n: compiled([t.view(-1)[:n] for t in stepped], shadow.view(-1)[:n], sc, **flags),
+                       False)
 
     @staticmethod
     def _probe(kind: str, func: Callable[..., Any], kw: dict[str, Any], step: float, dtype: torch.dtype,
@@ -383,12 +386,15 @@ class ShadowFold(TorchFunctionMode):
                         shadow.copy_(params[i])
                         self.written.append(params[i])
             for i, update in folded:
-                flat = [lst[i].view(-1) for lst in lists]
-                low = self.shadows[params[i]].view(-1)
-                k = low.numel() - low.numel() % ALIGN
-                update([t[:k] for t in flat], low[:k])
-                if k < low.numel():  # the remainder: torch's kernel (its scalar loop), then the cast
+                # the tensors themselves, not flattened slices: the kernel needs their pointers and a length
+                stepped = [lst[i] for lst in lists]
+                shadow = self.shadows[params[i]]
+                n = shadow.numel()
+                k = n - n % ALIGN
+                update(stepped, shadow, k)
+                if k < n:  # the remainder: torch's kernel (its scalar loop), then the cast
+                    flat = [t.view(-1) for t in stepped]
                     tails = iter([t[k:]] for t in flat)
                     func(*[(next(tails) if lst else lst) if j in _LISTS[kind] else [lst[i]] for j, lst in enumerate(args)], **kw)
-                    low[k:].copy_(flat[0][k:])
+                    shadow.view(-1)[k:].copy_(flat[0][k:])
                 self.written.append(params[i])

@@ -120,12 +120,16 @@ class _Kernel:
         self.path = path
 
     def __call__(self, kind: str, flags: dict[str, bool], sc: Tensor, stepped: list[Tensor], shadow: Tensor | None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, numel: int | None = None) -> None:
         """Update ``stepped`` (param, grad, then the state: fp32, contiguous, a multiple of 8 elements)
         with the float scalars ``sc`` (fp32, as :func:`.shadow_fold._plan` lays them out), storing the
-        new parameter into ``shadow`` (bf16/fp16) in the same pass."""
+        new parameter into ``shadow`` (bf16/fp16) in the same pass. ``numel``: only the first that many
+        elements of each (a multiple of 8; default all), so the caller needs no flattened slices: views
+        cost microseconds each, tens of them a step (see :meth:`.shadow_fold.ShadowFold._step`)."""
         p, g, *state = stepped
-        n = p.numel()
+        n = p.numel() if numel is None else numel
+        if not 0 <= n <= p.numel() or (shadow is not None and n > shadow.numel()):
+            raise ValueError(f"shadow_kernel: numel={numel} is outside the tensors' {p.numel()} elements")
         bits = sum(bit for name, bit in FLAG_BITS.items() if flags.get(name))
         s1 = state[0].data_ptr() if state else None
         s2 = state[1].data_ptr() if len(state) > 1 else None

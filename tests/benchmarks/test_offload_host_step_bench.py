@@ -51,6 +51,21 @@ def test_host_step_tables(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert out.rstrip().splitlines()[-1].startswith("machine:")
 
 
+def test_only_in_fit_runs_the_in_fit_table_alone(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # (the table itself runs in test_host_step_tables; here only which tables --only in-fit prints)
+    seen = {}
+
+    def in_fit_table(args: object) -> tuple[str, float, float]:
+        seen["args"] = args
+        return "the in-fit table", 1.0, 1.0
+
+    monkeypatch.setattr(offload_host_step, "in_fit_table", in_fit_table)
+    assert main(["--only", "in-fit", "--fit-steps", "5", "--rounds", "2"]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[0] == "the in-fit table" and len(lines) == 2 and lines[1].startswith("machine:")
+    assert (seen["args"].fit_steps, seen["args"].rounds) == (5, 2)
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--host-params", "0"], "--host-params must be > 0, got [0.0]"),
     (["--fit-steps", "2", "--warmup", "2"], "--fit-steps 2 must exceed --warmup 2"),

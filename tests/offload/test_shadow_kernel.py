@@ -125,6 +125,21 @@ def test_the_kernel_refuses_a_length_it_cannot_step(native: Callable[..., None])
         native("adamw", flags, sc, t, torch.empty(12, dtype=torch.bfloat16))
 
 
+def test_numel_steps_only_the_leading_elements_of_a_tensor_of_any_shape(native: Callable[..., None]) -> None:
+    # the fold passes each parameter's own tensors (no flattened slices) and the length its kernel covers
+    kind, kw = "adamw", {**_ADAM, "weight_decay": 0.1}
+    ours = [t.view(3, 64) for t in _tensors(kind, kw, 192)]
+    ref = [t.clone() for t in ours]
+    _torch_step(kind, kw, [t.view(-1)[:128] for t in ref], 1.0)
+    shadow = torch.zeros(3, 64, dtype=torch.bfloat16)
+    _, sc, flags = shadow_fold._plan(kind, kw, 1.0)
+    native(kind, flags, sc, ours, shadow, numel=128)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(ours, ref))  # the last 64 untouched
+    assert torch.equal(_bits(shadow[:2]), _bits(ref[0][:2].to(torch.bfloat16))) and not shadow[2].any()
+    with pytest.raises(ValueError, match="numel=256 is outside the tensors' 192 elements"):
+        native(kind, flags, sc, ours, shadow, numel=256)
+
+
 # odd sizes through the fold: 65 and 3 x 64 + 7 (a remainder: torch's kernel and a cast), 2 x 64 and 1088
 # (the C kernel alone), 300 x 257 (the C kernel, then torch's kernel over the last 28 elements)
 _ODD = [(65,), (199,), (2, 64), (1088,), (300, 257)]
