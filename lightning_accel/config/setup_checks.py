@@ -52,6 +52,24 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
         _check_pipeline(strategy, cfg, batch_size)
     if isinstance(strategy, L2LOffloadHooks):
         _check_host_optimizers(strategy, module)
+    _check_fit(strategy, module, cfg)
+
+
+def _check_fit(strategy: Any, module: Any, cfg: DictConfig) -> None:
+    """What a fit of the module needs that the strategy cannot honour, asked as its set-up asks: the strategies that wire
+    DDP without its wrapper (manual optimization, ``trainer.sync_batchnorm``), L2L's delayed update (manual
+    optimization)."""
+    from lightning_accel.offload.host_optimizer import check_delayed_update
+    from lightning_accel.strategies.ddp_without_wrapper import DDPWithoutWrapper
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+
+    trainer = cfg.get("trainer") or {}
+    if isinstance(strategy, DDPWithoutWrapper):
+        sync = trainer.get("sync_batchnorm") is True
+        _as_user_error(f"strategy={strategy.strategy_name}" if not sync else "trainer.sync_batchnorm=true", strategy.check_fit, module, sync)
+    if isinstance(strategy, L2LOffloadHooks) and strategy.delayed_update:  # fp16: check_offload_precision
+        _as_user_error("strategy.delayed_update=true", lambda: check_delayed_update(
+            automatic_optimization=getattr(module, "automatic_optimization", True), module_name=type(module).__name__))
 
 
 def _as_user_error(where: str, check: Any, *args: Any) -> Any:
@@ -133,6 +151,7 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
     ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
     the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
     from lightning_accel.plugins.precision import OffloadPrecision
+    from lightning_accel.offload.host_optimizer import check_delayed_update
     from lightning_accel.plugins.precision.offload import KEEPS_FP32_MASTERS, OFFLOAD_PAIRS
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
 
@@ -149,6 +168,9 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
                 f"trainer.precision={flag}: strategy={strategy.strategy_name} {KEEPS_FP32_MASTERS}; "
                 f"use precision=bf16-mixed, 16-mixed or 32-true"
             )
+        paired = offload.precision if offload is not None else OFFLOAD_PAIRS.get(flag) if flag is not None else None
+        if strategy.delayed_update and paired == "16-mixed":
+            _as_user_error("strategy.delayed_update=true", lambda: check_delayed_update(fp16_scaling=True))
     elif offload is not None:
         raise UserError(
             f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "

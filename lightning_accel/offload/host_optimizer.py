@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.optim import LBFGS, Optimizer
 
-__all__ = ["PER_PARAMETER", "check_delayed_optimizer", "check_host_optimizer"]
+__all__ = ["PER_PARAMETER", "check_delayed_optimizer", "check_delayed_update", "check_host_optimizer"]
 
 # Optimizers whose step is one independent rule per parameter: stepping blocks one at a time (the overlap) or the host
 # parameters apart from the device ones (the delayed update) equals one full step.
@@ -48,4 +48,21 @@ def check_delayed_optimizer(optimizer: Optimizer, owner: str = "L2LOffloadStrate
             f"{owner}(delayed_update=True) updates the host parameters apart from the device ones, "
             f"which is one step only for a per-parameter optimizer, not {type(optimizer).__name__}; use one of "
             f"{', '.join(c.__name__ for c in PER_PARAMETER)}, or delayed_update=False"
+        )
+
+
+def check_delayed_update(*, fp16_scaling: bool = False, automatic_optimization: bool = True,
+                         module_name: str = "the LightningModule", owner: str = "L2LOffloadStrategy") -> None:
+    """Refuse what the one-step delayed update cannot do: fp16 loss scaling (an overflow found at step t+1 cannot cancel
+    update t, already applied) and manual optimization (the update is split around the next step's forward)."""
+    if fp16_scaling:
+        raise ValueError(
+            f"{owner}(delayed_update=True) cannot run with fp16 loss scaling (OffloadPrecision('16-mixed')): "
+            "an overflow found at step t+1 cannot cancel update t, already applied; "
+            "use OffloadPrecision('bf16-mixed') or delayed_update=False"
+        )
+    if not automatic_optimization:
+        raise ValueError(
+            f"{owner}(delayed_update=True) needs automatic optimization, but {module_name} "
+            "sets automatic_optimization=False; use delayed_update=False with manual optimization"
         )

@@ -87,22 +87,28 @@ class DDPWithoutWrapper(DDPStrategy):
 
     def _refuse_unsupported(self, trainer: pl.Trainer) -> None:
         """At setup, before any work: what this strategy cannot honour, each with its reason."""
-        module = trainer.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         name = type(self).__name__
-        if fitting and not module.automatic_optimization:
-            raise ValueError(
-                f"{name} needs automatic optimization ({type(module).__name__} sets automatic_optimization=False): "
-                f"{self._needs_automatic}; remove `self.automatic_optimization = False`"
-            )
-        if fitting and self._layer_sync is not None:
-            raise ValueError(f"{name} does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); remove sync_batchnorm")
+        if fitting:
+            self.check_fit(trainer.lightning_module, self._layer_sync is not None)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise ValueError(
                 f"{name} agrees on fp16 overflows across ranks through torch's GradScaler, not "
                 f"{type(scaler).__name__}; use {self._fp16_hint}"
             )
+
+    def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
+        """What a fit of ``module`` needs of this strategy that it cannot honour, asked at set-up and by preflight (on
+        the module built on the meta device and ``trainer.sync_batchnorm``): manual optimization, BatchNorm sync."""
+        name = type(self).__name__
+        if not getattr(module, "automatic_optimization", True):  # a plain nn.Module network: Lightning's default
+            raise ValueError(
+                f"{name} needs automatic optimization ({type(module).__name__} sets automatic_optimization=False): "
+                f"{self._needs_automatic}; remove `self.automatic_optimization = False`"
+            )
+        if sync_batchnorm:
+            raise ValueError(f"{name} does not convert BatchNorm layers (Trainer(sync_batchnorm=True)); remove sync_batchnorm")
 
     @contextmanager
     @override

@@ -72,7 +72,7 @@ from lightning_accel.cpu_budget import CpuBudget
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
-from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_optimizer, check_host_optimizer
+from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_optimizer, check_delayed_update, check_host_optimizer
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
@@ -199,19 +199,10 @@ class L2LOffloadHooks(Strategy):
             self._check_delayed_update(trainer)
 
     def _check_delayed_update(self, trainer: Trainer) -> None:
-        """Refuse what the delayed update cannot do, before any step."""
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "L2LOffloadStrategy(delayed_update=True) cannot run with fp16 loss scaling (OffloadPrecision('16-mixed')): "
-                "an overflow found at step t+1 cannot cancel update t, already applied; "
-                "use OffloadPrecision('bf16-mixed') or delayed_update=False"
-            )
+        """Refuse what the delayed update cannot do, before any step (preflight asks the same of the composed config)."""
         module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise ValueError(
-                f"L2LOffloadStrategy(delayed_update=True) needs automatic optimization, but {type(module).__name__} "
-                "sets automatic_optimization=False; use delayed_update=False with manual optimization"
-            )
+        check_delayed_update(fp16_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+                             automatic_optimization=module.automatic_optimization, module_name=type(module).__name__)
         for optimizer in self.optimizers:
             check_delayed_optimizer(optimizer)
 

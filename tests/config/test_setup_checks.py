@@ -8,10 +8,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_accel.config.errors import UserError
-from lightning_accel.config.setup_checks import check_strategy_setup
+from lightning_accel.config.setup_checks import check_offload_precision, check_strategy_setup
+from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 
 
 class Block(nn.Module):
@@ -70,3 +72,57 @@ def test_l2l_asks_the_optimizers_the_meta_model_configures() -> None:
     with pytest.raises(UserError, match=r"^strategy=l2l_offload: L2LOffloadStrategy cannot run LBFGS on the host"):
         check_strategy_setup(L2LOffloadStrategy(), _net(), _cfg())
     check_strategy_setup(GPipeStrategy(devices=["cpu"]), _net(), _cfg())  # gpipe hosts any optimizer
+
+
+class Manual(Net):
+    """A module that steps its own optimizer (``automatic_optimization = False``), with one the host can step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _manual() -> nn.Module:
+    with torch.device("meta"):
+        return Manual()
+
+
+@pytest.mark.parametrize("strategy", [DistributedGPipeStrategy(), L2LOffloadDDPStrategy()], ids=["gpipe_distributed", "l2l_offload_ddp"])
+def test_what_a_fit_needs_of_a_strategy_wired_without_ddps_wrapper_is_asked_before_work(strategy: object) -> None:
+    """Manual optimization and ``sync_batchnorm``: refused by preflight in the words of the strategy's set-up."""
+    with pytest.raises(ValueError) as at_setup:
+        strategy.check_fit(_manual(), False)
+    with pytest.raises(UserError) as before_work:
+        check_strategy_setup(strategy, _manual(), _cfg())
+    assert str(before_work.value) == f"strategy={strategy.strategy_name}: {at_setup.value}"
+    assert "needs automatic optimization (Manual sets automatic_optimization=False)" in str(at_setup.value)
+    cfg = _cfg()
+    cfg.trainer.sync_batchnorm = True
+    with pytest.raises(UserError, match=r"^trainer.sync_batchnorm=true: \w+ does not convert BatchNorm layers"):
+        check_strategy_setup(strategy, _net() if isinstance(strategy, DistributedGPipeStrategy) else _sgd(), cfg)
+    cfg.trainer.sync_batchnorm = False
+    check_strategy_setup(strategy, _net() if isinstance(strategy, DistributedGPipeStrategy) else _sgd(), cfg)
+
+
+def _sgd() -> nn.Module:
+    module = _manual()
+    module.automatic_optimization = True
+    return module
+
+
+def test_the_delayed_update_refuses_manual_optimization_and_fp16_scaling_before_work() -> None:
+    strategy = L2LOffloadStrategy(delayed_update=True)
+    with pytest.raises(UserError, match=r"^strategy.delayed_update=true: L2LOffloadStrategy\(delayed_update=True\) needs "
+                                        r"automatic optimization, but Manual sets automatic_optimization=False"):
+        check_strategy_setup(strategy, _manual(), _cfg())
+    check_strategy_setup(strategy, _sgd(), _cfg())
+    fp16 = r"^strategy.delayed_update=true: L2LOffloadStrategy\(delayed_update=True\) cannot run with fp16 loss scaling"
+    with pytest.raises(UserError, match=fp16):
+        check_offload_precision(strategy, [OffloadPrecision("16-mixed")], None)
+    with pytest.raises(UserError, match=fp16):
+        check_offload_precision(strategy, [], "16-mixed")  # Lightning's flag, paired with the offload plugin of it
+    check_offload_precision(strategy, [OffloadPrecision("bf16-mixed")], None)
+    check_offload_precision(L2LOffloadStrategy(), [OffloadPrecision("16-mixed")], None)  # no delayed update: fp16 is fine
