@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -118,7 +118,8 @@ class _nullcontext:
 
 def _worker(rank: int, world_size: int, port: int, options: Sequence[DDPOption], cfg: dict[str, Any], queue: Any) -> None:
     torch.set_num_threads(cfg["threads"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # every rank is a client of the store probe() holds (torch's env:// rendezvous with an agent's store)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for option in options:
@@ -129,10 +130,10 @@ def _worker(rank: int, world_size: int, port: int, options: Sequence[DDPOption],
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _held_store(timeout_s: float) -> dist.TCPStore:
+    """The ranks' store, held by this process as torchrun's agent holds it, on a port the kernel picks: a port found
+    free, closed and bound again by rank 0 later could be taken in between by another job on the machine."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def probe(
@@ -162,8 +163,8 @@ def probe(
                threads=threads, return_params=return_params)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, options, cfg, queue), daemon=True) for r in range(world_size)]
+    store = _held_store(timeout_s)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, options, cfg, queue), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[str, dict[int, dict[str, Any]]] = {}
@@ -187,6 +188,7 @@ def probe(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        del store
     out_list = []
     for option in options:
         per_rank = results[option.label]
