@@ -207,6 +207,12 @@ PREFLIGHT_BAD = [
     (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
     (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
     (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),
+    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is not a positive integer"),  # Lightning: modulo by zero
+    # what a fit needs of the strategy, asked as its set-up asks (DDPWithoutWrapper.check_fit, check_delayed_update)
+    (["strategy=gpipe_distributed", "trainer.devices=2", "trainer.sync_batchnorm=true"],
+     r"trainer.sync_batchnorm=true: DistributedGPipeStrategy does not convert BatchNorm layers"),
+    (["strategy=l2l_offload", "strategy.delayed_update=true", "precision=offload-16-mixed"],
+     r"strategy.delayed_update=true: .*cannot run with fp16 loss scaling"),
     (["model.net.preset=huge"], r"model: unknown GPT preset 'huge'"),
     (["callbacks=prefetch", "callbacks.prefetch_tuner.max_workers=0"], r"callbacks.prefetch_tuner: max_workers=0 must be a positive integer"),
     (["data=null"], r"data=null removes the data config"),

@@ -208,6 +208,11 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
             pl.Trainer(**loop)
         except Exception as err:
             raise UserError(f"trainer: {_first_line(err)}") from None
+        # Lightning takes this one unchecked and divides by it at the first step (ZeroDivisionError, after set-up)
+        accumulate = loop.get("accumulate_grad_batches", 1)
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise UserError(f"trainer.accumulate_grad_batches={accumulate!r} is not a positive integer; "
+                            "pass trainer.accumulate_grad_batches=<an integer >= 1> (1: no accumulation)")
         with torch.device("meta"):
             try:
                 module = build_model(cfg)
