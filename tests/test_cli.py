@@ -207,6 +207,7 @@ PREFLIGHT_BAD = [
     (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
     (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
     (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),
+    (["model.optimizer.lr=-1"], r"model.optimizer: Invalid learning rate: -1"),  # torch's own check, under every strategy
     (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is not a positive integer"),  # Lightning: modulo by zero
     # what a fit needs of the strategy, asked as its set-up asks (DDPWithoutWrapper.check_fit, check_delayed_update)
     (["strategy=gpipe_distributed", "trainer.devices=2", "trainer.sync_batchnorm=true"],

@@ -28,7 +28,8 @@ def _line(err: BaseException) -> str:
 
 def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
     """Ask ``strategy`` (built from ``cfg.strategy``) its set-up questions about ``module`` (built on the meta device),
-    the configured ``data.batch_size`` and the world size ``trainer.devices x trainer.num_nodes``."""
+    the configured ``data.batch_size`` and the world size ``trainer.devices x trainer.num_nodes``; under any strategy,
+    the optimizers ``configure_optimizers`` builds (their own argument checks)."""
     import torch
 
     from lightning_accel.pipeline.microbatch import check_chunks
@@ -36,6 +37,7 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
     from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
+    optimizers = _configured_optimizers(module, cfg)  # under every strategy
     if not isinstance(strategy, (GPipeStrategy, DistributedGPipeStrategy, L2LOffloadHooks)):
         return
     net = getattr(module, "net", None)
@@ -51,7 +53,7 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
     if isinstance(strategy, DistributedGPipeStrategy):
         _check_pipeline(strategy, cfg, batch_size)
     if isinstance(strategy, L2LOffloadHooks):
-        _check_host_optimizers(strategy, module)
+        _check_host_optimizers(strategy, optimizers)
     _check_fit(strategy, module, cfg)
 
 
@@ -124,19 +126,29 @@ def _check_pipeline(strategy: Any, cfg: DictConfig, batch_size: int | None) -> N
         _as_user_error(f"data.batch_size={batch_size}", strategy.options.check_batch_size, batch_size, strategy.schedule, stages)
 
 
-def _check_host_optimizers(strategy: Any, module: Any) -> None:
-    """The optimizers ``configure_optimizers`` returns for the meta network, asked what the L2L strategy asks at set-up.
-    A ``configure_optimizers`` that needs a Trainer (``self.trainer.estimated_stepping_batches``) cannot be asked
-    here: the strategy still asks at set-up."""
+def _configured_optimizers(module: Any, cfg: DictConfig) -> list[Any]:
+    """The optimizers ``configure_optimizers`` returns for the meta network, as Lightning collects them at set-up. An
+    optimizer's own check of its arguments (torch's ``ValueError``: a negative learning rate, betas outside [0, 1)) is
+    refused here, in one line; a ``configure_optimizers`` that needs a Trainer (``self.trainer.estimated_stepping_batches``)
+    cannot be asked here (no optimizers: the strategy still asks at set-up)."""
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
+    configure = getattr(module, "configure_optimizers", None)
+    if configure is None:
+        return []
+    try:
+        return list(_configure_optimizers(configure())[0])
+    except ValueError as err:
+        where = "model.optimizer" if (cfg.get("model") or {}).get("optimizer") is not None else "model: configure_optimizers"
+        raise UserError(f"{where}: {_line(err)}") from None
+    except Exception:  # needs a Trainer, or returns nothing Lightning knows: asked at set-up
+        return []
+
+
+def _check_host_optimizers(strategy: Any, optimizers: Sequence[Any]) -> None:
+    """The optimizers, asked what the L2L strategy asks at set-up."""
     from lightning_accel.offload.host_optimizer import check_delayed_optimizer, check_host_optimizer
 
-    configure = getattr(module, "configure_optimizers", None)
-    try:
-        optimizers = _configure_optimizers(configure())[0] if configure is not None else []
-    except Exception:  # needs a Trainer, or returns nothing Lightning knows: asked at set-up
-        return
     for optimizer in optimizers:
         where = f"strategy={strategy.strategy_name}"
         _as_user_error(where, check_host_optimizer, optimizer)
