@@ -82,7 +82,13 @@ class SleepBlock(nn.Module):
     """``tanh(x @ W)``, with ``f`` seconds in forward, ``i`` in the input gradient and ``w`` in the weight gradient.
 
     ``rows``: when set, those times are for a micro-batch of ``rows`` rows and scale with its rows, plus ``overhead``
-    seconds per action (what a real stage's time looks like: a part per row, a part per call); unset, fixed."""
+    seconds per action (what a real stage's time looks like: a part per row, a part per call); unset, fixed.
+
+    The pipeline's raw input needs no gradient, so on the first block the input-gradient sleep would never run and
+    the rank holding stage 0 would compute ``M x i`` less than the other (1f1b's ideal one ``i`` per step below
+    its column). There ``i`` is slept on the weight's backward instead: every block pays ``f``, ``i`` and ``w``
+    per micro-batch, as a real first block does (its input gradient feeds the embedding's weight gradient). In
+    torch's stage 0 it changes no order: a first stage's split backward runs whole at its W."""
 
     def __init__(self, hidden: int, f: float, i: float, w: float) -> None:
         super().__init__()
@@ -93,8 +99,12 @@ class SleepBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         k, o = (x.shape[0] / self.rows if self.rows else 1.0), self.overhead
-        h = _Sleep.apply(x, o + self.f * k, o + self.i * k)  # (rows, hidden): its backward is on the input-gradient path
-        weight = _Sleep.apply(self.weight, 0.0, o + self.w * k)  # its backward is on the weight-gradient path only
+        i = o + self.i * k
+        if x.requires_grad:  # (rows, hidden): its backward is on the input-gradient path
+            h, w = _Sleep.apply(x, o + self.f * k, i), o + self.w * k
+        else:  # the first block: no input gradient to compute, its cost paid beside the weight's
+            h, w = _Sleep.apply(x, o + self.f * k, 0.0), i + o + self.w * k
+        weight = _Sleep.apply(self.weight, 0.0, w)  # its backward is on the weight-gradient path only
         return torch.tanh(h @ weight)
 
 

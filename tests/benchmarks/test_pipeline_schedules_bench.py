@@ -38,6 +38,18 @@ def test_sleep_blocks_compute_tanh_of_a_product():
     assert all(p.grad is not None for p in net.parameters())
 
 
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_every_sleep_block_pays_f_i_w_even_the_first_on_an_input_without_gradient(monkeypatch, input_grad):
+    # the raw input needs no gradient (the pipeline's stage 0): the first block's i is slept on its weight's backward
+    slept: list[float] = []
+    monkeypatch.setattr("lightning_accel.benchmarks.pipeline_schedules.time.sleep", slept.append)
+    net = SleepNet(2, 8, 0.001, 0.01, 0.1)
+    net(torch.randn(4, 8, requires_grad=input_grad)).sum().backward()
+    first_block = [0.01, 0.1] if input_grad else [0.11]  # its i on the input's backward, else beside its w
+    assert sorted(slept) == pytest.approx(sorted([0.001, 0.001, 0.01, 0.1, *first_block]))
+    assert sum(slept) == pytest.approx(2 * (0.001 + 0.01 + 0.1))  # 2 blocks x (f + i + w)
+
+
 @pytest.mark.slow  # 2 subprocess ranks, 2 schedules: ~15 s on a quiet 2-core machine
 def test_shrunk_schedule_table_prints_a_row_per_schedule_and_the_v_timeline(capsys):
     from lightning_accel.benchmarks.pipeline import main
