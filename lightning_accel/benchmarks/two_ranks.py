@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
+from lightning_accel.comm.rendezvous import held_store, store_env
+
 
 def run_two_ranks(argv: list[str], timeout: float) -> list[str]:
-    """Run ``python argv`` as ranks 0 and 1 (one thread each, a free local port) and return each rank's output.
+    """Run ``python argv`` as ranks 0 and 1 (one thread each, meeting in a store this process holds) and return each rank's output.
 
     One deadline covers both ranks; past it both are killed. A rank that fails raises with the tail of
     every rank's output, since a pipeline's failure often shows on the neighbour first.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = held_store(timeout)
     procs = []
     for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, **store_env(store.port), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE="2", OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_accel.comm.hooks import CommHookSpec, register_comm_hook
+from lightning_accel.comm.rendezvous import held_store, store_env
 from lightning_accel.comm.traffic import metered_all_reduce
 
 
@@ -118,8 +118,7 @@ class _nullcontext:
 
 def _worker(rank: int, world_size: int, port: int, options: Sequence[DDPOption], cfg: dict[str, Any], queue: Any) -> None:
     torch.set_num_threads(cfg["threads"])
-    # every rank is a client of the store probe() holds (torch's env:// rendezvous with an agent's store)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(store_env(port))  # a client of the store probe() holds
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for option in options:
@@ -128,12 +127,6 @@ def _worker(rank: int, world_size: int, port: int, options: Sequence[DDPOption],
             queue.put((rank, option.label, out if rank == 0 else {"losses": out["losses"]}))
     finally:
         dist.destroy_process_group()
-
-
-def _held_store(timeout_s: float) -> dist.TCPStore:
-    """The ranks' store, held by this process as torchrun's agent holds it, on a port the kernel picks: a port found
-    free, closed and bound again by rank 0 later could be taken in between by another job on the machine."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def probe(
@@ -163,7 +156,7 @@ def probe(
                threads=threads, return_params=return_params)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    store = _held_store(timeout_s)
+    store = held_store(timeout_s)
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, options, cfg, queue), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

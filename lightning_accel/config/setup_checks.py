@@ -67,8 +67,9 @@ def _check_fit(strategy: Any, module: Any, cfg: DictConfig) -> None:
 
     trainer = cfg.get("trainer") or {}
     if isinstance(strategy, DDPWithoutWrapper):
-        sync = trainer.get("sync_batchnorm") is True
-        _as_user_error(f"strategy={strategy.strategy_name}" if not sync else "trainer.sync_batchnorm=true", strategy.check_fit, module, sync)
+        _as_user_error(f"strategy={strategy.strategy_name}", strategy.check_fit, module, False)
+        if trainer.get("sync_batchnorm") is True:
+            _as_user_error("trainer.sync_batchnorm=true", strategy.check_fit, module, True)
     if isinstance(strategy, L2LOffloadHooks) and strategy.delayed_update:  # fp16: check_offload_precision
         _as_user_error("strategy.delayed_update=true", lambda: check_delayed_update(
             automatic_optimization=getattr(module, "automatic_optimization", True), module_name=type(module).__name__))
@@ -162,8 +163,8 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
     ``precision=offload-*`` would set it); a flag that changes the masters' dtype (``bf16-true``,
     ``64-true``) the strategy refuses when the Trainer is built, so it is refused here first, in
     the same words. An offload plugin beside a flag, or without the strategy, means nothing."""
-    from lightning_accel.plugins.precision import OffloadPrecision
     from lightning_accel.offload.host_optimizer import check_delayed_update
+    from lightning_accel.plugins.precision import OffloadPrecision
     from lightning_accel.plugins.precision.offload import KEEPS_FP32_MASTERS, OFFLOAD_PAIRS
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks  # l2l_offload and l2l_offload_ddp
 

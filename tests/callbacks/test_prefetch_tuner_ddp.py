@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.rendezvous import held_store, store_env
+from lightning_accel.comm.rendezvous import held_store, store_env
 
 WORKER = Path(__file__).with_name("tuner_ddp_worker.py")
 SAMPLES = 64
@@ -32,7 +32,7 @@ def test_each_rank_tunes_its_shard_within_its_share_and_loses_no_sample(tmp_path
     env = {k: v for k, v in os.environ.items() if k not in INHERITED}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     store = held_store(HANG_S)
-    env.update(store_env(store))
+    env.update(store_env(store.port))
     # A session of its own: on a hang, rank 0, the rank Lightning launched and their loader workers go together
     # (killing rank 0 alone leaves rank 1 waiting on the store this test holds, and its pipes open).
     ranks = subprocess.Popen(

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_accel.comm.rendezvous import held_store, store_env
 from lightning_accel.models import GPT, MLP
 from lightning_accel.pipeline.distributed import stage_indices
 from lightning_accel.pipeline.schedule import one_f_one_b_order
 from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orders
-from tests.support.rendezvous import held_store, store_env
 from tests.support.workers import WORKERS
 from tests.support.workers.dist_worker import EVAL_SIZES, eval_batch
 from tests.support.workers.remat_worker import chunk_counts
@@ -37,7 +37,7 @@ def _launch(
     store = held_store(timeout)  # a port nobody else can take between picking it and the ranks' rendezvous
     procs = []
     for rank in range(ranks):
-        env = dict(os.environ, **store_env(store), RANK=str(rank), LOCAL_RANK=str(rank),
+        env = dict(os.environ, **store_env(store.port), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
         procs.append(subprocess.Popen([sys.executable, str(worker), str(out), schedule, mode], env=env,

@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.rendezvous import held_store, store_env
+from lightning_accel.comm.rendezvous import held_store, store_env
 
 
 def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str) -> subprocess.CompletedProcess:
     """Run ``script`` with ``args`` as a fresh job; kill its whole process group (every rank) after ``timeout`` seconds
     and fail the test, so a hang never stalls CI. ``what`` names the job in that failure. The ranks meet in a store
-    this process holds (:func:`~tests.support.rendezvous.held_store`), not on a port Lightning picks and frees."""
+    this process holds (:func:`~lightning_accel.comm.rendezvous.held_store`), not on a port Lightning picks and frees."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         env.pop(var, None)  # a fresh launch, not a rank of some outer job (nor a seed an earlier test's seed_everything set)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     store = held_store(timeout)
-    env.update(store_env(store))
+    env.update(store_env(store.port))
     proc = subprocess.Popen(
         [sys.executable, str(script), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
