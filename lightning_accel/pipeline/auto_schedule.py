@@ -11,12 +11,21 @@ micro-batch overhead of a real stage, and of a send, denies. Its peak activation
 :func:`~lightning_accel.pipeline.schedule_clock.peak_activations` with each stage's measured bytes
 per row; a candidate over the memory budget is never chosen.
 
+What the meter does not see is fitted, not assumed (:class:`Residual`, :func:`fit_residual`): each action
+also costs time outside its timed F, I or W (torch's schedule runtime, the sends and receives and
+their waits), and each step some more once (the optimizer, the barriers). The start is measured at two
+micro-batch counts, so the measured minus the predicted step at both fits a cost per action and one per
+step; every candidate's clock then runs with that cost added to each of its own actions. Without it
+the clock undercounts what more micro-batches cost (twice the micro-batches, twice the actions): on
+the bench's balanced zbv start it predicted zbv/2 1-5% under zbv/4 where the sweep measured 10-16%.
+
 Switching is decided as the prefetch tuner decides to leave the user's loader
 (:func:`lightning_accel.prefetch.search.noise`): the best candidate replaces the current setting only
 when its predicted step is shorter than the current setting's predicted step by more than twice
 the combined standard error of the measurement (the current setting's measured steps, their spread
-carried to the candidate in proportion). Both sides are predicted by the same clock, so what the
-clock leaves out (communication) mostly cancels; the measured step is reported beside.
+carried to the candidate in proportion). Both sides are predicted by the same clock with the same
+residual, so the per-step part cancels and the per-action part counts as often as each side acts;
+the measured step is reported beside.
 
 Placement: today only candidates that keep the current stages on their ranks are considered
 (:func:`same_placement`): one stage per rank (``gpipe``, ``1f1b``), looped (``interleaved_1f1b``,
@@ -31,10 +40,13 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, SCHEDULES, check_schedule
-from lightning_accel.pipeline.schedule_clock import peak_activations, schedule_orders, step_time
+from lightning_accel.pipeline.schedule_clock import Orders, peak_activations, schedule_orders, step_time
 from lightning_accel.prefetch.search import noise, spread
 
-__all__ = ["AutoSchedule", "Choice", "Prediction", "Setting", "StageCosts", "candidates", "choose", "same_placement"]
+__all__ = [
+    "AutoSchedule", "Choice", "Prediction", "Residual", "Setting", "StageCosts", "candidates", "choose", "fit_residual",
+    "same_placement",
+]
 
 Setting = tuple[str, int]  # (schedule, chunks)
 
@@ -101,6 +113,54 @@ class StageCosts:
 
 
 @dataclass(frozen=True)
+class Residual:
+    """What a step costs beyond its actions' metered F, I and W: ``per_action_s`` on every action of the schedule's
+    order (torch's runtime around it, its sends and receives and their waits), ``per_step_s`` once per step (may be
+    negative: what the clock over-counts). ``fitted_on``: the micro-batch counts whose measured steps gave it."""
+
+    per_action_s: float = 0.0
+    per_step_s: float = 0.0
+    fitted_on: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        on = f" (fitted on chunks={','.join(map(str, self.fitted_on))}'s measured steps)" if self.fitted_on else ""
+        return f"{self.per_action_s * 1e3:.2f} ms per action and {self.per_step_s * 1e3:.1f} ms per step beyond F/I/W{on}"
+
+
+def _clock(orders: Orders, costs: StageCosts, rows: float, per_action_s: float) -> float:
+    return step_time(orders, costs.stages, lambda kind, s: costs.seconds(kind, s, rows) + per_action_s)
+
+
+def fit_residual(costs: StageCosts, ranks: int, batch: int, schedule: str, measured: Mapping[int, Sequence[float]]) -> Residual:
+    """The :class:`Residual` under which ``schedule``'s clock gives the mean of ``measured[chunks]`` (the measured steps
+    at each micro-batch count) at the fewest and the most counts measured: the cost per action is what makes the
+    predicted difference between them the measured one (0 when the clock already predicts at least that: no
+    negative cost, which would favour more micro-batches), the cost per step what is left, averaged over the counts.
+    One count measured: no residual (nothing tells a cost per action from one per step)."""
+    counts = sorted(m for m, steps in measured.items() if steps)
+    if len(counts) < 2:
+        return Residual()
+    few, many = counts[0], counts[-1]
+    orders = {m: schedule_orders(schedule, ranks, m) for m in (few, many)}
+    gap = mean(measured[many]) - mean(measured[few])
+
+    def excess(r: float) -> float:  # predicted minus measured difference: rises with r (more actions on many's path)
+        return _clock(orders[many], costs, batch / many, r) - _clock(orders[few], costs, batch / few, r) - gap
+
+    per_action = 0.0
+    if excess(0.0) < 0:
+        low, high = 0.0, 1e-4
+        while excess(high) < 0 and high < 10.0:
+            low, high = high, 2 * high
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if excess(mid) < 0 else (low, mid)
+        per_action = high
+    per_step = mean(mean(measured[m]) - _clock(orders[m], costs, batch / m, per_action) for m in (few, many))
+    return Residual(per_action, per_step, (few, many))
+
+
+@dataclass(frozen=True)
 class Prediction:
     setting: Setting
     step_s: float
@@ -118,6 +178,7 @@ class Choice:
     noise_s: float
     considered: list[Prediction] = field(default_factory=list)
     over_budget: list[Setting] = field(default_factory=list)
+    residual: Residual = Residual()
 
     @property
     def switches(self) -> bool:
@@ -131,6 +192,7 @@ class Choice:
                 f"{self.measured_s * 1e3:.1f} ms measured (noise {self.noise_s * 1e3:.1f} ms)")
         if not self.switches and best.setting != cur.setting:
             head += f"; best {_name(best.setting)} gains less than the noise"
+        head += f"; {self.residual.describe()}"
         rest = ", ".join(f"{_name(p.setting)} {p.step_s * 1e3:.1f}" for p in sorted(self.considered, key=lambda p: p.step_s))
         tail = f"; {len(self.considered)} candidates (ms predicted): {rest}"
         if self.over_budget:
@@ -164,14 +226,16 @@ def candidates(schedule: str, batch: int, stages: int, max_chunks: int) -> list[
     return out
 
 
-def predict(setting: Setting, costs: StageCosts, ranks: int, batch: int) -> Prediction:
-    """``setting``'s step and peak activations per rank by the schedule's own clock with ``costs``."""
+def predict(setting: Setting, costs: StageCosts, ranks: int, batch: int, residual: Residual = Residual()) -> Prediction:
+    """``setting``'s step and peak activations per rank by the schedule's own clock with ``costs``, each action
+    costing ``residual.per_action_s`` more and the step ``residual.per_step_s`` more."""
     name, chunks = setting
     rows = batch / chunks
     orders = schedule_orders(name, ranks, chunks)
-    cost = lambda kind, s: costs.seconds(kind, s, rows)  # noqa: E731
+    cost = lambda kind, s: costs.seconds(kind, s, rows) + residual.per_action_s  # noqa: E731
     held = {s: costs.held_per_row[s] * rows for s in range(costs.stages)}
-    return Prediction(setting, step_time(orders, costs.stages, cost), peak_activations(orders, costs.stages, cost, held))
+    step = step_time(orders, costs.stages, cost) + residual.per_step_s
+    return Prediction(setting, step, peak_activations(orders, costs.stages, cost, held))
 
 
 @dataclass(frozen=True)
@@ -181,14 +245,15 @@ class _Spread:
 
 def choose(
     costs: StageCosts, ranks: int, batch: int, current: Setting, measured_s: Sequence[float],
-    settings: Iterable[Setting], max_activation_bytes: float | None = None,
+    settings: Iterable[Setting], max_activation_bytes: float | None = None, residual: Residual = Residual(),
 ) -> Choice:
-    """The candidate of ``settings`` with the shortest predicted step within the activation budget, chosen over
-    ``current`` only when it gains more than the noise of ``measured_s`` (the current setting's measured steps)."""
-    now = predict(current, costs, ranks, batch)
+    """The candidate of ``settings`` with the shortest predicted step (``residual`` added to each:
+    :func:`fit_residual`) within the activation budget, chosen over ``current`` only when it gains more than the
+    noise of ``measured_s`` (the current setting's measured steps)."""
+    now = predict(current, costs, ranks, batch, residual)
     considered, over = [], []
     for setting in settings:
-        p = now if setting == current else predict(setting, costs, ranks, batch)
+        p = now if setting == current else predict(setting, costs, ranks, batch, residual)
         if max_activation_bytes is not None and p.peak_bytes > max_activation_bytes:
             over.append(setting)
             continue
@@ -206,4 +271,4 @@ def choose(
     margin = noise(_Spread(here), _Spread(there))  # type: ignore[arg-type]  # it reads only spread_s
     fits_now = max_activation_bytes is None or now.peak_bytes <= max_activation_bytes
     switch = best.setting != current and (now.step_s - best.step_s > margin or not fits_now)
-    return Choice(best.setting if switch else current, now, best, measured, margin, considered, over)
+    return Choice(best.setting if switch else current, now, best, measured, margin, considered, over, residual)

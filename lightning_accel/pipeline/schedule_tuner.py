@@ -7,7 +7,9 @@ and ``bench pipeline --schedules auto`` drive it alike). The steps go:
   measured at the start's ``chunks`` (each stage's F, I and W per micro-batch, by
   :class:`~lightning_accel.pipeline.stage_meter.StageMeter`, and the step's wall time);
 - the same at a second micro-batch count (twice, or else half, the start's), so each action's cost
-  splits into a fixed part and a part per row (:class:`~lightning_accel.pipeline.auto_schedule.StageCosts`);
+  splits into a fixed part and a part per row (:class:`~lightning_accel.pipeline.auto_schedule.StageCosts`), and
+  the two counts' measured steps give what each action and each step costs beyond the meter
+  (:func:`~lightning_accel.pipeline.auto_schedule.fit_residual`);
 - one ``all_gather_object`` over every rank (replicas included, so they all choose alike), then
   :func:`~lightning_accel.pipeline.auto_schedule.choose`, and the next step runs the choice (or the start
   again when nothing beats it beyond the noise).
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_accel.pipeline.auto_schedule import AutoSchedule, Choice, StageCosts, candidates, choose
+from lightning_accel.pipeline.auto_schedule import AutoSchedule, Choice, StageCosts, candidates, choose, fit_residual
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.stage_meter import StageMeter
 
@@ -102,13 +104,14 @@ class ScheduleTuner:
                 samples.setdefault(key, []).extend(points)
             for s, points in r["held"].items():
                 held.setdefault(s, []).extend(points)
-        start_m = self.start[1]
-        steps = [max(ts) for ts in zip(*(r["times"][start_m] for r in everyone))]  # the slowest rank's step
+        # per micro-batch count measured, each step as the slowest rank's
+        measured = {m: [max(ts) for ts in zip(*(r["times"][m] for r in everyone))] for m in everyone[0]["times"]}
         budgets = [b for b in (self.settings.max_activation_bytes, *(r["free"] for r in everyone)) if b is not None]
         assert self.batch is not None
         ranks = self.pipe.world_size
+        costs = StageCosts.fit(samples, held)
         return choose(
-            StageCosts.fit(samples, held), ranks, self.batch, self.start, steps,
+            costs, ranks, self.batch, self.start, measured[self.start[1]],
             candidates(self.start[0], self.batch, len(self.pipe.balance), self.settings.max_chunks),
-            min(budgets) if budgets else None,
+            min(budgets) if budgets else None, fit_residual(costs, ranks, self.batch, self.start[0], measured),
         )

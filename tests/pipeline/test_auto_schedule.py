@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_accel.pipeline.auto_schedule import AutoSchedule, StageCosts, candidates, choose, same_placement
+from lightning_accel.pipeline.auto_schedule import (
+    AutoSchedule,
+    Residual,
+    StageCosts,
+    candidates,
+    choose,
+    fit_residual,
+    predict,
+    same_placement,
+)
 from lightning_accel.pipeline.schedule_clock import peak_activations, schedule_orders, step_time
 
 
@@ -73,6 +82,47 @@ def test_no_switch_inside_the_noise():
     kept = choose(costs, 2, batch, ("gpipe", 2), noisy, settings)
     assert kept.noise_s > gain and not kept.switches and kept.chosen == ("gpipe", 2)
     assert "gains less than the noise" in kept.report()
+
+
+def _measured(costs: StageCosts, residual: Residual, counts=(4, 8)) -> dict:
+    """zbv's steps at each count as a machine whose actions cost ``residual`` beyond the meter would measure them."""
+    return {m: [predict(("zbv", m), costs, 2, 32, residual).step_s] * 3 for m in counts}
+
+
+def test_a_cost_per_action_beyond_the_meter_makes_fewer_microbatches_win():
+    # metered F/I/W alone: zbv/4 is the clock's best (150.0 ms against zbv/2's 153.4); each action costing 1 ms more
+    # outside the meter (runtime, sends), twice the micro-batches pay it twice as often: zbv/2 wins (167.4 vs 175.0)
+    costs, settings = _costs(4, fixed=1e-3, per_row=6e-4), candidates("zbv", 32, 4, 32)
+    measured = _measured(costs, Residual(1e-3, 5e-3))
+    residual = fit_residual(costs, 2, 32, "zbv", measured)
+    assert residual.per_action_s == pytest.approx(1e-3, rel=1e-6)
+    assert residual.per_step_s == pytest.approx(5e-3, rel=1e-6) and residual.fitted_on == (4, 8)
+    blind = choose(costs, 2, 32, ("zbv", 4), measured[4], settings)
+    assert not blind.switches and blind.best.setting == ("zbv", 4)
+    seen = choose(costs, 2, 32, ("zbv", 4), measured[4], settings, residual=residual)
+    assert seen.chosen == ("zbv", 2)
+    assert seen.current.step_s == pytest.approx(measured[4][0])  # the start predicted as measured
+    assert "1.00 ms per action and 5.0 ms per step beyond F/I/W (fitted on chunks=4,8's measured steps)" in seen.report()
+    # the fitted counts may be the start's half: the same residual
+    assert fit_residual(costs, 2, 32, "zbv", _measured(costs, Residual(1e-3, 5e-3), (2, 4))).per_action_s == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("per_step", [0.0, 0.02])
+def test_no_cost_per_action_beyond_the_meter_changes_nothing(per_step):
+    # steps measured as the clock predicts them (plus, or not, a cost once per step): no cost per action is fitted,
+    # every candidate's predicted gain over the start is the clock's own, and the choice is the same
+    costs, settings = _costs(4, fixed=1e-3, per_row=6e-4), candidates("zbv", 32, 4, 32)
+    measured = _measured(costs, Residual(0.0, per_step))
+    residual = fit_residual(costs, 2, 32, "zbv", measured)
+    assert residual.per_action_s == 0.0 and residual.per_step_s == pytest.approx(per_step, abs=1e-12)
+    blind = choose(costs, 2, 32, ("zbv", 4), measured[4], settings)
+    seen = choose(costs, 2, 32, ("zbv", 4), measured[4], settings, residual=residual)
+    assert seen.chosen == blind.chosen == ("zbv", 4)
+    assert [p.step_s - per_step for p in seen.considered] == pytest.approx([p.step_s for p in blind.considered])
+    # more micro-batches measured cheaper than the clock says: no negative cost per action (it would favour them)
+    cheaper = {4: measured[4], 8: [measured[8][0] - 0.01] * 3}
+    assert fit_residual(costs, 2, 32, "zbv", cheaper).per_action_s == 0.0
+    assert fit_residual(costs, 2, 32, "zbv", {4: measured[4]}) == Residual()  # one count: nothing to fit
 
 
 def test_stage_costs_fit_a_fixed_and_a_per_row_part():
