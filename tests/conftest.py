@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from tests.support.warm_python import python as warm_python
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +101,7 @@ class CliProcesses:
     most of a short run is importing Lightning, on one core."""
 
     def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "lightning_accel", *args], env=env, stdout=subprocess.PIPE,
+        return subprocess.Popen([warm_python(), "-m", "lightning_accel", *args], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
     def finish(self, proc: subprocess.Popen[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -128,7 +129,7 @@ class CliProcesses:
                     if (job.after is None or job.after in done) and (not running or busy + job.processes <= slots):
                         stem = Path(logs, str(len(done) + len(running)))
                         out, err = open(f"{stem}.out", "w+"), open(f"{stem}.err", "w+")
-                        proc = subprocess.Popen([sys.executable, "-m", "lightning_accel", *job.args], env=job.env, stdout=out,
+                        proc = subprocess.Popen([warm_python(), "-m", "lightning_accel", *job.args], env=job.env, stdout=out,
                                                 stderr=err, text=True)
                         running[name] = (proc, out, err, time.monotonic())
                         del pending[name]

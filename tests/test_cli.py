@@ -6,17 +6,16 @@ import csv
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_accel import cli
-PYTHON = sys.executable
+from tests.support.warm_python import python as warm_python
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "lightning_accel", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([warm_python(), "-m", "lightning_accel", *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _train_losses(metrics_csv: Path) -> list[float]:

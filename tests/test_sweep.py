@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from omegaconf import OmegaConf
 from lightning_accel.config.compose import compose_recipe
 from lightning_accel.config.errors import UserError, explain
 from lightning_accel.sweep import check_added_keys, check_search_space, check_sweep, metric_direction, sweep_params
+from tests.support.warm_python import python as warm_python
 
 pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="needs the sweep extra (hydra-optuna-sweeper)")
 
@@ -135,7 +135,7 @@ def _trial_losses(sweep_dir: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_two_trial_optuna_sweep_then_resume(cli_env: dict[str, str]) -> None:
-    cmd = [sys.executable, "-m", "lightning_accel", "run", "gpt-tiny_sweep_cpu", "hydra.sweeper.n_trials=2", *TINY]
+    cmd = [warm_python(), "-m", "lightning_accel", "run", "gpt-tiny_sweep_cpu", "hydra.sweeper.n_trials=2", *TINY]
     done = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     best, sweep_dir_text = _summary(done.stdout)

@@ -11,12 +11,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_accel.comm.rendezvous import held_store, store_env
+from tests.support.warm_python import python as warm_python
 
 WORKER = Path(__file__).with_name("tuner_ddp_worker.py")
 SAMPLES = 64
@@ -36,7 +36,7 @@ def test_each_rank_tunes_its_shard_within_its_share_and_loses_no_sample(tmp_path
     # A session of its own: on a hang, rank 0, the rank Lightning launched and their loader workers go together
     # (killing rank 0 alone leaves rank 1 waiting on the store this test holds, and its pipes open).
     ranks = subprocess.Popen(
-        [sys.executable, str(WORKER), str(tmp_path), str(SAMPLES)],
+        [warm_python(), str(WORKER), str(tmp_path), str(SAMPLES)],
         env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

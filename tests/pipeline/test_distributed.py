@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from lightning_accel.pipeline.timeline import Event, measured_bubble, stage_orde
 from tests.support.workers import WORKERS
 from tests.support.workers.dist_worker import EVAL_SIZES, eval_batch
 from tests.support.workers.remat_worker import chunk_counts
+from tests.support.warm_python import python as warm_python
 
 WORKER = WORKERS / "dist_worker.py"
 REMAT_WORKER = WORKERS / "remat_worker.py"
@@ -40,7 +40,7 @@ def _launch(
         env = dict(os.environ, **store_env(store.port), RANK=str(rank), LOCAL_RANK=str(rank),
                    WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1", PIPE_TIMEOUT="20")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-        procs.append(subprocess.Popen([sys.executable, str(worker), str(out), schedule, mode], env=env,
+        procs.append(subprocess.Popen([warm_python(), str(worker), str(out), schedule, mode], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     while ended is not None and len(ended) < len(procs) and time.monotonic() < deadline:

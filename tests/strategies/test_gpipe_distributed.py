@@ -51,10 +51,10 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
     return losses.returned, {n: p.detach().clone() for n, p in task.named_parameters()}, val
 
 
-def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None) -> subprocess.CompletedProcess:
+def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None, warm: bool = True) -> subprocess.CompletedProcess:
     """Run the user script; Lightning starts rank 1 from it."""
     args = args if args is not None else [str(out), ",".join([*SCHEDULES, "auto"]), "1"]
-    return run_user_script(WORKERS / script, args, timeout, "2-process pipeline training")
+    return run_user_script(WORKERS / script, args, timeout, "2-process pipeline training", warm=warm)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,9 @@ def test_logged_values_keep_their_reduce_fx_over_micro_batches(fx, expected):
 def step_results(tmp_path_factory):
     """tests/support/workers/step_report_worker.py on 2 ranks: what each rank logged and returned per step."""
     out = tmp_path_factory.mktemp("step_results")
-    result = _launch(out, script="step_report_worker.py", args=[str(out)])
+    # a fresh interpreter (warm=False): the worker counts threads at its exit after the strategy module's exit hook,
+    # which holds only where the worker's hook is registered before that module is imported
+    result = _launch(out, script="step_report_worker.py", args=[str(out)], warm=False)
     assert result.returncode == 0, result.stdout[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return ranks, [int((out / f"threads-at-exit-rank{r}.txt").read_text()) for r in range(2)]

@@ -104,6 +104,8 @@ def test_by_time_on_one_rank_leaves_the_blocks_where_they_were(one_rank):
     model = UnevenRegressor()
     trainer = _fit_one_rank(model, schedule="interleaved_1f1b", balance="by_time", blocks=lambda net: list(net.blocks))
     times = trainer.strategy._block_times
-    assert times[0] > 10 * max(times[1:]) and balance_by_cost(times, 2) == [1, 3]
+    # the split, not a ratio of wall times: on a loaded machine one of the 0.1 ms blocks measured 14 ms against
+    # block 0's 23 ms (every one of its 5 rounds preempted), and block 0 alone still outweighs the rest
+    assert times[0] == max(times) and balance_by_cost(times, 2) == [1, 3], times
     assert all(not p.is_meta for p in model.parameters())  # one rank holds every stage
     assert isinstance(model.net, MLP)
