@@ -24,6 +24,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import stat
@@ -103,6 +104,7 @@ class WarmPython:
         if self._server is not None and self._server.poll() is None:
             self._server.terminate()
             self._server.wait(timeout=30)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def serve(path: str) -> None:
