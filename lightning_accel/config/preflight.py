@@ -277,6 +277,13 @@ def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True, rel
     rank that rank 0 started (:mod:`lightning_accel.config.ranks`): earlier runs are left to
     rank 0 to reap (its own run is already under way there).
     """
+    return preflight_built(recipe, overrides, launch=launch, relaunched=relaunched)[0]
+
+
+def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False) -> tuple[DictConfig, Any]:
+    """:func:`preflight`, and the LightningModule its checks built on the meta device from the
+    config it returns: ``estimate`` measures that one instead of building it again (a 70B
+    LoRA's build, peft's injection on meta, takes seconds)."""
     from lightning_accel.run_dir import find_last_checkpoint, reap
     from lightning_accel.sweep import check_sweep
 
@@ -308,7 +315,7 @@ def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True, rel
         if not Path(str(ckpt_path)).is_file():
             raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file, ckpt_path=last, or leave it unset")
         check_checkpoint(str(ckpt_path), module)
-    return cfg
+    return cfg, module
 
 
 def check_data(cfg: DictConfig) -> None:
@@ -317,4 +324,4 @@ def check_data(cfg: DictConfig) -> None:
     _built("data", cfg.data)
 
 
-__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "check_offload_precision", "is_sweep", "preflight", "recipe_root"]
+__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "check_offload_precision", "is_sweep", "preflight", "preflight_built", "recipe_root"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 # (qualified name, parameter) -> the dtype the strategy computes it in
 DtypeOf = Callable[[str, nn.Parameter], torch.dtype]
@@ -26,9 +26,17 @@ def as_stored(_name: str, param: nn.Parameter) -> torch.dtype:
 
 def fake_parameters(module: nn.Module, mode: FakeTensorMode, dtype_of: DtypeOf = as_stored) -> None:
     """Replace every parameter and buffer of ``module`` by a fake CPU tensor, in place; parameters
-    in ``dtype_of(name, param)`` (floating ones only), buffers in their own dtype."""
+    in ``dtype_of(name, param)`` (floating ones only), buffers in their own dtype.
+
+    One that already is a fake CPU tensor of ``mode`` in that dtype stays as it is (a fake tensor
+    holds no values, so a new one would be the same): the second call, to the device dtypes after
+    the optimizer's, keeps a frozen base instead of making its hundreds of weights again."""
     made: dict[int, torch.Tensor] = {}
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+    def kept(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+        return isinstance(tensor, FakeTensor) and tensor.fake_mode is mode and tensor.device.type == "cpu" and tensor.dtype == dtype
+
     with mode:
         for owner in module.modules():
             for key, param in list(owner._parameters.items()):
@@ -36,13 +44,16 @@ def fake_parameters(module: nn.Module, mode: FakeTensorMode, dtype_of: DtypeOf =
                     continue
                 if id(param) not in made:
                     dtype = dtype_of(names[id(param)], param) if param.is_floating_point() else param.dtype
-                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="cpu"), requires_grad=param.requires_grad)
+                    if kept(param, dtype):
+                        made[id(param)] = param
+                    else:
+                        made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="cpu"), requires_grad=param.requires_grad)
                 owner._parameters[key] = made[id(param)]
             for key, buffer in list(owner._buffers.items()):
                 if buffer is None:
                     continue
                 if id(buffer) not in made:
-                    made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+                    made[id(buffer)] = buffer if kept(buffer, buffer.dtype) else torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
                 owner._buffers[key] = made[id(buffer)]
 
 

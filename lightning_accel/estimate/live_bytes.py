@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
 class LiveBytes(TorchDispatchMode):
@@ -36,11 +35,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        # a view or an in-place op returns an input's storage: nothing new (it may predate the mode)
-        given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in given:
-                self._count(tensor.untyped_storage())
+        made = _tensors(out)
+        if made:
+            # a view or an in-place op returns an input's storage: nothing new (it may predate the mode)
+            given = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+            for tensor in made:
+                if tensor.untyped_storage()._cdata not in given:
+                    self._count(tensor.untyped_storage())
         return out
 
     def _count(self, storage: torch.UntypedStorage) -> None:
@@ -56,3 +57,22 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.now -= self._sizes.pop(key, 0)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results: ``tree_leaves``' tensors for what an ATen op
+    takes and returns (tensors, lists and tuples of them, a kwargs dict), in a fraction of its
+    time: it ran twice on every op of a traced step and took a tenth of the trace."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    found: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.append(node)
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+    return found

@@ -1,11 +1,11 @@
 """From a recipe and its overrides to an :class:`~.report.Estimate`: compose, build, measure, add up.
 
 The recipe goes through the pre-run check (:func:`~lightning_accel.config.preflight.preflight`,
-as ``validate`` runs it) once; then the LightningModule is built on the meta device with the
-runner's own builder and the strategy from its config, the blocks are found by the policy the
-strategies share, and the measurements run on fake tensors: nothing is allocated, nothing
-downloaded. This module decides the :class:`~.components.Plan` from the recipe; the
-arithmetic lives in :mod:`~.components`.
+as ``validate`` runs it) once; the LightningModule that check built on the meta device with
+the runner's own builder is the one measured, the strategy is built from the config, the
+blocks are found by the policy the strategies share, and the measurements run on fake
+tensors: nothing is allocated, nothing downloaded. This module decides the
+:class:`~.components.Plan` from the recipe; the arithmetic lives in :mod:`~.components`.
 """
 
 from __future__ import annotations
@@ -182,16 +182,14 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     """The recipe's estimate (see the module doc); ``device_memory`` defaults to the device the
     recipe states (a size or an accelerator), else, for a GPU recipe, this machine's first GPU;
     ``host_memory`` to this machine's available memory."""
-    from lightning_accel.config.preflight import _quiet, preflight
+    from lightning_accel.config.preflight import _quiet, preflight_built
     from lightning_accel.host_memory import available_host_bytes
-    from lightning_accel.runner import build_model
 
-    cfg = preflight(recipe, overrides, launch=False)
+    # the module the check built on meta from this very config (built again, it cost a 70B LoRA seconds)
+    cfg, module = preflight_built(recipe, overrides, launch=False)
     notes: list[str] = []
     with _quiet():
         strategy = _strategy(cfg)
-        with torch.device("meta"):
-            module = build_model(cfg)
     datamodule = instantiate(cfg.data)
     net = module.net if isinstance(getattr(module, "net", None), nn.Module) else module
     try:

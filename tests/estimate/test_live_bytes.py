@@ -40,3 +40,20 @@ def test_window_peak_restarts_at_mark() -> None:
         assert counter.window_peak == 40
         assert counter.peak == 4000
         del b
+
+
+def test_every_tensor_an_op_returns_is_counted_lists_and_tuples_too() -> None:
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(256, 128)
+        ys = [torch.empty(10), torch.empty(20)]
+    counter = LiveBytes()
+    with mode, counter:
+        values, indices = torch.sort(x)  # a tuple of two new tensors
+        assert counter.now == 256 * 128 * (4 + 8)
+        parts = torch.split(values, 64)  # views of values: nothing new
+        assert counter.now == 256 * 128 * (4 + 8)
+        sums = torch._foreach_add(ys, 1.0)  # a list of new tensors
+        assert counter.now == 256 * 128 * (4 + 8) + 30 * 4
+        del values, indices, parts, sums
+    assert counter.now == 0

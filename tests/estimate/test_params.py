@@ -56,3 +56,38 @@ def test_nf4_bytes_are_torchao_s(shape: tuple[int, int], block: int, scaler: int
 
     weight = load_to_nf4()(torch.randn(shape, dtype=dtype), block, scaler)
     assert nf4_nbytes(shape[0] * shape[1], block, scaler, dtype) == stored_nbytes(weight)
+
+
+class _Adapters(nn.Module):
+    """Many trainable tensors of few shapes, a frozen base, two groups that keep different state, one parameter no optimizer holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.ModuleList(nn.Linear(64, 64) for _ in range(4)).requires_grad_(False)
+        self.a = nn.ParameterList(nn.Parameter(torch.empty(8, 64)) for _ in range(6))
+        self.b = nn.ParameterList(nn.Parameter(torch.empty(64, 8)) for _ in range(6))
+        self.norm = nn.Parameter(torch.empty(64))
+        self.loose = nn.Parameter(torch.empty(64, 8))
+        self.optimizers: list[torch.optim.Optimizer] = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [
+            {"params": [*self.base.parameters(), *self.a, self.norm]},
+            {"params": list(self.b), "amsgrad": True},  # a third moment: the stand-ins are per group
+        ]
+        self.optimizers.append(torch.optim.AdamW(groups, lr=1e-3))
+        return self.optimizers[-1]
+
+
+def test_state_from_stand_ins_is_every_parameter_s() -> None:
+    (full, full_mode), (standing, standing_mode) = (_Adapters(), FakeTensorMode()), (_Adapters(), FakeTensorMode())
+    fake_parameters(full, full_mode)
+    fake_parameters(standing, standing_mode)
+    every = measure_optimizer(full, full, full_mode, scratch=True).state  # the scratch needs every parameter stepped
+    stood = measure_optimizer(standing, standing, standing_mode, scratch=False).state
+    assert stood == every
+    assert every["a.0"] == every["a.5"] == 2 * 8 * 64 * 4 + 4 and every["b.0"] == 3 * 64 * 8 * 4 + 4
+    assert every["loose"] == every["base.0.weight"] == 0
+    # one step per group and kind: a's shape and the norm's in the first group, b's in the second
+    assert len(full.optimizers[0].state) == 6 + 6 + 1 and len(standing.optimizers[0].state) == 3
+    assert all(p.grad is None for p in standing.parameters())

@@ -50,3 +50,18 @@ def test_a_gpu_recipe_stating_no_size_is_judged_by_this_machine_s_gpu(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30, "name": "NVIDIA H100"})())
     estimate = estimate_recipe("gpt-small_bf16-accum_1gpu", ["data.batch_size=2", "data.block_size=32"])
     assert estimate.device_memory == 80 * 2**30 and "(this machine's NVIDIA H100): fits" in estimate.verdict()
+
+
+def test_the_module_preflight_built_is_the_one_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_accel.runner as runner
+
+    built = []
+
+    def build(cfg: object) -> object:
+        built.append(runner_build(cfg))
+        return built[-1]
+
+    runner_build = runner.build_model
+    monkeypatch.setattr(runner, "build_model", build)
+    estimate = estimate_recipe("gpt-tiny_cpu", SMALL)
+    assert len(built) == 1 and estimate.ranks  # preflight's build, not a second one
