@@ -50,6 +50,15 @@ def test_every_sleep_block_pays_f_i_w_even_the_first_on_an_input_without_gradien
     assert sum(slept) == pytest.approx(2 * (0.001 + 0.01 + 0.1))  # 2 blocks x (f + i + w)
 
 
+def test_busy_clock_takes_each_sleep_as_it_ran_on_the_nets_one_clock():
+    net = SleepNet(2, 8, 0.002, 0.002, 0.002)
+    assert all(block.clock is net.clock for block in net.blocks)
+    net(torch.randn(4, 8)).sum().backward()  # 2 blocks x (f + i + w), the first block's i beside its w
+    busy = net.clock.take()
+    assert 2 * 0.006 <= busy < 1.0  # a sleep never ends early; late, it is still the rank's time
+    assert net.clock.take() == 0.0  # taken: the next step starts from nothing
+
+
 @pytest.mark.slow  # 2 subprocess ranks, 2 schedules: ~15 s on a quiet 2-core machine
 def test_shrunk_schedule_table_prints_a_row_per_schedule_and_the_v_timeline(capsys):
     from lightning_accel.benchmarks.pipeline import main
@@ -58,8 +67,16 @@ def test_shrunk_schedule_table_prints_a_row_per_schedule_and_the_v_timeline(caps
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("1f1b ", "zbv "))}
     assert set(rows) == {"1f1b", "zbv"}
-    assert rows["1f1b"][5] == "0.111"  # the fill-drain ideal bubble: (S - 1) / (M + S - 1) with S=2, M=8
-    assert "zbv: " in out and "below 1f1b's step" in out and "target >= 0.95x" in out
+    assert rows["1f1b"][7] == "0.111"  # the fill-drain ideal bubble: (S - 1) / (M + S - 1) with S=2, M=8
+    assert "zbv: " in out and "below 1f1b's step" in out and "half of 1f1b's idle bubble" in out
+    assert "target >= 0.95x" in out
+    # idle time is what is left of the step beyond the busy time, and a sleep never ends early: busy >= nominal work
+    work = 8 * 2 * 3e-3  # M x blocks per rank x (f + i + w)
+    for row in rows.values():
+        raw, ours, raw_idle, ours_idle, nominal = (float(row[k]) for k in (1, 2, 4, 5, 6))
+        assert 0 <= ours_idle <= nominal and 0 <= raw_idle <= 1 - work / raw + 1e-3  # 1e-3: the printed rounding
+        busy = [float(row[k]) for k in (9, 11)]  # ours, rank 0 / rank 1
+        assert all(b >= work - 5e-4 for b in busy) and max(busy) == pytest.approx(ours * (1 - ours_idle), abs=2e-3)
     # the V: rank 0 runs stage 0's forwards (upper case) and the last stage's (lower case); rank 1 starts idle
     timeline = out[out.index("zbv, the schedule's order"):].splitlines()
     assert timeline[1].startswith("rank 0: F0F1F2f0") and timeline[2].startswith("rank 1: ..F0f0")
