@@ -119,6 +119,7 @@ def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach
     temporaries span its list).
     """
     from lightning_accel.estimate.live_bytes import LiveBytes
+    from lightning_accel.offload.optimizer_state import state_bytes_by_parameter
 
     params = dict(net.named_parameters())
     optimizers = _optimizers(module.configure_optimizers())
@@ -139,7 +140,7 @@ def measure_optimizer(module: Any, net: nn.Module, mode: FakeTensorMode, foreach
         with counter:
             for optimizer in optimizers if scratch else ():
                 optimizer.step()
-    held = [_bytes_by_parameter(o) for o in optimizers]
+    held = [state_bytes_by_parameter(o) for o in optimizers]
     state = {
         name: sum(b.get(id(p if s is None else s.get(id(p), p)), 0) for b, s in zip(held, standing))
         for name, p in params.items()
@@ -166,14 +167,6 @@ def _stand_ins(optimizer: torch.optim.Optimizer) -> dict[int, nn.Parameter]:
             stand[id(p)] = first.setdefault((tuple(p.shape), p.stride(), p.dtype, p.device, p.requires_grad), p)
         group["params"] = list(first.values())
     return stand
-
-
-def _bytes_by_parameter(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """``id(param) -> bytes of its state tensors`` (``state_bytes`` of each parameter, in one pass)."""
-    return {
-        id(p): sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-        for p, state in optimizer.state.items()
-    }
 
 
 def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:

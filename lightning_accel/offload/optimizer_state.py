@@ -28,12 +28,16 @@ def param_indices(optimizer: Optimizer) -> dict[int, int]:
 
 def state_bytes(optimizer: Optimizer, params: Iterable[nn.Parameter] | None = None) -> int:
     """Bytes of the optimizer's state tensors (of ``params`` only, when given): what a rank holds."""
-    keep = None if params is None else {id(p) for p in params}
-    return sum(
-        v.numel() * v.element_size()
-        for p, state in optimizer.state.items() if keep is None or id(p) in keep
-        for v in state.values() if isinstance(v, Tensor)
-    )
+    per = state_bytes_by_parameter(optimizer)
+    return sum(per.values()) if params is None else sum(per.get(id(p), 0) for p in {id(p): p for p in params}.values())
+
+
+def state_bytes_by_parameter(optimizer: Optimizer) -> dict[int, int]:
+    """``id(parameter) -> bytes of its state tensors``, every parameter in one pass (``estimate`` reads them per name)."""
+    return {
+        id(p): sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor))
+        for p, state in optimizer.state.items()
+    }
 
 
 def gather_state(state_dict: dict[str, Any], send: Collection[int], group: dist.ProcessGroup | None, dst: int = 0) -> dict[str, Any]:
