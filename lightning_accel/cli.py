@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -178,12 +178,12 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
     (:mod:`lightning_accel.estimate`); a device peak beyond that size is a one-line warning.
     """
     from lightning_accel.config.errors import explain, failure_line
-    from lightning_accel.config.preflight import preflight
+    from lightning_accel.config.preflight import preflight_built
 
     failed = 0
     for name in recipes:
         try:
-            cfg = preflight(name, overrides, launch=False)
+            cfg, module = preflight_built(name, overrides, launch=False)
         except Exception as err:
             extra = _needs_extra(err)
             line = explain(err) or failure_line(err)  # a check that raised unexpectedly: its own line
@@ -195,16 +195,17 @@ def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
             failed += 1
             print(f"FAIL  {name}  {line}")
             continue
-        warning = _device_warning(name, overrides, cfg)
+        warning = _device_warning(name, overrides, cfg, module)
         if warning is not None:
             print(f"warn  {name}  {warning}")
         print(f"ok  {name}")
     return EXIT_USAGE if failed else 0
 
 
-def _device_warning(name: str, overrides: Sequence[str], cfg: DictConfig) -> str | None:
+def _device_warning(name: str, overrides: Sequence[str], cfg: DictConfig, module: Any) -> str | None:
     """One line when the recipe's estimated device peak exceeds the device size its purpose states
-    ("one 24 GB GPU"); None when it fits, states no size, or runs on the CPU."""
+    ("one 24 GB GPU"); None when it fits, states no size, or runs on the CPU. ``cfg`` and ``module``:
+    what preflight composed and built on meta, which the estimate measures instead of checking again."""
     from lightning_accel.estimate import estimate_recipe
     from lightning_accel.estimate.recipe import stated_device_memory
     from lightning_accel.estimate.report import gb
@@ -213,7 +214,7 @@ def _device_warning(name: str, overrides: Sequence[str], cfg: DictConfig) -> str
     if stated is None or str(cfg.trainer.accelerator) == "cpu":
         return None
     try:
-        estimate = estimate_recipe(name, list(overrides))
+        estimate = estimate_recipe(name, list(overrides), built=(cfg, module))
     except ValueError as err:  # a data module whose batch shape the estimate does not know
         return f"device memory not estimated: {err}"
     if estimate.device_fits is not False:

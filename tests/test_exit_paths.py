@@ -79,6 +79,7 @@ def test_an_unexpected_error_in_the_checks_is_one_line_exit_1(monkeypatch: pytes
         raise KeyError("stage_devices")
 
     monkeypatch.setattr(preflight, "preflight", broken)
+    monkeypatch.setattr(preflight, "preflight_built", broken)  # (validate asks for the module it built too)
     for command in ("run", "validate"):
         assert cli.main([command, "gpt-tiny_cpu"]) == 1
         lines = capsys.readouterr().err.strip().splitlines()

@@ -178,15 +178,18 @@ def _device_dtype(plan: Plan, blocks: list[Block], low: torch.dtype) -> Any:
     return dtype_of
 
 
-def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None = None, host_memory: int | None = None) -> Estimate:
+def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None = None, host_memory: int | None = None,
+                    built: tuple[DictConfig, Any] | None = None) -> Estimate:
     """The recipe's estimate (see the module doc); ``device_memory`` defaults to the device the
     recipe states (a size or an accelerator), else, for a GPU recipe, this machine's first GPU;
-    ``host_memory`` to this machine's available memory."""
+    ``host_memory`` to this machine's available memory. ``built``: what ``preflight_built(recipe,
+    overrides, launch=False)`` returned, where the caller already ran it (``validate``); the
+    estimate takes the module over (it fakes its parameters)."""
     from lightning_accel.config.preflight import _quiet, preflight_built
     from lightning_accel.host_memory import available_host_bytes
 
     # the module the check built on meta from this very config (built again, it cost a 70B LoRA seconds)
-    cfg, module = preflight_built(recipe, overrides, launch=False)
+    cfg, module = built if built is not None else preflight_built(recipe, overrides, launch=False)
     notes: list[str] = []
     with _quiet():
         strategy = _strategy(cfg)
