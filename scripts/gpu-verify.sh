@@ -11,6 +11,9 @@
 #   run(command="scripts/gpu-verify.sh run bench", carry=[".gpu-site"])    # offload, finetune, prefetch, pipeline tables
 #   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, a 7B LoRA, measured
 #   run(command="scripts/gpu-verify.sh run estimate", carry=[".gpu-site"]) # a plain bf16 GPT's device estimate, measured
+#   run(command="scripts/gpu-verify.sh run schedules", carry=[".gpu-site"]) # not in all: issue #30's schedule table on this
+#       machine's unshared CPU cores (2 gloo ranks, sleeping blocks; ~4 min): on the 2-core sandbox its zero-bubble target
+#       sits inside the spread (docs/pipeline.md), a core coming back cold from every sleep
 # The recipes and estimate parts run each recipe through `lightning-accel estimate RECIPE ... --measure STEPS`
 # (issue #29): the estimate's table, the run, then each device's estimated peak beside
 # torch.cuda.max_memory_allocated (goal: within 10%; outside it the step reads FAILED (rc 1)).
@@ -42,7 +45,7 @@ pack() {
 
 run() {
     local part=${1:-all}
-    case "$part" in tests|bench|recipes|estimate|all) ;; *) echo "run: unknown part '$part'; use tests, bench, recipes, estimate or all" >&2; exit 2 ;; esac
+    case "$part" in tests|bench|recipes|estimate|schedules|all) ;; *) echo "run: unknown part '$part'; use tests, bench, recipes, estimate, schedules or all" >&2; exit 2 ;; esac
     local out="${OUT:-$repo/gpu-results}"
     mkdir -p "$out"
     export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
@@ -92,6 +95,9 @@ PY
         step "estimate gpt-small bf16 1gpu" estimate-gpt-small.log python3 -m lightning_accel.cli estimate gpt-small_bf16-accum_1gpu \
             trainer.val_check_interval=10 trainer.limit_val_batches=1 --measure 10
     fi
+    if [ "$part" = schedules ]; then  # CPU ranks: whether issue #30's zero-bubble target holds where cores are not shared
+        step "bench pipeline --schedules all" bench-schedules.txt python3 -m lightning_accel.cli bench pipeline --schedules all
+    fi
     {
         cat "$out/versions.txt"
         printf '%-32s %-14s %-8s %s\n' step result time log
@@ -104,5 +110,5 @@ PY
 case "${1:-}" in
     pack) pack ;;
     run) run "${2:-all}" ;;
-    *) echo "usage: $0 pack|run [tests|bench|recipes|estimate|all]  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
+    *) echo "usage: $0 pack|run [tests|bench|recipes|estimate|schedules|all]  (pack here, run on the GPU machine; see the header)" >&2; exit 2 ;;
 esac
