@@ -129,6 +129,18 @@ def _worker(rank: int, world_size: int, port: int, options: Sequence[DDPOption],
         dist.destroy_process_group()
 
 
+def _context() -> Any:
+    """How the probe starts its processes: forkserver where the platform has one, preloading this module (so
+    torch), so that every probe after the first forks a process that has imported torch already, where spawn
+    imports it again in each (seconds per process); spawn elsewhere. Never plain fork: the caller may be running
+    torch's or gloo's threads, which a forked child would inherit half-held."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # (read when this process starts its server: the first probe)
+    return ctx
+
+
 def probe(
     options: Sequence[DDPOption],
     *,
@@ -154,7 +166,7 @@ def probe(
             raise ValueError(f"batch={batch} must be divisible by {option.label}'s accumulate={option.accumulate}")
     cfg = dict(steps=steps, warmup=warmup, batch=batch, width=width, depth=depth, lr=lr, dtype=dtype, seed=seed,
                threads=threads, return_params=return_params)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     store = held_store(timeout_s)
     procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, options, cfg, queue), daemon=True) for r in range(world_size)]
