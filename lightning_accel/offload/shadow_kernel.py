@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -139,6 +140,25 @@ class _Kernel:
                         shadow.data_ptr() if shadow is not None else None, skind, n, threads)
         if rc != 0:
             raise ValueError(f"shadow_kernel: la_step refused {kind} over {n} elements (a multiple of 8 is needed)")
+
+    def bind(self, kind: str, flags: dict[str, bool], sc: Tensor) -> Callable[[list[Tensor], Tensor, int], None]:
+        """``fn(stepped, shadow, n)``: :meth:`__call__` with these arguments fixed (``sc`` kept alive) and
+        ``numel=n``, for the fold's per-step calls. The arguments' translation is done here once: per call
+        it was ~20 us of Python, a fifth of a small tensor's update and 0.3 ms a step in a 16-matrix fit."""
+        code, bits, sc_ptr, step = KIND[kind], sum(bit for name, bit in FLAG_BITS.items() if flags.get(name)), sc.data_ptr(), self._step
+        threads = torch.get_num_threads
+
+        def fn(stepped: list[Tensor], shadow: Tensor, n: int) -> None:
+            p, g, *state = stepped
+            if not 0 <= n <= min(p.numel(), shadow.numel()):
+                raise ValueError(f"shadow_kernel: numel={n} is outside the tensors' {p.numel()} elements")
+            rc = step(code, bits, sc_ptr, p.data_ptr(), g.data_ptr(), state[0].data_ptr() if state else None,
+                      state[1].data_ptr() if len(state) > 1 else None, shadow.data_ptr(), SHADOW[shadow.dtype], n, threads())
+            if rc != 0:
+                raise ValueError(f"shadow_kernel: la_step refused {kind} over {n} elements (a multiple of 8 is needed)")
+
+        fn.sc = sc  # type: ignore[attr-defined]  # (the kernel reads it by address)
+        return fn
 
 
 _lock = threading.Lock()

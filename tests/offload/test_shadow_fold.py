@@ -4,6 +4,7 @@ kernel followed by a cast gives (masters, shadows, optimizer state), or that pat
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -163,3 +164,54 @@ def test_partitioned_owners_write_the_shadows_of_the_units_they_step() -> None:
         for unit, ref_unit in zip(params, ref_params):
             _assert_bit_equal(unit, ref_unit, shadows, ref_shadows, opt, ref_opt)
     _folded("adamw")
+
+
+def _adamw_and_shadows() -> tuple[torch.optim.Optimizer, list[nn.Parameter], dict[Tensor, Tensor]]:
+    params = [nn.Parameter(torch.randn(256, 256))]
+    params[0].grad = torch.randn_like(params[0])
+    return torch.optim.AdamW(params, lr=3e-3, fused=True), params, {params[0]: params[0].detach().to(torch.bfloat16)}
+
+
+def test_the_fold_stands_in_for_the_kernel_names_only_while_open_and_puts_them_back() -> None:
+    # only the kernel call is intercepted: no torch function mode dispatches the step's other torch calls
+    names = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+    before = {name: getattr(torch, name) for name in names}
+    opt, params, shadows = _adamw_and_shadows()
+    modes: list[int] = []
+    with ShadowFold(shadows) as outer:
+        assert all(getattr(torch, name) is not before[name] for name in names)
+        with ShadowFold({}):  # the innermost fold writes: this one has no shadows, so none are written
+            opt.step()
+        modes.append(torch._C._len_torch_function_stack())
+        opt.step()
+    assert modes == [0] and outer.written == params
+    assert {name: getattr(torch, name) for name in names} == before
+    with pytest.raises(RuntimeError, match="boom"), ShadowFold(shadows):
+        raise RuntimeError("boom")
+    assert {name: getattr(torch, name) for name in names} == before
+
+
+def test_a_fold_is_its_own_threads_only() -> None:
+    # a host-step thread folds its own step while the main thread steps on torch's kernel, and back
+    opt, params, shadows = _adamw_and_shadows()
+    other, other_params, other_shadows = _adamw_and_shadows()
+    stale = other_shadows[other_params[0]].clone()
+    inside, go_on = threading.Event(), threading.Event()
+    folds: list[ShadowFold] = []
+
+    def host_step() -> None:
+        with ShadowFold(shadows) as fold:
+            folds.append(fold)
+            inside.set()
+            go_on.wait(10)
+            opt.step()
+
+    worker = threading.Thread(target=host_step)
+    worker.start()
+    assert inside.wait(10)
+    other.step()  # no fold on this thread: torch's kernel, no shadow written
+    go_on.set()
+    worker.join(10)
+    assert torch.equal(other_shadows[other_params[0]], stale)
+    assert folds[0].written == params and torch.equal(shadows[params[0]], params[0].detach().to(torch.bfloat16))
+    assert torch._fused_adamw_ is shadow_fold._REAL["adamw"]
