@@ -124,7 +124,8 @@ def _groups(optimizer: Optimizer, groups: list[dict[str, Any]]) -> Generator[Non
 
 
 def _folding(fold: ShadowFold) -> contextlib.AbstractContextManager[Any]:
-    """``fold`` where it has shadows to write (a torch function mode costs a little on every op)."""
+    """``fold`` where it has shadows to write (opening one stands in for torch's fused kernel names:
+    nothing to do without shadows)."""
     return fold if fold.shadows else contextlib.nullcontext()
 
 

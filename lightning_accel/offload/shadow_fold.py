@@ -10,12 +10,8 @@ register: 32 B a parameter in all.
 Inside :class:`ShadowFold`, the optimizer's own ``step()`` runs as usual (hyper-parameters,
 step counters, hooks, state creation are torch's) until it calls one of torch's fused CPU
 kernels (``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_``, ``_fused_adagrad_``), which
-torch.optim looks up on ``torch`` at each call: while any fold is open those four names hold
-stand-ins that read the calling thread's innermost fold (a host-step thread and the main
-thread do not see each other's) and, with none, call what the names held before; the last
-fold to close puts those back. Only the kernel call is intercepted: as a
-``TorchFunctionMode`` the fold dispatched every torch call of ``step()`` through Python
-(~270 a step in the fit of docs/offload.md, most of them ``_init_group``'s). For each
+:mod:`.fused_names` hands to the calling thread's innermost fold (a host-step thread and the
+main thread do not see each other's): only the kernel call is intercepted. For each
 parameter of that call with a shadow, one loop computes torch's update with the same float
 operations in the same order, including the multiply-adds torch's build contracts into
 FMAs, and stores the shadow too. That loop is the C kernel of :mod:`.shadow_kernel` (AVX2, the shadow written with non-temporal stores,
@@ -52,10 +48,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 # by its full name: `from lightning_accel.offload import` would read the package's namespace, which
 # offload/__init__ is still filling while it imports the executor that leads here (a package-init loop)
+import lightning_accel.offload.fused_names as fused_names
 import lightning_accel.offload.shadow_kernel as shadow_kernel
 
 # which positional arguments of each fused kernel are tensor lists stepped element by element
@@ -72,10 +68,6 @@ _PROBE_NUMEL = 16 * ALIGN
 _SHADOW_DTYPES = (torch.bfloat16, torch.float16)
 
 
-# torch's kernels themselves, whatever later wraps the names on ``torch`` (a test counting calls)
-_KERNELS: dict[Callable[..., Any], str] = {
-    torch._fused_adam_: "adam", torch._fused_adamw_: "adamw", torch._fused_sgd_: "sgd", torch._fused_adagrad_: "adagrad",
-}
 
 
 def _f32(*xs: float) -> Tensor:
@@ -327,81 +319,6 @@ def _worth_a_call(update: _Update, numel: int) -> bool:
     return numel >= FOLD_MIN_NUMEL or (update.native and numel % ALIGN == 0)
 
 
-# the fused kernels' names on ``torch``; while a fold is open anywhere in the process, each holds a
-# stand-in (:func:`_stand_in`) for what it held before
-_NAMES = {"adam": "_fused_adam_", "adamw": "_fused_adamw_", "sgd": "_fused_sgd_", "adagrad": "_fused_adagrad_"}
-_REAL = {kind: kernel for kernel, kind in _KERNELS.items()}
-_open = threading.local()  # .folds: this thread's open folds, innermost last
-_names_lock = threading.Lock()
-_names_held: dict[str, Any] = {}  # name -> what it held before the stand-in (empty: no stand-ins in place)
-_stand_ins: dict[str, Callable[..., Any]] = {}
-_open_folds = 0  # in all threads
-
-
-def _stand_in(kind: str, before: Any) -> Callable[..., Any]:
-    """``torch.<name>`` while folds are open: the calling thread's innermost fold steps the call with
-    torch's kernel itself; without one on this thread, ``before`` (torch's kernel, or whatever wrapped
-    the name before the fold opened) runs as it would have."""
-    real = _REAL[kind]
-
-    def fused_kernel(*args: Any, **kwargs: Any) -> Any:
-        folds = getattr(_open, "folds", None)
-        if not folds or not folds[-1].shadows:
-            return before(*args, **kwargs)
-        if before is real:
-            folds[-1]._step(kind, real, list(args), kwargs)
-            return None
-        with _KernelCall(folds[-1]):  # a wrapper (a test counting calls) runs, its call of the kernel folds
-            return before(*args, **kwargs)
-
-    fused_kernel.__name__ = fused_kernel.__qualname__ = _NAMES[kind]
-    fused_kernel.__wrapped__ = before  # type: ignore[attr-defined]
-    return fused_kernel
-
-
-class _KernelCall(TorchFunctionMode):
-    """Around a wrapper that stood on a kernel's name before the fold opened: the kernel call inside it
-    goes to ``fold`` (a torch function mode around that one call only, not around the whole step)."""
-
-    def __init__(self, fold: ShadowFold) -> None:
-        super().__init__()
-        self.fold = fold
-
-    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
-        kind = _KERNELS.get(func)
-        if kind is None:
-            return func(*args, **(kwargs or {}))
-        self.fold._step(kind, func, list(args), kwargs or {})
-        return None
-
-
-def _hold_names() -> None:
-    """One more open fold: the first puts the stand-ins in place."""
-    global _open_folds
-    with _names_lock:
-        if _open_folds == 0:
-            for kind, name in _NAMES.items():
-                before = getattr(torch, name)
-                _names_held[name] = before
-                _stand_ins[name] = _stand_in(kind, before)
-                setattr(torch, name, _stand_ins[name])
-        _open_folds += 1
-
-
-def _release_names() -> None:
-    """One fold fewer: the last puts back what each name held (unless something replaced the stand-in
-    meanwhile: that is left as it is)."""
-    global _open_folds
-    with _names_lock:
-        _open_folds -= 1
-        if _open_folds == 0:
-            for name, before in _names_held.items():
-                if getattr(torch, name) is _stand_ins[name]:
-                    setattr(torch, name, before)
-            _names_held.clear()
-            _stand_ins.clear()
-
-
 class ShadowFold:
     """Inside (``with ShadowFold(shadows) as fold:``, on this thread): torch's fused CPU optimizer kernels
     also write ``shadows[param]`` (the parameter's value in the shadow's dtype) for every parameter they
@@ -413,17 +330,18 @@ class ShadowFold:
         self.written: list[Tensor] = []
 
     def __enter__(self) -> ShadowFold:
-        folds = getattr(_open, "folds", None)
-        if folds is None:
-            folds = _open.folds = []
-        _hold_names()
-        folds.append(self)
+        fused_names.push(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        folds = _open.folds
-        del folds[len(folds) - 1 - folds[::-1].index(self)]  # (the innermost unless closed out of order)
-        _release_names()
+        fused_names.pop(self)
+
+    def intercept(self, kind: str, kernel: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]) -> bool:
+        """:class:`.fused_names.Interceptor`: step the kernel's call here, unless there is no shadow to write."""
+        if not self.shadows:
+            return False
+        self._step(kind, kernel, args, kwargs)
+        return True
 
     def _step(self, kind: str, func: Callable[..., Any], args: list[Any], kw: dict[str, Any]) -> None:
         params: list[Tensor] = args[0]

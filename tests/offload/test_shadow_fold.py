@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_accel.offload import shadow_fold, shadow_kernel
+from lightning_accel.offload import fused_names, shadow_fold, shadow_kernel
 from lightning_accel.offload.host_step import host_update
 from lightning_accel.offload.partition import partition_units
 from lightning_accel.offload.shadow_fold import ShadowFold, fold_report
@@ -214,4 +214,4 @@ def test_a_fold_is_its_own_threads_only() -> None:
     worker.join(10)
     assert torch.equal(other_shadows[other_params[0]], stale)
     assert folds[0].written == params and torch.equal(shadows[params[0]], params[0].detach().to(torch.bfloat16))
-    assert torch._fused_adamw_ is shadow_fold._REAL["adamw"]
+    assert torch._fused_adamw_ is fused_names.REAL["adamw"]
