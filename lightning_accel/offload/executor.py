@@ -67,8 +67,11 @@ from lightning_accel.patching import Patch, patch, remove_all
 RESIDENT = -1  # the resident unit's index in the streamer
 
 # a block's host step: updates the parameters, writes what it can of their shadows
-# (parameter -> low-precision shadow) in the same pass, returns the parameters it wrote them for
-BlockStep = Callable[[list[nn.Parameter], dict[nn.Parameter, torch.Tensor]], list[torch.Tensor]]
+# (parameter -> low-precision shadow) in the same pass, reads the bf16 gradients it is given
+# (parameter -> the bf16 tensor ``.grad`` is the exact widening of) instead of the fp32 ones,
+# returns the parameters it wrote shadows for
+BlockStep = Callable[[list[nn.Parameter], dict[nn.Parameter, torch.Tensor], dict[nn.Parameter, torch.Tensor]],
+                     list[torch.Tensor]]
 
 
 class L2LExecutor:
@@ -304,9 +307,10 @@ class L2LExecutor:
         for param in stepped:
             param.grad = self.store.grads.pop(param)
         shadows = {p: self.store.shadow[p] for p in stepped if self.store.shadow[p] is not self.store.master[p]}
-        written = set(step(stepped, shadows))  # the shadows written in the update's pass where it can
+        written = set(step(stepped, shadows, self.store.exact_low_grads(stepped)))  # shadows written in the update's pass
         for param in stepped:
             param.grad = None
+        self.store.drop_low_grads(stepped)
         with record_function("l2l/host_step"):
             self.refresh_shadows([p for p in stepped if p not in written], wait=False)
         self._fresh.update(stepped)
@@ -355,6 +359,15 @@ class L2LExecutor:
         if stale:
             self.streamer.wait_copies()
         return stale
+
+    def keep_low_grads(self, keep: bool) -> None:
+        """From the next gradients on, keep the bf16 ones the host widens (:meth:`.HostStore.add_grad`):
+        for an update whose C kernel reads them (:meth:`low_grads_to_read`)."""
+        self.store.keep_low(keep)
+
+    def low_grads_to_read(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Parameter -> the bf16 gradient its ``.grad`` is still the exact widening of, for the update."""
+        return self.store.exact_low_grads()
 
     def shadows_written(self, params: list[nn.Parameter]) -> None:
         """The update wrote these parameters' shadows (:meth:`after_step` leaves them alone)."""

@@ -129,14 +129,14 @@ def _folding(fold: ShadowFold) -> contextlib.AbstractContextManager[Any]:
     return fold if fold.shadows else contextlib.nullcontext()
 
 
-def step_params(optimizer: Optimizer, params: Sequence[Tensor], shadows: Mapping[Tensor, Tensor] | None = None, *,
-                fuse: bool) -> list[Tensor]:
+def step_params(optimizer: Optimizer, params: Sequence[Tensor], shadows: Mapping[Tensor, Tensor] | None = None,
+                low_grads: Mapping[Tensor, Tensor] | None = None, *, fuse: bool) -> list[Tensor]:
     """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state),
     the CPU ones on the fused kernel when ``fuse``, writing ``shadows`` in the same pass
-    where the kernel allows; returns the parameters whose shadows were written. Not
-    thread-safe against other users of the optimizer: the caller keeps the main thread off
-    it meanwhile."""
-    fold = ShadowFold(shadows or {})
+    where the kernel allows (reading ``low_grads``, see :class:`.ShadowFold`); returns the
+    parameters whose shadows were written. Not thread-safe against other users of the
+    optimizer: the caller keeps the main thread off it meanwhile."""
+    fold = ShadowFold(shadows or {}, low_grads)
     with record_function("l2l/host_step"), _groups(optimizer, update_groups(optimizer, params, fuse)), _folding(fold):
         optimizer.step()
     return fold.written
@@ -148,11 +148,13 @@ def host_update(
     fuse: bool,
     shadows: Callable[[], Mapping[Tensor, Tensor]] = dict,
     written: Callable[[list[Tensor]], None] | None = None,
+    low_grads: Callable[[], Mapping[Tensor, Tensor]] = dict,
 ) -> Generator[None, None, None]:
     """For the ``optimizer.step(closure)`` calls inside: run the closure, then update every
     parameter, the CPU ones on the fused kernel, writing the low-precision shadows of
     ``shadows()`` (a parameter -> its shadow, asked after the closure, when the gradients are
-    final) in the same pass, and tell ``written`` which shadows were written (the others, of
+    final) in the same pass, reading the bf16 gradients of ``low_grads()`` (asked then too; see
+    :class:`.ShadowFold`), and tell ``written`` which shadows were written (the others, of
     parameters the kernel did not step, are the caller's to refresh). Without ``fuse`` the
     step is the user's, untouched (their optimizer may keep counters in its param groups,
     which the temporary groups would drop).
@@ -174,7 +176,8 @@ def host_update(
             with torch.enable_grad():
                 loss = closure()
         with record_function("l2l/host_step"):
-            fold = ShadowFold(shadows())
+            to_write = shadows()
+            fold = ShadowFold(to_write, low_grads() if to_write else None)
             with _groups(optimizer, update_groups(optimizer, None, fuse)), _folding(fold):
                 step(**kwargs)
             if written is not None and fold.written:

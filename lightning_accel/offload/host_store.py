@@ -22,6 +22,8 @@ touch it, and it costs its stored size once (:func:`~lightning_accel.offload.sto
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
 
@@ -40,6 +42,9 @@ class HostStore:
         self.shadow: dict[nn.Parameter, Tensor] = {}
         self.grads: dict[nn.Parameter, Tensor] = {}
         self.frozen: set[nn.Parameter] = set()
+        # the bf16 gradient each fp32 buffer was widened from, and both tensors' versions then (see add_grad)
+        self.low_grads: dict[nn.Parameter, tuple[Tensor, int, Tensor, int]] = {}
+        self.keep_low_grads = False
         for unit in units:
             for name, param in unit.params:
                 if not param.requires_grad:
@@ -95,13 +100,49 @@ class HostStore:
 
         ``owned``: nobody else holds ``grad`` (autograd's own tensor), so an fp32 one can be
         kept as the buffer without a copy; a reused staging buffer is copied.
+
+        With :attr:`keep_low_grads`, the bf16 gradient of a parameter with a low-precision shadow
+        is kept beside the buffer widened from it (:meth:`exact_low_grads`): the host step's C
+        kernel reads it instead, 2 B a parameter instead of 4. On a GPU it is the pinned staging
+        buffer, kept anyway; on the CPU device it is the device's own gradient (autograd's, in
+        the device's memory, which there is the host's) held until the step instead of freed
+        after the widening: 2 B a matrix parameter, not counted in :meth:`host_bytes`.
         """
         buf = self.grads.get(param)
         if buf is None:
             dtype = self.master[param].dtype
-            self.grads[param] = grad.to(dtype) if owned else grad.to(dtype, copy=True)
+            buf = self.grads[param] = grad.to(dtype) if owned else grad.to(dtype, copy=True)
+            if self.keep_low_grads and grad.dtype == torch.bfloat16 and dtype == torch.float32 and grad.is_contiguous() \
+                    and self.shadow[param] is not self.master[param]:
+                self.low_grads[param] = (grad, grad._version, buf, buf._version)
         else:
             buf.add_(grad)
+            self.low_grads.pop(param, None)  # (the sum is no bf16 tensor's widening)
+
+    def keep_low(self, keep: bool) -> None:
+        """Whether :meth:`add_grad` keeps the bf16 gradients from now on (off: what it kept is released)."""
+        self.keep_low_grads = keep
+        if not keep:
+            self.low_grads.clear()
+
+    def exact_low_grads(self, params: Iterable[nn.Parameter] | None = None) -> dict[nn.Parameter, Tensor]:
+        """The kept bf16 gradients (of ``params``, default all) whose fp32 widening is still exactly
+        ``param.grad``: the same buffer, neither tensor written since (clipping, unscaling, a user's
+        hook, an all-reduce bump the version counter; replacing ``param.grad`` breaks the identity)."""
+        kept = self.low_grads
+        out = {}
+        for param in kept if params is None else params:
+            entry = kept.get(param)
+            if entry is not None:
+                low, low_version, buf, buf_version = entry
+                if param.grad is buf and buf._version == buf_version and low._version == low_version:
+                    out[param] = low
+        return out
+
+    def drop_low_grads(self, params: Iterable[nn.Parameter]) -> None:
+        """Release the kept bf16 gradients of ``params`` (stepped)."""
+        for param in params:
+            self.low_grads.pop(param, None)
 
     def install_grads(self) -> None:
         """Expose the accumulated gradients as ``param.grad`` for clipping and the optimizer."""
@@ -113,6 +154,7 @@ class HostStore:
         for param in self.grads:
             param.grad = None
         self.grads.clear()
+        self.low_grads.clear()
 
     def weight_bytes(self) -> int:
         """Bytes of the host weights: frozen tensors as stored, masters, and shadows that are copies."""

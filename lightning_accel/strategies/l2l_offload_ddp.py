@@ -283,6 +283,10 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         return False
 
     @override
+    def _reads_low_grads(self, fuse: bool) -> bool:
+        return False  # the averaged gradients are new fp32 tensors: no bf16 one they are the widening of
+
+    @override
     def _clips_across(self) -> bool:
         return self._partition is not None  # replicated: every rank holds the whole averaged gradient, as under DDP
 

@@ -364,6 +364,7 @@ class L2LOffloadHooks(Strategy):
 
         def closure_then_host_grads() -> Any:
             executor.step_blocks_during_backward(functools.partial(step_params, optimizer, fuse=fuse) if overlap else None)
+            executor.keep_low_grads(self._reads_low_grads(fuse))
             result = closure()
             self._gradients_ready()
             executor.install_grads()  # clipping and the final step see the host gradients
@@ -371,12 +372,17 @@ class L2LOffloadHooks(Strategy):
 
         # The update (after the closure and clipping): the host parameters on the fused CPU
         # kernel, the low-precision shadows written in the same pass over the masters.
-        with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written):
+        with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written, executor.low_grads_to_read):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
         executor.update_host_bytes(self.host_optimizer_bytes())
         return output
+
+    def _reads_low_grads(self, fuse: bool) -> bool:
+        """Whether the update may read the bf16 gradients the host widened to fp32 (the fused update's C
+        kernel does: :meth:`.HostStore.add_grad`)."""
+        return fuse
 
     def host_optimizer_bytes(self) -> int:
         """Bytes of optimizer state held for the host parameters."""
@@ -394,6 +400,7 @@ class L2LOffloadHooks(Strategy):
         assert executor is not None
 
         def closure_then_host_grads() -> Any:
+            executor.keep_low_grads(False)  # the deferred update reads the fp32 gradients
             executor.start_delayed_update()  # normally already running since training_step
             try:
                 result = closure()

@@ -43,30 +43,36 @@ def _assert_bit_equal(params: list[Tensor], twins: list[Tensor], shadows: dict[T
             assert torch.equal(opt.state[p][key], value), key
 
 
-def _step_both(make: Make, dtype: torch.dtype, steps: int = 3) -> tuple[list[list[Tensor]], dict[Tensor, Tensor]]:
+def _step_both(make: Make, dtype: torch.dtype, steps: int = 3, low: torch.dtype | None = None) -> tuple[list[list[Tensor]], dict[Tensor, Tensor]]:
     """``steps`` updates in the fold and, on twins, by torch's fused kernel then a cast; asserts every bit
-    agrees and every shadow was written; returns what the fold wrote and its shadows."""
+    agrees and every shadow was written; returns what the fold wrote and its shadows. ``low``: the
+    gradients are the widening of tensors of that dtype, which the fold is given too."""
     params, twins, shadows, ref_shadows = _twins(dtype)
     opt, ref = make(params), make(twins)
     written = []
     for _ in range(steps):
+        low_grads = {}
         for p, t in zip(params, twins):
             p.grad = torch.randn_like(p)
+            if low is not None:
+                p.grad[(0,) * p.ndim] = 1e-40  # a denormal
+                low_grads[p] = p.grad.to(low)
+                p.grad = low_grads[p].float()
             t.grad = p.grad.clone()
-        with ShadowFold(shadows) as fold:
+        with ShadowFold(shadows, low_grads) as fold:
             opt.step()
         written.append(fold.written)
         ref.step()
-        for t, low in ref_shadows.items():
-            low.copy_(t)
+        for t, ref_shadow in ref_shadows.items():
+            ref_shadow.copy_(t)
         _assert_bit_equal(params, twins, shadows, ref_shadows, opt, ref)
     return written, shadows
 
 
 def _folded(kind: str) -> None:
-    """The one-pass update was used for ``kind``: the C kernel where it builds here, else the compiled
-    update (skips where this machine can build neither)."""
-    report = {k: v for k, v in fold_report().items() if k.startswith(kind + ",")}
+    """The one-pass update was used for ``kind`` (reading fp32 gradients): the C kernel where it builds
+    here, else the compiled update (skips where this machine can build neither)."""
+    report = {k: v for k, v in fold_report().items() if k.startswith(kind + ",") and not k.endswith("grad=bfloat16")}
     if any(v.startswith("torch.compile failed") for v in report.values()):
         pytest.skip(f"neither the C kernel nor torch.compile can build kernels here: {report}")
     expected = "folded (C kernel)" if shadow_kernel.kernel() is not None else "folded (torch.compile; C kernel not built"
@@ -89,6 +95,56 @@ def test_one_pass_equals_the_fused_kernel_then_a_cast(make: Make, kind: str, dty
     written, shadows = _step_both(make, dtype)
     assert all(set(w) == set(shadows) for w in written)
     _folded(kind)
+
+
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["C-kernel", "torch.compile"])
+@pytest.mark.parametrize(("make", "kind"), [
+    (functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1, fused=True), "adamw"),
+    (functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-3, fused=True), "sgd"),
+    (functools.partial(torch.optim.Adagrad, lr=0.05, fused=True), "adagrad"),
+], ids=["AdamW", "SGD", "Adagrad"])
+def test_given_the_bf16_gradients_the_fold_is_still_the_fused_kernel_then_a_cast(make: Make, kind: str, c_kernel: bool,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # the C kernel reads them (its own check on a probe, reported apart); the compiled update reads the fp32 ones
+    monkeypatch.setattr(shadow_fold, "_FOLDS", shadow_fold._Folds())
+    if not c_kernel:
+        monkeypatch.setattr(shadow_kernel, "kernel", lambda: None)
+    written, shadows = _step_both(make, torch.bfloat16, low=torch.bfloat16)
+    assert all(set(w) == set(shadows) for w in written)
+    read_low = {k: v for k, v in fold_report().items() if k.endswith("grad=bfloat16")}
+    if c_kernel and shadow_kernel.kernel() is not None:
+        assert read_low and set(read_low.values()) == {"folded (C kernel)"}, read_low
+    else:
+        _folded(kind)
+        assert read_low and not any(v.startswith("folded") for v in read_low.values()), read_low
+
+
+def test_the_c_kernel_reads_the_bf16_gradient_it_is_given() -> None:
+    # not the widening of the fp32 gradient (a caller's broken promise): the step is the bf16 one's, so it was read
+    if shadow_kernel.kernel() is None:
+        pytest.skip(f"no C kernel here: {shadow_kernel.why_not()}")
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(256, 256))
+    twin = nn.Parameter(p.detach().clone())
+    low = torch.randn(256, 256).to(torch.bfloat16)
+    p.grad, twin.grad = torch.randn(256, 256), low.float()
+    shadow = torch.empty(256, 256, dtype=torch.bfloat16)
+    opt, ref = torch.optim.AdamW([p], lr=3e-3, fused=True), torch.optim.AdamW([twin], lr=3e-3, fused=True)
+    with ShadowFold({p: shadow}, {p: low}):
+        opt.step()
+    ref.step()
+    assert torch.equal(p, twin) and torch.equal(shadow, twin.detach().to(torch.bfloat16))
+    # one of another shape, dtype or layout is not read
+    for wrong in (low[:128], low.float(), low.t()):
+        q = nn.Parameter(torch.randn(256, 256))
+        q.grad = torch.randn(256, 256)
+        q_twin = nn.Parameter(q.detach().clone())
+        q_twin.grad = q.grad.clone()
+        opt, ref = torch.optim.AdamW([q], lr=3e-3, fused=True), torch.optim.AdamW([q_twin], lr=3e-3, fused=True)
+        with ShadowFold({q: torch.empty(256, 256, dtype=torch.bfloat16)}, {q: wrong}):
+            opt.step()
+        ref.step()
+        assert torch.equal(q, q_twin)
 
 
 def test_what_the_fold_does_not_cover_goes_through_torchs_kernel_and_a_cast() -> None:

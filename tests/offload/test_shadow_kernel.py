@@ -86,19 +86,25 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.mark.parametrize(("kind", "kw"), CASES, ids=_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("grad", [torch.float32, torch.bfloat16], ids=["fp32-grad", "bf16-grad"])
 def test_the_kernel_is_torchs_fused_step_then_a_cast(native: Callable[..., None], kind: str, kw: dict[str, object],
-                                                     dtype: torch.dtype) -> None:
-    # 24, 64 and 17 x 64 + 8 elements (the kernel steps 16 at a time, then 8), NaN/inf/denormal masters and
-    # gradients, two steps; torch's kernel on one thread, where its vector loop covers any multiple of 8
-    for n in (24, 64, 17 * 64 + 8):
+                                                     dtype: torch.dtype, grad: torch.dtype) -> None:
+    # 24, 64, 17 x 64 + 8 and 17 x 64 + 24 elements (the kernel steps 16 at a time, then 8), NaN/inf/
+    # denormal masters and gradients, two steps; torch's kernel on one thread, where its vector loop covers any
+    # multiple of 8. A bf16 gradient: torch's kernel steps its fp32 widening (a denormal among them)
+    for n in (24, 64, 17 * 64 + 8, 17 * 64 + 24):
         ours = _tensors(kind, kw, n)
+        if grad != torch.float32:
+            ours[1][10:11] = 1e-40
+            ours[1] = ours[1].to(grad).float()
         ref = [t.clone() for t in ours]
+        read = ours if grad == torch.float32 else [ours[0], ours[1].to(grad), *ours[2:]]
         shadow = torch.empty(n, dtype=dtype)
         for step in (1.0, 2.0):
             with _one_thread():
                 _torch_step(kind, kw, ref, step)
             _, sc, flags = shadow_fold._plan(kind, kw, step)
-            native(kind, flags, sc, ours, shadow)
+            native(kind, flags, sc, read, shadow)
             for a, b in zip(ours, ref):
                 assert torch.equal(_bits(a), _bits(b)), (n, step)
             assert torch.equal(_bits(shadow), _bits(ref[0].to(dtype))), (n, step)

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import GPT, LanguageModelTask
+from lightning_accel.offload import shadow_fold
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
@@ -209,6 +210,42 @@ def test_bf16_shadows_are_refreshed_by_the_update(overlap_step: bool, offload_re
     assert check.checked == 3 * sum(p.ndim >= 2 for p in shadowed)
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(offloaded.state_dict()[name], value, rtol=0, atol=2e-2, msg=name)
+
+
+@pytest.mark.parametrize(("overlap_step", "clip"), [(False, None), (True, None), (False, 0.5)], ids=["after", "overlapped", "clipped"])
+def test_the_update_reading_the_bf16_gradients_is_the_fp32_one_bit_for_bit(overlap_step: bool, clip: float | None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # the fused update's C kernel reads the device's bf16 gradients instead of their fp32 widening (after the
+    # backward, or block by block during it); clipping writes the fp32 ones, which are read then. Weights and
+    # optimizer state as when it never reads them
+    handed: list[int] = []  # per fused kernel call: how many bf16 gradients the fold was handed
+    intercept = shadow_fold.ShadowFold.intercept
+
+    def counting(self: shadow_fold.ShadowFold, *args: Any) -> bool:
+        handed.append(len(self.low_grads))
+        return intercept(self, *args)
+
+    monkeypatch.setattr(shadow_fold.ShadowFold, "intercept", counting)
+    runs = []
+    for reads in (True, False):
+        if not reads:
+            monkeypatch.setattr(L2LOffloadStrategy, "_reads_low_grads", lambda self, fuse: False)
+        handed.clear()
+        torch.manual_seed(0)
+        module = LanguageModelTask(GPT("tiny", n_layer=2, block_size=16))
+        tokens = torch.randint(0, 256, (24, 17), generator=torch.Generator().manual_seed(0))
+        trainer = _fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8),
+                       L2LOffloadStrategy(overlap_step=overlap_step), plugins=[OffloadPrecision("bf16-mixed")], max_steps=3,
+                       gradient_clip_val=clip)
+        runs.append((module.state_dict(), trainer.optimizers[0].state_dict()["state"], sum(handed)))
+    (weights, state, read), (ref_weights, ref_state, ref_read) = runs
+    matrices = sum(p.ndim >= 2 for p in module.net.blocks.parameters())
+    assert read == (0 if clip else 3 * matrices) and ref_read == 0
+    for name, value in ref_weights.items():
+        assert torch.equal(weights[name].view(torch.int32), value.view(torch.int32)), name
+    for index, entries in ref_state.items():
+        for key, value in entries.items():
+            assert torch.equal(state[index][key], value), (index, key)
 
 
 def test_checkpoint_of_a_fused_run_resumes_in_plain_lightning(tmp_path: Path) -> None:
