@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fit-preset", default="gpt2", help="GPT preset (width) of the in-fit step timing")
     parser.add_argument("--fit-layers", type=int, default=4, help="GPT (gpt2 width) depth of the in-fit step timing")
     parser.add_argument("--fit-seq", type=int, default=32, help="sequence length of the in-fit step timing (batch 1)")
-    parser.add_argument("--fit-steps", type=int, default=6, help="steps per round of the in-fit step timing")
+    parser.add_argument("--fit-steps", type=int, default=10, help="steps per round of the in-fit step timing")
     parser.add_argument("--devices", type=int, default=1,
                         help="N > 1: l2l_offload_ddp (partitioned and replicated host step) against plain DDP on N gloo "
                              "processes on the CPU, instead of the one-device tables")
