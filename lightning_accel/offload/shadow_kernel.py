@@ -13,7 +13,7 @@ rounding's cost and the prefetch mattered more than the streaming stores (docs/o
 the measurements: ``bench offload``'s folded row 0.84-0.98x fused AdamW at 50M parameters,
 0.91-1.04x at 202M).
 
-It is plain C with raw pointers (no torch headers: compiling it takes a second and needs no
+It is plain C with raw pointers (no torch headers: compiling it takes ~2 s and needs no
 torch build), compiled by the system's C compiler the first time it is needed into a shared
 object cached under ``$LIGHTNING_ACCEL_CACHE/kernels`` (default ``~/.cache/lightning_accel``), keyed
 by the source, the compiler's version and the flags; it is loaded with ``ctypes``. Its
