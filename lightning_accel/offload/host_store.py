@@ -44,7 +44,7 @@ class HostStore:
         self.frozen: set[nn.Parameter] = set()
         # the bf16 gradient each fp32 buffer was widened from, and both tensors' versions then (see add_grad)
         self.low_grads: dict[nn.Parameter, tuple[Tensor, int, Tensor, int]] = {}
-        self.keep_low_grads = False
+        self._keep_low = False
         for unit in units:
             for name, param in unit.params:
                 if not param.requires_grad:
@@ -101,7 +101,7 @@ class HostStore:
         ``owned``: nobody else holds ``grad`` (autograd's own tensor), so an fp32 one can be
         kept as the buffer without a copy; a reused staging buffer is copied.
 
-        With :attr:`keep_low_grads`, the bf16 gradient of a parameter with a low-precision shadow
+        With :meth:`keep_low` on, the bf16 gradient of a parameter with a low-precision shadow
         is kept beside the buffer widened from it (:meth:`exact_low_grads`): the host step's C
         kernel reads it instead, 2 B a parameter instead of 4. On a GPU it is the pinned staging
         buffer, kept anyway; on the CPU device it is the device's own gradient (autograd's, in
@@ -112,7 +112,7 @@ class HostStore:
         if buf is None:
             dtype = self.master[param].dtype
             buf = self.grads[param] = grad.to(dtype) if owned else grad.to(dtype, copy=True)
-            if self.keep_low_grads and grad.dtype == torch.bfloat16 and dtype == torch.float32 and grad.is_contiguous() \
+            if self._keep_low and grad.dtype == torch.bfloat16 and dtype == torch.float32 and grad.is_contiguous() \
                     and self.shadow[param] is not self.master[param]:
                 self.low_grads[param] = (grad, grad._version, buf, buf._version)
         else:
@@ -121,7 +121,7 @@ class HostStore:
 
     def keep_low(self, keep: bool) -> None:
         """Whether :meth:`add_grad` keeps the bf16 gradients from now on (off: what it kept is released)."""
-        self.keep_low_grads = keep
+        self._keep_low = keep
         if not keep:
             self.low_grads.clear()
 

@@ -259,8 +259,6 @@ class _Folds:
             self.c_kernel_why[key] = "C kernel switched off"
         elif native is None:
             self.c_kernel_why[key] = f"C kernel not built: {shadow_kernel.why_not()}"
-        elif grad not in shadow_kernel.GRAD:
-            self.c_kernel_why[key] = f"the C kernel reads no {grad} gradient"
         elif not self._probe(kind, func, kw, step, dtype, flags, lambda t, s: native(kind, flags, sc, t, s), grad):
             self.c_kernel_why[key] = f"the C kernel's {kind} update differs from torch {torch.__version__}'s fused kernel on this CPU"
         return key not in self.c_kernel_why
@@ -337,9 +335,9 @@ def _worth_a_call(update: _Update, numel: int) -> bool:
     return numel >= FOLD_MIN_NUMEL or (update.native and numel % ALIGN == 0)
 
 
-def _low_grad(low: Tensor | None, numel: int) -> bool:
+def _low_grad(low: Tensor, numel: int) -> bool:
     """``low`` can stand for a parameter's fp32 gradient in the C kernel."""
-    return low is not None and low.dtype in shadow_kernel.GRAD and low.dtype != torch.float32 and low.numel() == numel \
+    return low.dtype in shadow_kernel.GRAD and low.dtype != torch.float32 and low.numel() == numel \
         and low.device.type == "cpu" and low.is_contiguous()
 
 
@@ -382,6 +380,12 @@ class ShadowFold:
         folded: list[tuple[int, list[Tensor], list[Tensor], Tensor, Callable[..., Any]]] = []
         rest: list[int] = []
         updates: dict[tuple[float, torch.dtype, torch.dtype], _Update | None] = {}  # per step count, shadow and grad dtype
+
+        def usable(key: tuple[float, torch.dtype, torch.dtype]) -> _Update | None:
+            if key not in updates:
+                updates[key] = _FOLDS.usable(kind, func, kw, *key)
+            return updates[key]
+
         for i, param in enumerate(params):
             shadow = shadows.get(param)
             numel = param.numel()
@@ -394,17 +398,11 @@ class ShadowFold:
                 count = float(steps[i]) if steps is not None else 0.0
                 low = low_grads.get(param)
                 if low is not None and _low_grad(low, numel):
-                    key = (count, shadow.dtype, low.dtype)
-                    if key not in updates:
-                        updates[key] = _FOLDS.usable(kind, func, kw, *key)
-                    update = updates[key]
+                    update = usable((count, shadow.dtype, low.dtype))
                     if update is not None:
                         read = [stepped[0], low, *stepped[2:]]
                 if update is None:
-                    key = (count, shadow.dtype, torch.float32)
-                    if key not in updates:
-                        updates[key] = _FOLDS.usable(kind, func, kw, *key)
-                    update = updates[key]
+                    update = usable((count, shadow.dtype, torch.float32))
             if update is None or not _worth_a_call(update, numel):
                 rest.append(i)
             else:
