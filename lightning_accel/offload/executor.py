@@ -62,6 +62,7 @@ from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
+from lightning_accel.offload.tier import NVMeTier, UnitStep
 from lightning_accel.patching import Patch, patch, remove_all
 
 RESIDENT = -1  # the resident unit's index in the streamer
@@ -105,6 +106,8 @@ class L2LExecutor:
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
         self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
         self.streamer = Streamer(self.store, device, self.stats, alias=alias)
+        # units whose optimizer state and masters live on disk (set once the optimizer exists: attach_tier)
+        self.tier: NVMeTier | None = None
         self.stats.offloaded_params = self.store.numel()
         self.update_host_bytes()
         # runs first in every host-step / delayed-update thread (the thread budget, HostThreads)
@@ -134,6 +137,12 @@ class L2LExecutor:
         # called with a block's index once its last gradient of a backward pass has gone to the
         # host (data parallel: launch that block's reduction, :mod:`.grad_sync`); None: nothing
         self.grads_landed: Callable[[int], None] | None = None
+
+    def attach_tier(self, tier: NVMeTier) -> None:
+        """From now on the spilled units of ``tier`` step through its buffers (:meth:`step_spilled`, and the
+        block steps during the backward); the host bytes no longer count what went to disk."""
+        self.tier = tier
+        self.update_host_bytes()
 
     # -- installation -----------------------------------------------------------------
     def attach(self) -> None:
@@ -177,8 +186,16 @@ class L2LExecutor:
         """Restate ``stats.host_bytes`` (the store and the gradient staging buffers), and the
         host optimizer state's bytes when the caller measured them."""
         self.stats.host_bytes = self.store.host_bytes() + self.streamer.staging_bytes()
+        if self.tier is not None:
+            self.stats.host_bytes += self.tier.buffer_bytes - self.tier.master_bytes_on_disk()
+            self.stats.nvme_bytes = self.tier.plan.disk_bytes
         if optimizer_bytes is not None:
             self.stats.host_optimizer_bytes = optimizer_bytes
+        if self.tier is not None:
+            self.stats.nvme_read_bytes = self.tier.counters.read_bytes
+            self.stats.nvme_write_bytes = self.tier.counters.write_bytes
+            self.stats.nvme_seconds = self.tier.counters.wait_seconds
+        self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self.stats.host_bytes)
 
     def begin_step(self) -> None:
         """Before a forward pass: bring the resident unit in if it streams. A frozen parameter
@@ -258,6 +275,11 @@ class L2LExecutor:
     # -- backward -----------------------------------------------------------------------
     def begin_backward(self) -> None:
         self._backward = True
+        if self.tier is not None and self._block_step is not None:  # blocks step as the backward reaches them
+            self.tier.expect(reversed(self._trainable_units()))
+
+    def _trainable_units(self) -> list[int]:
+        return [i for i, u in enumerate(self.plan.blocks) if any(p.requires_grad for _, p in u.params)]
 
     def _on_grad(self, param: nn.Parameter) -> None:
         grad = param.grad
@@ -306,8 +328,16 @@ class L2LExecutor:
         stepped = [p for p in params if p in self.store.grads]
         for param in stepped:
             param.grad = self.store.grads.pop(param)
+        tier = self.tier
+        spilled = [i for i in indices if tier is not None and tier.is_spilled(i)]
+        for index in spilled:  # through the tier's buffers, one unit at a time (its shadows refreshed there)
+            assert tier is not None
+            mine = {id(p) for _, p in self.plan.blocks[index].params}
+            self._step_unit(index, [p for p in stepped if id(p) in mine], step)
+        on_disk = {id(p) for i in spilled for _, p in self.plan.blocks[i].params}
+        stepped = [p for p in stepped if id(p) not in on_disk]
         shadows = {p: self.store.shadow[p] for p in stepped if self.store.shadow[p] is not self.store.master[p]}
-        written = set(step(stepped, shadows, self.store.exact_low_grads(stepped)))  # shadows written in the update's pass
+        written = set(step(stepped, shadows, self.store.exact_low_grads(stepped))) if stepped else set()
         for param in stepped:
             param.grad = None
         self.store.drop_low_grads(stepped)
@@ -316,6 +346,30 @@ class L2LExecutor:
         self._fresh.update(stepped)
         self.stats.blocks_stepped_in_backward += len(indices)
         self.stats.host_step_calls += 1
+
+    def _step_unit(self, index: int, params: list[nn.Parameter], step: UnitStep) -> None:
+        """Step ``params`` of spilled unit ``index`` through the tier, their gradients then let go."""
+        assert self.tier is not None
+        shadows = {p: self.store.shadow[p] for p in params if self.store.shadow[p] is not self.store.master[p]}
+        self.tier.step_unit(index, params, shadows, self.store.exact_low_grads(params), step)
+        for param in params:
+            param.grad = None
+        self.store.drop_low_grads(params)
+        self._fresh.update(params)
+
+    def step_spilled(self, step: UnitStep) -> None:
+        """After the closure (gradients final, clipped), before the optimizer steps the rest: step every spilled
+        unit with gradients through the tier, reading each unit's span while the one before it steps."""
+        tier = self.tier
+        if tier is None:
+            return
+        order = [i for i in self._trainable_units() if tier.is_spilled(i)
+                 and any(p.grad is not None for _, p in self.plan.blocks[i].params)]
+        tier.expect(order)
+        with record_function("l2l/host_step"):
+            for index in order:
+                params = [p for _, p in self.plan.blocks[index].params if p.requires_grad and p.grad is not None]
+                self._step_unit(index, params, step)
 
     def wait_for_block_steps(self) -> None:
         """Join the host steps started during backward (re-raising their errors)."""
@@ -385,6 +439,8 @@ class L2LExecutor:
         """After the optimizer step: refresh the shadows not yet refreshed (unless the step
         deferred every host update, leaving the masters as they were), drop host gradients,
         count the step."""
+        if self.tier is not None:
+            self.tier.finish_step()  # every write landed: the views read this step's values
         if masters_changed:
             stale = [p for p in self.store.master if p not in self._fresh]
             if stale:

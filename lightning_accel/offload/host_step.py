@@ -130,15 +130,17 @@ def _folding(fold: ShadowFold) -> contextlib.AbstractContextManager[Any]:
 
 
 def step_params(optimizer: Optimizer, params: Sequence[Tensor], shadows: Mapping[Tensor, Tensor] | None = None,
-                low_grads: Mapping[Tensor, Tensor] | None = None, *, fuse: bool) -> list[Tensor]:
-    """``optimizer.step()`` restricted to ``params`` (same hyper-parameters and state),
+                low_grads: Mapping[Tensor, Tensor] | None = None, *, fuse: bool,
+                step: Callable[[], Any] | None = None) -> list[Tensor]:
+    """``optimizer.step()`` (or ``step()``, the optimizer's own step where ``optimizer.step`` is
+    :func:`host_update`'s) restricted to ``params`` (same hyper-parameters and state),
     the CPU ones on the fused kernel when ``fuse``, writing ``shadows`` in the same pass
     where the kernel allows (reading ``low_grads``, see :class:`.ShadowFold`); returns the
     parameters whose shadows were written. Not thread-safe against other users of the
     optimizer: the caller keeps the main thread off it meanwhile."""
     fold = ShadowFold(shadows or {}, low_grads)
     with record_function("l2l/host_step"), _groups(optimizer, update_groups(optimizer, params, fuse)), _folding(fold):
-        optimizer.step()
+        (step or optimizer.step)()
     return fold.written
 
 
@@ -149,6 +151,7 @@ def host_update(
     shadows: Callable[[], Mapping[Tensor, Tensor]] = dict,
     written: Callable[[list[Tensor]], None] | None = None,
     low_grads: Callable[[], Mapping[Tensor, Tensor]] = dict,
+    before_step: Callable[[Callable[..., list[Tensor]]], None] | None = None,
 ) -> Generator[None, None, None]:
     """For the ``optimizer.step(closure)`` calls inside: run the closure, then update every
     parameter, the CPU ones on the fused kernel, writing the low-precision shadows of
@@ -162,19 +165,34 @@ def host_update(
     The optimizer's step hooks (and an LR scheduler's step counter) run once per update
     call, after the closure. Calls from other threads (the block steps overlapping the
     backward, :func:`step_params`) pass straight through.
+
+    ``before_step(step_some)``, after the closure and before the update: the caller steps some
+    parameters itself (the NVMe tier's units, through its buffers) with ``step_some(params,
+    shadows, low_grads)`` (:func:`step_params` on the optimizer's own step) and takes their
+    gradients off; the update then steps the rest. Its calls run the optimizer's step hooks
+    each, as the block steps during the backward do.
     """
     step = optimizer.step  # the instance's own wrapper if an LR scheduler put one there
     caller = threading.get_ident()
 
+    def step_some(params: Sequence[Tensor], shadows: Mapping[Tensor, Tensor], low: Mapping[Tensor, Tensor]) -> list[Tensor]:
+        return step_params(optimizer, params, shadows, low or None, fuse=fuse, step=step)
+
     def update(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         if threading.get_ident() != caller:
             return step(closure, **kwargs)
-        if not fuse:
+        if not fuse and before_step is None:
             return _labelled_step(step, closure, **kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if before_step is not None:
+            before_step(step_some)
+        if not fuse:
+            with record_function("l2l/host_step"):
+                step(**kwargs)
+            return loss
         with record_function("l2l/host_step"):
             to_write = shadows()
             fold = ShadowFold(to_write, low_grads() if to_write else None)

@@ -41,6 +41,14 @@ class OffloadStats:
     host_bytes: int = 0
     # the optimizer state of the host parameters (Adam: two fp32 moments each), once it exists
     host_optimizer_bytes: int = 0
+    # the largest host_bytes seen (with the NVMe tier: what stayed in memory, its I/O buffers included)
+    peak_host_bytes: int = 0
+    # the NVMe tier (strategy nvme_path / host_budget): bytes of optimizer state and masters in its files,
+    # bytes read and written (in total), and seconds the step waited on the disk
+    nvme_bytes: int = 0
+    nvme_read_bytes: int = 0
+    nvme_write_bytes: int = 0
+    nvme_seconds: float = 0.0
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -70,6 +78,9 @@ class OffloadStats:
         )
         if self.activation_d2h_bytes:
             line += f", {self.activation_d2h_bytes_per_step / gib:.3f} GiB of boundary activations parked on the host per step"
+        if self.nvme_bytes:
+            line += (f", {self.nvme_bytes / gib:.3f} GiB on disk ({self.nvme_read_bytes / gib:.3f} GiB read, "
+                     f"{self.nvme_write_bytes / gib:.3f} GiB written, {self.nvme_seconds:.2f} s waiting on the disk)")
         if self.delayed_steps:
             line += f", {self.delayed_steps} host updates applied one step late"
         return line

@@ -70,6 +70,13 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
             by one activation per block, at the cost of copying each one out and back once
             per step (counted in ``offload_stats.activation_*_bytes``). Needs
             ``checkpoint_blocks=True``. On a CPU device it only costs time.
+        nvme_path: a directory on a fast local disk for the NVMe tier: the optimizer state and fp32 masters of the
+            blocks that do not fit ``host_budget`` live in files there (a scratch directory of this run, removed at
+            the end of fit), streamed through a few reusable host buffers for each block's host step. Without
+            ``host_budget`` every block's state and masters go there. See docs/offload.md.
+        host_budget: the host memory the offload may keep (bytes, or a string such as ``"32GB"``): masters,
+            shadows, frozen weights, gradient buffers, optimizer state and the tier's buffers. Without
+            ``nvme_path`` a model that does not fit it is refused before any work, with the figures.
         device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
     """
 
@@ -85,12 +92,14 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         delayed_update: bool = False,
         delayed_update_warmup: int | None = None,
         offload_activations: bool = False,
+        nvme_path: str | None = None,
+        host_budget: int | str | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
-                           delayed_update_warmup, offload_activations)
+                           delayed_update_warmup, offload_activations, nvme_path, host_budget)
         self._device_given = device is not None
         self._devices: list[torch.device] = []  # what Trainer(devices=...) asked for (see parallel_devices)
         self._num_nodes = 1

@@ -56,6 +56,7 @@ back at teardown (:mod:`lightning_accel.offload.host_threads`).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -76,6 +77,9 @@ from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
+from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
+from lightning_accel.offload.tier_setup import check_tier_optimizers, make_tier
+from lightning_accel.stored import stored_nbytes
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.user_hooks import overrides
@@ -98,6 +102,8 @@ class L2LOffloadHooks(Strategy):
         delayed_update: bool,
         delayed_update_warmup: int | None,
         offload_activations: bool,
+        nvme_path: str | None = None,
+        host_budget: int | str | None = None,
     ) -> None:
         """Check and keep the offload options (see :class:`L2LOffloadStrategy`'s arguments)."""
         if prefetch_blocks < 0:
@@ -116,6 +122,14 @@ class L2LOffloadHooks(Strategy):
                 "offload_activations=True needs checkpoint_blocks=True (without checkpointing every activation inside "
                 "every block is saved and would cross the bus); set checkpoint_blocks=True or offload_activations=False"
             )
+        if nvme_path is not None and not isinstance(nvme_path, (str, os.PathLike)):
+            raise TypeError(f"strategy.nvme_path={nvme_path!r} is not a path; give a directory on a fast local disk")
+        if nvme_path is not None and delayed_update:
+            raise ValueError("strategy.nvme_path with delayed_update=True is not supported: the delayed update keeps a second "
+                             "copy of every host parameter in memory; set delayed_update=False or drop nvme_path")
+        self.nvme_path = os.fspath(nvme_path) if nvme_path is not None else None
+        self.host_budget = parse_bytes(host_budget) if host_budget is not None else None
+        self._tier_plan: TierPlan | None = None
         self.blocks = blocks
         self.prefetch_blocks = prefetch_blocks
         self.offload_resident = offload_resident
@@ -191,12 +205,38 @@ class L2LOffloadHooks(Strategy):
             check_host_optimizer(optimizer)
             kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
             kernels.append(kernel.why)
-        said = "; ".join([self._plan_text, *kernels])
+        tier = self._setup_tier()
+        said = "; ".join([self._plan_text, *kernels, *tier])
         if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
             self._plan_said = said
             rank_zero_info(said)
         if self.delayed_update:
             self._check_delayed_update(trainer)
+
+    def _setup_tier(self) -> list[str]:
+        """With ``host_budget`` or ``nvme_path``: plan what stays in host memory (refusing a budget that cannot be met,
+        with the figures) and move what does not fit to disk. Returns the plan line's part."""
+        executor = self._executor
+        if executor is None or (self.nvme_path is None and self.host_budget is None) or not self.optimizers:
+            return []  # (validate/test/predict alone: nothing steps, nothing to stream)
+        if executor.tier is not None:  # fit, then validate: set up once per placement
+            return [f"NVMe tier: {executor.tier.plan.describe()}"]
+        if self.nvme_path is not None and self.optimizers:
+            check_tier_optimizers(self.optimizers, type(self).__name__)
+        store, plan = executor.store, executor.plan
+        fixed = sum(stored_nbytes(store.master[p]) for _, p in plan.resident.params) if plan.offload_resident else 0
+        fixed += sum(p.numel() * 2 for u in plan.blocks for _, p in u.params if p.requires_grad) if self.root_device.type == "cuda" else 0
+        optimizer = self.optimizers[0] if self.optimizers else None
+        try:
+            tier_plan, tier = make_tier(plan, store, optimizer, self.host_budget, self.nvme_path if optimizer else None,
+                                        pin=self.root_device.type == "cuda", fixed=fixed)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self._tier_plan = tier_plan
+        if tier is not None:
+            executor.attach_tier(tier)
+            return [f"NVMe tier: {tier_plan.describe()} under {tier.directory}"]
+        return [f"NVMe tier: {tier_plan.describe()}"]
 
     def _check_delayed_update(self, trainer: Trainer) -> None:
         """Refuse what the delayed update cannot do, before any step (preflight asks the same of the composed config)."""
@@ -372,7 +412,8 @@ class L2LOffloadHooks(Strategy):
 
         # The update (after the closure and clipping): the host parameters on the fused CPU
         # kernel, the low-precision shadows written in the same pass over the masters.
-        with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written, executor.low_grads_to_read):
+        with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written, executor.low_grads_to_read,
+                         before_step=executor.step_spilled if executor.tier is not None else None):
             output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
         self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
@@ -389,7 +430,8 @@ class L2LOffloadHooks(Strategy):
         if self._executor is None:
             return 0
         host = [p for p in self._executor.store.master if p not in self._executor.store.frozen]
-        return sum(state_bytes(o, host) for o in self.optimizers)
+        tier = self._executor.tier
+        return sum(state_bytes(o, host) - (tier.state_bytes_on_disk(o) if tier is not None else 0) for o in self.optimizers)
 
     def _fuse(self, optimizer: Optimizer) -> bool:
         kernel = self._host_kernels.get(id(optimizer))
@@ -430,10 +472,19 @@ class L2LOffloadHooks(Strategy):
         return isinstance(optimizer, PER_PARAMETER) and not clipping and not scaling and not hooks
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.nvme_path is None or not os.path.isfile(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # mapped: the state the tier puts on disk goes there from the file, never all of it in memory at once
+        return torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         if self._executor is not None:
             self._executor.store.refresh_shadows()
+            if self._executor.tier is not None:
+                self._executor.tier.sync()  # the weights were written through the tier's maps
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -441,11 +492,15 @@ class L2LOffloadHooks(Strategy):
         # device (host for blocks); the base class would then move all of it to the GPU.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
+        if self._executor is not None and self._executor.tier is not None:
+            self._executor.tier.adopt_state()  # the loaded state goes to the tier's files
 
     @override
     def teardown(self) -> None:
         if self._executor is not None:
             self._executor.detach()  # the model computes normally again; stats stay readable
+            if self._executor.tier is not None:  # its files go; the module and the optimizer keep reading their maps
+                self._executor.tier.close()
             self._last_stats = self._executor.stats
             self._executor = None
         if self._threads is not None:

@@ -1,0 +1,174 @@
+"""Which bytes of an offloaded model stay in host memory and which go to disk, decided from ``host_budget``.
+
+A pure function of sizes (no tensors, no files), decided once before training, so ``estimate`` and a
+test can call it as the strategy does. The order in which bytes leave host memory is the order in
+which they are needed least often:
+
+1. the optimizer state (AdamW: two fp32 moments, 8 B a parameter): read and written once per step,
+   by the host step alone;
+2. the fp32 masters (4 B): read and written once per step by the host step; where the device computes
+   in fp32 on the host itself (CPU runs) the forward and backward read them too;
+3. the weights the device computes on (low-precision shadows, frozen bases): read twice a step, by
+   the forward and the backward's recomputation. This version keeps them in host memory: a plan
+   that would need them on disk is refused with the figures.
+
+Gradient buffers stay in host memory (they are written as the backward produces them), and so do
+the tier's own reusable buffers, which this plan counts: ``slots`` buffers each the size of the
+largest unit's bytes on disk (one unit stepping, one being read ahead, one being written back).
+Spilling goes unit by unit, from the first block on, so that a budget a little short of the whole
+model puts only a few units on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SLOTS = 3
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, key: str = "strategy.host_budget") -> int:
+    """``8GB``, ``512MiB``, ``1.5e9`` or a number of bytes; a value that is none of these is refused naming ``key``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{key}={value!r} is not a size; give bytes or a string such as '8GB' or '512MiB'")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{key}={value!r} is not a size; give bytes or a string such as '8GB' or '512MiB'")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise TypeError(f"{key}={value!r} is not a size; give bytes or a string such as '8GB' or '512MiB'")
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"{key}={value!r} must be more than 0 bytes; give the host memory the offload may keep, e.g. '8GB'")
+    return nbytes
+
+
+def human(nbytes: int) -> str:
+    """Bytes as the plan line and the errors print them (decimal units, as disks and budgets are quoted)."""
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """One offloaded unit's host bytes by kind (state and masters counted as laid out on disk: each tensor
+    rounded up to the disk's alignment)."""
+
+    name: str
+    state: int  # optimizer state of its trainable parameters, once it exists
+    masters: int  # their fp32 masters
+    weights: int  # low-precision shadows and frozen tensors as stored
+    grads: int  # fp32 gradient buffers
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Per unit, whether its optimizer state and masters live on disk; and what that costs."""
+
+    units: tuple[UnitBytes, ...]
+    state_on_disk: tuple[bool, ...]
+    masters_on_disk: tuple[bool, ...]
+    budget: int | None
+    slots: int = SLOTS
+    fixed: int = 0  # host bytes outside the units that no plan moves (a streamed resident unit, pinned staging)
+
+    @property
+    def spills(self) -> bool:
+        return any(self.state_on_disk) or any(self.masters_on_disk)
+
+    def unit_disk_bytes(self, index: int) -> int:
+        unit = self.units[index]
+        return unit.state * self.state_on_disk[index] + unit.masters * self.masters_on_disk[index]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The reusable host buffers the step streams through."""
+        return self.slots * max((self.unit_disk_bytes(i) for i in range(len(self.units))), default=0)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.unit_disk_bytes(i) for i in range(len(self.units)))
+
+    @property
+    def host_bytes(self) -> int:
+        """Everything the offload keeps in host memory: what is not on disk, the gradient buffers, the I/O buffers."""
+        kept = sum(u.state + u.masters + u.weights + u.grads for u in self.units) - self.disk_bytes
+        return kept + self.fixed + (self.buffer_bytes if self.spills else 0)
+
+    @property
+    def step_read_bytes(self) -> int:
+        """Bytes read from disk per optimizer step (what is on disk, once, by the host step)."""
+        return self.disk_bytes
+
+    @property
+    def step_write_bytes(self) -> int:
+        return self.disk_bytes
+
+    def describe(self) -> str:
+        if not self.spills:
+            budget = f" (host_budget {human(self.budget)})" if self.budget is not None else ""
+            return f"host {human(self.host_bytes)}, disk 0 B{budget}"
+        state = sum(self.state_on_disk)
+        masters = sum(self.masters_on_disk)
+        n = len(self.units)
+        return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers), disk {human(self.disk_bytes)} "
+                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}), {human(self.step_read_bytes)} read "
+                f"and {human(self.step_write_bytes)} written per step")
+
+
+def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0) -> TierPlan:
+    """The plan for ``units`` under ``budget`` bytes of host memory (None: no limit), spilling to disk only when
+    ``nvme`` (a ``nvme_path`` was given). With ``nvme`` and no budget, everything that can go to disk does.
+
+    Raises ValueError naming the figures and the fix when the budget cannot be met."""
+    n = len(units)
+    state, masters = [False] * n, [False] * n
+
+    def plan() -> TierPlan:
+        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed)
+
+    current = plan()
+    if budget is None and not nvme:
+        return current
+    if budget is not None and current.host_bytes <= budget:
+        return current
+    need = current.host_bytes
+    if not nvme:
+        spillable = sum(u.state + u.masters for u in units)
+        raise ValueError(
+            f"strategy.host_budget={human(budget or 0)} is less than the {human(need)} the offload keeps on the host "
+            f"({_breakdown(units, fixed=fixed)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state and fp32 "
+            f"masters on disk, or raise host_budget to at least {human(need)}"
+        )
+    for kind in (state, masters):
+        for i in range(n):
+            kind[i] = True
+            current = plan()
+            if budget is not None and current.host_bytes <= budget:
+                return current
+    if budget is None:
+        return current
+    raise ValueError(
+        f"strategy.host_budget={human(budget)} is less than the {human(current.host_bytes)} that stays on the host with "
+        f"every unit's optimizer state and fp32 masters on disk ({_breakdown(units, on_disk=True)}, I/O buffers "
+        f"{human(current.buffer_bytes)}); raise host_budget to at least {human(current.host_bytes)} (weights do not go to "
+        "disk in this version)"
+    )
+
+
+def _breakdown(units: list[UnitBytes], on_disk: bool = False, fixed: int = 0) -> str:
+    weights = sum(u.weights for u in units)
+    grads = sum(u.grads for u in units)
+    rest = f", other {human(fixed)}" if fixed else ""
+    if on_disk:
+        return f"weights {human(weights)}, gradient buffers {human(grads)}{rest}"
+    return (f"optimizer state {human(sum(u.state for u in units))}, fp32 masters {human(sum(u.masters for u in units))}, "
+            f"weights {human(weights)}, gradient buffers {human(grads)}{rest}")
