@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_accel.offload.tier_plan import human
+
 ALIGN = 4096
 CHUNK = 4 << 20  # bytes per request: 4 MiB (see the module docstring)
 THREADS = 4  # requests in flight
@@ -67,14 +69,10 @@ class DiskFull(OSError):
         self.path, self.needed, self.free = path, needed, free
 
     def __str__(self) -> str:
-        free = "an unknown amount" if self.free is None else f"{_gb(self.free)}"
+        free = "an unknown amount" if self.free is None else human(self.free)
         return (f"strategy.nvme_path: no room in '{self.path}' for the NVMe tier: it needs {self.needed:,} bytes "
-                f"({_gb(self.needed)}) and {free} is free there; free that much, point nvme_path at a larger disk, "
+                f"({human(self.needed)}) and {free} is free there; free that much, point nvme_path at a larger disk, "
                 "or raise host_budget so that less goes to disk")
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
 
 
 def free_bytes(path: str) -> int | None:

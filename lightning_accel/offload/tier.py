@@ -118,7 +118,7 @@ class NVMeTier:
             need = sum(align_up(size) for size, _, _ in layouts.values())
             free = free_bytes(self.directory)
             if free is not None and need > free:
-                raise DiskFull(self.directory, need, free, OSError(28, "No space left on device"))
+                raise DiskFull(nvme_path, need, free, OSError(28, "No space left on device"))
             self.io = DiskIO(self.counters)
             for i, (size, masters, state) in layouts.items():
                 unit_file = _UnitFile(i, DirectFile(os.path.join(self.directory, f"unit-{i:05d}.bin"), size), masters, state)

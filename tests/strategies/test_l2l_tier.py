@@ -1,0 +1,182 @@
+"""L2LOffloadStrategy(nvme_path=..., host_budget=...): a run with the NVMe tier equals the same run in memory bit for
+bit, resumes exactly from its checkpoints, leaves nothing behind, and refuses what it cannot do before any work."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accel.models import GPT, LanguageModelTask
+from lightning_accel.offload import tier as tier_module
+from lightning_accel.offload.tier_dir import PREFIX
+from lightning_accel.plugins.precision import OffloadPrecision
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+class Task(LanguageModelTask):
+    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] = ADAMW, freeze: bool = False, n_layer: int = 3) -> None:
+        super().__init__(GPT("tiny", n_layer=n_layer, block_size=16))
+        self.optimizer = optimizer
+        if freeze:  # a fine-tune's shape: each block's attention frozen, its MLP trained
+            for block in self.net.blocks:
+                block.attn.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return self.optimizer([p for p in self.parameters() if p.requires_grad])
+
+
+def _data() -> DataLoader:
+    tokens = torch.randint(0, 256, (48, 17), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+def _fit(strategy: L2LOffloadStrategy, precision: str | None = None, task: Callable[[], Task] = Task, max_steps: int = 4,
+         ckpt_path: Path | None = None, **kwargs: Any) -> tuple[Task, pl.Trainer]:
+    torch.manual_seed(0)
+    module = task()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_steps=max_steps,
+                         plugins=[OffloadPrecision(precision)] if precision else None, **kwargs)
+    trainer.fit(module, _data(), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def _assert_same(a: tuple[Task, pl.Trainer], b: tuple[Task, pl.Trainer]) -> None:
+    (ma, ta), (mb, tb) = a, b
+    for name, value in ma.state_dict().items():
+        assert torch.equal(mb.state_dict()[name], value), name
+    sa, sb = ta.optimizers[0].state_dict()["state"], tb.optimizers[0].state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for index, entries in sa.items():
+        for key, value in entries.items():
+            assert torch.equal(sb[index][key], value), (index, key)
+
+
+@pytest.mark.parametrize(("precision", "overlap", "clip", "accumulate", "optimizer"), [
+    (None, False, None, 1, ADAMW), ("bf16-mixed", True, None, 1, SGD), (None, True, 0.5, 2, SGD), ("bf16-mixed", False, 0.5, 2, ADAMW),
+], ids=["fp32-after-adamw", "bf16-overlapped-sgd", "fp32-clip-accumulate-sgd", "bf16-clip-accumulate-adamw"])
+def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(tmp_path: Path, precision: str | None, overlap: bool,
+                                                                  clip: float | None, accumulate: int, optimizer: Any,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    task = functools.partial(Task, optimizer)
+    kwargs = {"gradient_clip_val": clip, "accumulate_grad_batches": accumulate}
+    in_memory = _fit(L2LOffloadStrategy(overlap_step=overlap), precision, task, **kwargs)
+    with caplog.at_level("INFO"):
+        tiered = _fit(L2LOffloadStrategy(overlap_step=overlap, nvme_path=str(tmp_path)), precision, task, **kwargs)
+    _assert_same(in_memory, tiered)
+    stats = tiered[1].strategy.offload_stats
+    assert stats.nvme_bytes > 0 and stats.nvme_read_bytes == 4 * stats.nvme_bytes  # each step reads every spilled unit once
+    assert stats.nvme_write_bytes == 5 * stats.nvme_bytes  # and writes it, after the first write at set-up
+    assert "NVMe tier: host " in caplog.text and "read and" in caplog.text
+    assert stats.host_bytes < in_memory[1].strategy.offload_stats.host_bytes + 3 * stats.nvme_bytes // 3
+    assert not list(tmp_path.iterdir())  # the scratch directory went with the fit
+
+
+def test_a_frozen_base_stays_in_memory_and_the_trained_part_goes_to_disk(tmp_path: Path) -> None:
+    task = functools.partial(Task, ADAMW, True)
+    in_memory = _fit(L2LOffloadStrategy(), "bf16-mixed", task)
+    tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), "bf16-mixed", task)
+    _assert_same(in_memory, tiered)
+    trained = sum(p.numel() for b in tiered[0].net.blocks for p in b.parameters() if p.requires_grad)
+    assert tiered[1].strategy.offload_stats.nvme_bytes >= trained * 12  # fp32 master and two moments of each
+
+
+def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # 6 blocks of 0.79 MB of masters, 1.64 MB of AdamW state (as laid out: each tensor aligned), 0.79 MB of gradients:
+    # 19.35 MB in memory; each block's state on disk saves 1.64 MB once the first has paid for 3 buffers of it (4.92 MB):
+    # 4 blocks' leave 17.71 MB, 5 blocks' 16.07 MB
+    task = functools.partial(Task, ADAMW, False, 6)
+    with caplog.at_level("INFO"):
+        module, trainer = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget="17.5MB"), task=task, max_steps=1)
+    assert "optimizer state of 5/6 units, fp32 masters of 0/6" in caplog.text
+    stats = trainer.strategy.offload_stats
+    assert stats.peak_host_bytes <= 17.5e6 and stats.nvme_bytes == 4 * stats.nvme_bytes // 4 > 0
+
+
+def test_checkpoints_of_a_tiered_run_are_the_in_memory_runs_and_resume_alike(tmp_path: Path) -> None:
+    ckpts = {}
+    for name, strategy in (("memory", L2LOffloadStrategy()), ("tier", L2LOffloadStrategy(nvme_path=str(tmp_path / "nvme")))):
+        _, trainer = _fit(strategy, max_steps=3)
+        ckpts[name] = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(ckpts[name])  # written from the tier's maps
+    saved = {k: torch.load(v, weights_only=False) for k, v in ckpts.items()}
+    for key in ("state_dict", "optimizer_states"):
+        torch.testing.assert_close(saved["tier"][key], saved["memory"][key], rtol=0, atol=0)
+    assert set(saved["tier"]["optimizer_states"][0]["state"][3]) == {"step", "exp_avg", "exp_avg_sq"}  # a plain AdamW's
+    from_memory = _fit(L2LOffloadStrategy(), max_steps=5, ckpt_path=ckpts["memory"])
+    from_tier = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path / "nvme")), max_steps=5, ckpt_path=ckpts["tier"])
+    _assert_same(from_memory, from_tier)
+    assert not any((tmp_path / "nvme").iterdir())
+    plain = [_fit("auto", max_steps=5, ckpt_path=ckpts[name]) for name in ("memory", "tier")]  # and it loads without the tier
+    _assert_same(*plain)
+
+
+def test_the_module_after_fit_holds_its_weights_once_the_files_are_gone(tmp_path: Path) -> None:
+    module, trainer = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), max_steps=2)
+    assert not any(p.name.startswith(PREFIX) for p in tmp_path.iterdir())
+    reference, _ = _fit(L2LOffloadStrategy(), max_steps=2)
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.equal(module(x), reference(x))
+    state = trainer.optimizers[0].state_dict()["state"]
+    assert all(torch.isfinite(v).all() for s in state.values() for v in s.values())
+
+
+def test_a_full_disk_is_refused_before_the_first_step_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tier_module, "free_bytes", lambda path: 1000)
+    steps: list[int] = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            steps.append(1)
+
+    with pytest.raises(OSError, match=r"^strategy.nvme_path: no room in '.*' for the NVMe tier: it needs [0-9,]+ bytes .* and "
+                                      r"1.00 kB is free there"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), callbacks=[Count()])
+    assert not steps and not list(tmp_path.iterdir())
+
+
+def test_a_budget_without_a_path_is_refused_with_the_figures(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=1.00 MB is less than the .* the offload keeps "
+                                         r"on the host \(optimizer state .*\); set strategy.nvme_path=DIR"):
+        _fit(L2LOffloadStrategy(host_budget="1MB"))
+
+
+def test_what_the_tier_cannot_do_is_refused_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^strategy.nvme_path with delayed_update=True is not supported"):
+        L2LOffloadStrategy(nvme_path=str(tmp_path), delayed_update=True)
+    with pytest.raises(TypeError, match=r"^strategy.nvme_path=3 is not a path"):
+        L2LOffloadStrategy(nvme_path=3)  # type: ignore[arg-type]
+
+    class Two(Task):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            raise AssertionError("refused before the first step")
+
+        def configure_optimizers(self) -> Any:
+            return [ADAMW(self.net.blocks.parameters()), ADAMW(self.net.post.parameters())]
+
+    with pytest.raises(ValueError, match=r"steps the host parameters of one optimizer through its buffers, but "
+                                         r"configure_optimizers returned 2"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), task=Two)
+
+    class Mine(torch.optim.AdamW):
+        pass
+
+    with pytest.raises(ValueError, match=r"a per-parameter optimizer, not Mine; use one of SGD, Adam, AdamW"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), task=functools.partial(Task, functools.partial(Mine, lr=1e-3)))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)]
+    assert os.listdir(tmp_path) == []
