@@ -41,7 +41,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_accel.offload.disk_io import DirectFile, DiskFull, DiskIO, IOCounters, align_up, aligned_buffer, free_bytes
+from lightning_accel.offload.disk_io import (DirectFile, DiskFull, DiskIO, IOCounters, align_up, aligned_buffer, free_bytes,
+                                             give_large_frees_back)
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.state_keys import StateKeys
@@ -113,6 +114,7 @@ class NVMeTier:
         self._lock = threading.Condition()
         self._writes: list[Future[None]] = []
         self._expected: list[int] = []
+        self._waiting: list[int] = []  # units a step is waiting to take
         try:
             layouts = {i: self._layout(units[i], plan, i, state_keys) for i in range(len(units)) if plan.unit_disk_bytes(i)}
             need = sum(align_up(size) for size, _, _ in layouts.values())
@@ -120,6 +122,7 @@ class NVMeTier:
             if free is not None and need > free:
                 raise DiskFull(nvme_path, need, free, OSError(28, "No space left on device"))
             self.io = DiskIO(self.counters)
+            give_large_frees_back()  # what moves to disk must leave the process (see give_large_frees_back)
             for i, (size, masters, state) in layouts.items():
                 unit_file = _UnitFile(i, DirectFile(os.path.join(self.directory, f"unit-{i:05d}.bin"), size), masters, state)
                 self.files[i] = unit_file
@@ -216,7 +219,8 @@ class NVMeTier:
 
     def _read_ahead(self) -> None:
         with self._lock:
-            for index in self._expected:
+            # a unit a step is waiting for comes first: a freed buffer must not go to a unit needed later
+            for index in [*self._waiting, *self._expected]:
                 if any(s.unit == index for s in self.slots):
                     continue
                 slot = self._free_slot()
@@ -237,13 +241,18 @@ class NVMeTier:
         with self._lock:
             if index in self._expected:
                 self._expected.remove(index)
-            slot = next((s for s in self.slots if s.unit == index), None)
-            while slot is None:
-                slot = self._free_slot()
-                if slot is None:
-                    self._lock.wait()
-                else:
-                    self._start_read(slot, index)
+            self._waiting.append(index)
+            try:
+                slot = next((s for s in self.slots if s.unit == index), None)
+                while slot is None:
+                    free = self._free_slot()
+                    if free is not None:
+                        self._start_read(free, index)
+                    else:
+                        self._lock.wait()
+                    slot = next((s for s in self.slots if s.unit == index), None)
+            finally:
+                self._waiting.remove(index)
         assert slot.read is not None
         self.io.wait(slot.read)
         return slot

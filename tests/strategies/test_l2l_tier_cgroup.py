@@ -1,0 +1,73 @@
+"""The NVMe tier under a real memory limit: a memory cgroup (v1) that kills the in-memory run lets the tier run finish,
+with the same weights as the in-memory run outside it. Needs root and the cgroup v1 memory controller (CI here has both);
+skipped elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parents[1] / "support" / "workers" / "tier_memory_worker.py"
+ROOT = Path("/sys/fs/cgroup/memory")
+# 16 blocks of 1536 x 1536 Linears (37.8M parameters): in memory 16 B a parameter (fp32 master, gradient, two AdamW
+# moments), 0.60 GB beside the interpreter's ~0.33 GB; with the tier the state and masters (0.45 GB) are on disk and
+# 3 buffers of one block's (0.085 GB) take their place
+WIDTH, DEPTH, STEPS = 1536, 16, 2
+LIMIT = 760 * 2**20
+
+
+@pytest.fixture
+def cgroup() -> Iterator[Path]:
+    if os.geteuid() != 0 or not (ROOT / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup v1 memory controller (/sys/fs/cgroup/memory)")
+    path = ROOT / f"lightning-accel-test-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir()
+        (path / "memory.limit_in_bytes").write_text(str(LIMIT))
+    except OSError as err:
+        pytest.skip(f"cannot make a memory cgroup here: {err}")
+    try:
+        yield path
+    finally:
+        for _ in range(50):
+            try:
+                path.rmdir()
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+
+
+def _run(tmp_path: Path, cgroup: Path | None, nvme: bool) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, str(WORKER), str(WIDTH), str(DEPTH), str(STEPS)] + ([str(tmp_path / "nvme")] if nvme else [])
+    enter = f"echo $$ > {cgroup / 'cgroup.procs'} && " if cgroup is not None else ""
+    command = enter + "exec " + " ".join(args)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+
+
+def _digest(run: subprocess.CompletedProcess[str]) -> str:
+    assert run.returncode == 0, run.stderr[-3000:]
+    match = re.search(r"digest=([0-9a-f]+)", run.stdout)
+    assert match is not None, run.stdout
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_tier_run_finishes_under_a_limit_that_kills_the_in_memory_run(tmp_path: Path, cgroup: Path) -> None:
+    reference = _digest(_run(tmp_path, None, nvme=False))  # in memory, no limit
+    killed = _run(tmp_path, cgroup, nvme=False)
+    assert killed.returncode == -9 or killed.returncode == 137, (killed.returncode, killed.stderr[-2000:])
+    assert int((cgroup / "memory.failcnt").read_text()) > 0
+    tiered = _run(tmp_path, cgroup, nvme=True)
+    assert _digest(tiered) == reference  # the same weights, bit for bit
+    assert re.search(r"nvme_read=[1-9]", tiered.stdout)
+    assert not any((tmp_path / "nvme").iterdir())  # and its scratch directory is gone
