@@ -59,7 +59,7 @@ from lightning_accel.models.side_effects import BufferRestore, buffer_versions, 
 from lightning_accel.offload.activations import ActivationOffload
 from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_store import HostStore
-from lightning_accel.offload.plan import OffloadPlan
+from lightning_accel.offload.plan import OffloadPlan, Unit
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
 from lightning_accel.offload.tier import NVMeTier, UnitStep
@@ -132,6 +132,10 @@ class L2LExecutor:
         # takes all of them in one optimizer call (see _step_ready)
         self._ready: list[int] = []
         self._ready_lock = threading.Lock()
+        # blocks whose gradients landed and whose step has not finished; the backward waits above max_unstepped
+        self._unstepped = 0
+        self._stepped = threading.Condition()
+        self.max_unstepped: int | None = None
         # parameters whose shadows already hold this step's update (written by it)
         self._fresh: set[nn.Parameter] = set()
         # called with a block's index once its last gradient of a backward pass has gone to the
@@ -299,7 +303,19 @@ class L2LExecutor:
                 assert self._pool is not None
                 with self._ready_lock:
                     self._ready.append(index)
+                    self._unstepped += 1
                 self._futures.append(self._pool.submit(self._step_ready, self._block_step))
+                self._hold_back()
+
+    def _hold_back(self) -> None:
+        """With the NVMe tier, the backward waits while ``max_unstepped`` blocks' gradients wait for their step: the
+        gradients held at once are what the tier's plan counted, however long the disk takes."""
+        limit = self.max_unstepped
+        if limit is None:
+            return
+        with self._stepped:
+            while self._unstepped > limit and not any(f.done() and f.exception() for f in self._futures):
+                self._stepped.wait(timeout=1.0)
 
     # -- host optimizer overlapping the backward pass -----------------------------------
     def step_blocks_during_backward(self, step: BlockStep | None) -> None:
@@ -323,6 +339,14 @@ class L2LExecutor:
             indices, self._ready = self._ready, []
         if not indices:
             return
+        try:
+            self._step_blocks(indices, step)
+        finally:
+            with self._stepped:
+                self._unstepped -= len(indices)
+                self._stepped.notify_all()
+
+    def _step_blocks(self, indices: list[int], step: BlockStep) -> None:
         params = [p for i in indices for _, p in self.plan.blocks[i].params if p.requires_grad]
         self.streamer.finish_grads(params)
         stepped = [p for p in params if p in self.store.grads]
@@ -363,13 +387,17 @@ class L2LExecutor:
         tier = self.tier
         if tier is None:
             return
-        order = [i for i in self._trainable_units() if tier.is_spilled(i)
-                 and any(p.grad is not None for _, p in self.plan.blocks[i].params)]
+        units = self.tier_units()
+        order = [i for i in range(len(units)) if tier.is_spilled(i) and any(p.grad is not None for _, p in units[i].params)]
         tier.expect(order)
         with record_function("l2l/host_step"):
             for index in order:
-                params = [p for _, p in self.plan.blocks[index].params if p.requires_grad and p.grad is not None]
+                params = [p for _, p in units[index].params if p.requires_grad and p.grad is not None]
                 self._step_unit(index, params, step)
+
+    def tier_units(self) -> list[Unit]:
+        """The units the NVMe tier indexes: the blocks, then the resident unit where it streams (it lives on the host)."""
+        return self.plan.blocks + ([self.plan.resident] if self.plan.offload_resident else [])
 
     def wait_for_block_steps(self) -> None:
         """Join the host steps started during backward (re-raising their errors)."""

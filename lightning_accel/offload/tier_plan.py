@@ -78,7 +78,11 @@ class TierPlan:
     masters_on_disk: tuple[bool, ...]
     budget: int | None
     slots: int = SLOTS
-    fixed: int = 0  # host bytes outside the units that no plan moves (a streamed resident unit, pinned staging)
+    fixed: int = 0  # host bytes outside the units that no plan moves (pinned staging)
+    # gradients held at once: None, every unit's (the step runs after the backward); k, the k largest units' (blocks
+    # step as their gradients land during the backward, at most k waiting: the executor holds the backward back)
+    grads_in_flight: int | None = None
+    held: int = 0  # the last ``held`` units keep their gradients to the step whatever grads_in_flight says (a resident unit)
 
     @property
     def spills(self) -> bool:
@@ -100,8 +104,17 @@ class TierPlan:
     @property
     def host_bytes(self) -> int:
         """Everything the offload keeps in host memory: what is not on disk, the gradient buffers, the I/O buffers."""
-        kept = sum(u.state + u.masters + u.weights + u.grads for u in self.units) - self.disk_bytes
-        return kept + self.fixed + (self.buffer_bytes if self.spills else 0)
+        kept = sum(u.state + u.masters + u.weights for u in self.units) - self.disk_bytes
+        return kept + self.grad_bytes + self.fixed + (self.buffer_bytes if self.spills else 0)
+
+    @property
+    def grad_bytes(self) -> int:
+        """The gradient buffers held at once (see ``grads_in_flight``)."""
+        if self.grads_in_flight is None:
+            return sum(u.grads for u in self.units)
+        streamed = self.units[:len(self.units) - self.held]
+        sizes = sorted((u.grads for u in streamed), reverse=True)
+        return sum(sizes[:self.grads_in_flight]) + sum(u.grads for u in self.units[len(streamed):])
 
     @property
     def step_read_bytes(self) -> int:
@@ -124,7 +137,8 @@ class TierPlan:
                 f"and {human(self.step_write_bytes)} written per step")
 
 
-def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0) -> TierPlan:
+def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0,
+              grads_in_flight: int | None = None, held: int = 0) -> TierPlan:
     """The plan for ``units`` under ``budget`` bytes of host memory (None: no limit), spilling to disk only when
     ``nvme`` (a ``nvme_path`` was given). With ``nvme`` and no budget, everything that can go to disk does.
 
@@ -133,7 +147,7 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
     state, masters = [False] * n, [False] * n
 
     def plan() -> TierPlan:
-        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed)
+        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held)
 
     current = plan()
     if budget is None and not nvme:
@@ -145,7 +159,7 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
         spillable = sum(u.state + u.masters for u in units)
         raise ValueError(
             f"strategy.host_budget={human(budget or 0)} is less than the {human(need)} the offload keeps on the host "
-            f"({_breakdown(units, fixed=fixed)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state and fp32 "
+            f"({_breakdown(current)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state and fp32 "
             f"masters on disk, or raise host_budget to at least {human(need)}"
         )
     for kind in (state, masters):
@@ -158,17 +172,20 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
         return current
     raise ValueError(
         f"strategy.host_budget={human(budget)} is less than the {human(current.host_bytes)} that stays on the host with "
-        f"every unit's optimizer state and fp32 masters on disk ({_breakdown(units, on_disk=True)}, I/O buffers "
+        f"every unit's optimizer state and fp32 masters on disk ({_breakdown(current, on_disk=True)}, I/O buffers "
         f"{human(current.buffer_bytes)}); raise host_budget to at least {human(current.host_bytes)} (weights do not go to "
         "disk in this version)"
     )
 
 
-def _breakdown(units: list[UnitBytes], on_disk: bool = False, fixed: int = 0) -> str:
+def _breakdown(plan: TierPlan, on_disk: bool = False) -> str:
+    units = plan.units
     weights = sum(u.weights for u in units)
-    grads = sum(u.grads for u in units)
-    rest = f", other {human(fixed)}" if fixed else ""
+    rest = f", other {human(plan.fixed)}" if plan.fixed else ""
+    grads = f"gradient buffers {human(plan.grad_bytes)}"
+    if plan.grads_in_flight is not None:
+        grads += f" ({plan.grads_in_flight} units' at once)"
     if on_disk:
-        return f"weights {human(weights)}, gradient buffers {human(grads)}{rest}"
+        return f"weights {human(weights)}, {grads}{rest}"
     return (f"optimizer state {human(sum(u.state for u in units))}, fp32 masters {human(sum(u.masters for u in units))}, "
-            f"weights {human(weights)}, gradient buffers {human(grads)}{rest}")
+            f"weights {human(weights)}, {grads}{rest}")

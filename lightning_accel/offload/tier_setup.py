@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from lightning_accel.offload.disk_io import align_up
 from lightning_accel.offload.host_optimizer import PER_PARAMETER
 from lightning_accel.offload.host_store import HostStore
-from lightning_accel.offload.plan import OffloadPlan, Unit
+from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.state_keys import StateKeys, per_element_state, state_nbytes
 from lightning_accel.offload.tier import NVMeTier
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
@@ -51,14 +51,15 @@ def check_tier_optimizers(optimizers: list[Optimizer], owner: str) -> None:
             f"{type(optimizer).__name__}; use one of {', '.join(c.__name__ for c in PER_PARAMETER)}, or drop nvme_path")
 
 
-def make_tier(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
-              pin: bool, fixed: int = 0) -> tuple[TierPlan, NVMeTier | None]:
-    """The tier plan for ``plan``'s blocks under ``budget``, and the tier itself when the plan spills (else None)."""
-    blocks = plan.blocks
-    trainable = [p for u in blocks for _, p in u.params if p.requires_grad and p not in store.frozen]
+def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
+              pin: bool, fixed: int = 0, grads_in_flight: int | None = None, held: int = 0) -> tuple[TierPlan, NVMeTier | None]:
+    """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
+    tier itself when the plan spills (else None)."""
+    trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
     keys = per_element_state(optimizer, trainable, {p: store.master[p].dtype for p in trainable}) if optimizer else {}
-    tier_plan = plan_tier([unit_bytes(u, store, keys) for u in blocks], budget, nvme=nvme_path is not None, fixed=fixed)
+    tier_plan = plan_tier([unit_bytes(u, store, keys) for u in units], budget, nvme=nvme_path is not None, fixed=fixed,
+                          grads_in_flight=grads_in_flight, held=held)
     if not tier_plan.spills:
         return tier_plan, None
     assert optimizer is not None and nvme_path is not None
-    return tier_plan, NVMeTier(store, blocks, tier_plan, optimizer, keys, nvme_path, pin=pin)
+    return tier_plan, NVMeTier(store, units, tier_plan, optimizer, keys, nvme_path, pin=pin)

@@ -122,8 +122,15 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         delayed_update_warmup: int | None = None,
         offload_activations: bool = False,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        nvme_path: str | None = None,
+        host_budget: int | str | None = None,
         **kwargs: Any,
     ) -> None:
+        if nvme_path is not None or host_budget is not None:
+            raise ValueError(
+                "L2LOffloadDDPStrategy does not take nvme_path / host_budget yet (the NVMe tier runs on one device: "
+                "strategy=l2l_offload); drop them, or train on one device with strategy=l2l_offload"
+            )
         if host_step not in ("partitioned", "replicated"):
             raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
         if overlap_step:

@@ -79,10 +79,14 @@ from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
 from lightning_accel.offload.tier_setup import check_tier_optimizers, make_tier
-from lightning_accel.stored import stored_nbytes
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.user_hooks import overrides
+
+
+# With the NVMe tier and the host step during the backward: the blocks whose gradients may be held at once (one
+# arriving, one stepping, two waiting); the backward waits for the host step beyond that
+_BLOCKS_IN_FLIGHT = 4
 
 
 class L2LOffloadHooks(Strategy):
@@ -224,19 +228,32 @@ class L2LOffloadHooks(Strategy):
         if self.nvme_path is not None and self.optimizers:
             check_tier_optimizers(self.optimizers, type(self).__name__)
         store, plan = executor.store, executor.plan
-        fixed = sum(stored_nbytes(store.master[p]) for _, p in plan.resident.params) if plan.offload_resident else 0
-        fixed += sum(p.numel() * 2 for u in plan.blocks for _, p in u.params if p.requires_grad) if self.root_device.type == "cuda" else 0
+        units = executor.tier_units()
+        # pinned staging for the gradients' copies off the device, one per trainable parameter in its dtype (<= 2 B)
+        fixed = sum(p.numel() * 2 for u in units for _, p in u.params if p.requires_grad) if self.root_device.type == "cuda" else 0
         optimizer = self.optimizers[0] if self.optimizers else None
+        in_flight = _BLOCKS_IN_FLIGHT if optimizer is not None and self._steps_in_backward(optimizer) else None
         try:
-            tier_plan, tier = make_tier(plan, store, optimizer, self.host_budget, self.nvme_path if optimizer else None,
-                                        pin=self.root_device.type == "cuda", fixed=fixed)
+            tier_plan, tier = make_tier(units, store, optimizer, self.host_budget, self.nvme_path if optimizer else None,
+                                        pin=self.root_device.type == "cuda", fixed=fixed, grads_in_flight=in_flight,
+                                        held=1 if plan.offload_resident else 0)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan
+        # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
+        executor.max_unstepped = None if in_flight is None else in_flight - 2
         if tier is not None:
             executor.attach_tier(tier)
             return [f"NVMe tier: {tier_plan.describe()} under {tier.directory}"]
         return [f"NVMe tier: {tier_plan.describe()}"]
+
+    def _steps_in_backward(self, optimizer: Optimizer) -> bool:
+        """Whether every step of this fit runs block by block during the backward, as set up now: the overlap wanted,
+        nothing that needs every gradient first (clipping, loss scaling, hooks reading gradients), no accumulation."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
+        accumulate = trainer is not None and trainer.accumulate_grad_batches != 1
+        return bool(wanted and not accumulate and self._can_overlap(optimizer))
 
     def _check_delayed_update(self, trainer: Trainer) -> None:
         """Refuse what the delayed update cannot do, before any step (preflight asks the same of the composed config)."""

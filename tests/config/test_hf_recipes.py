@@ -23,6 +23,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lig
 REAL = [
     ("llama-3.2-1b_l2l-bf16_1gpu", "LlamaForCausalLM", 1_235_814_400),
     ("qwen2.5-7b_l2l-bf16_1gpu", "Qwen2ForCausalLM", 7_615_616_512),
+    ("llama-3.1-8b_full-nvme_1gpu", "LlamaForCausalLM", 8_030_261_248),
 ]
 
 
@@ -197,6 +198,8 @@ E2E = [
                         "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]),
     ("llama-3.2-1b_l2l-bf16_1gpu", [*SHRINK_TO_CPU, "model.net.config.head_dim=16"]),
     ("qwen2.5-7b_l2l-bf16_1gpu", SHRINK_TO_CPU),
+    # the NVMe tier: without the 48 GB budget every block's state and masters go to disk (outputs/nvme)
+    ("llama-3.1-8b_full-nvme_1gpu", [*SHRINK_TO_CPU, "model.net.config.head_dim=16", "strategy.host_budget=null"]),
 ]
 
 

@@ -82,3 +82,14 @@ def test_a_size_of_another_type_is_a_type_error(value: object) -> None:
 
 def test_human() -> None:
     assert [human(n) for n in (999, 1000, 2_500_000, 3 * 10**9, 10**13)] == ["999 B", "1.00 kB", "2.50 MB", "3.00 GB", "10.00 TB"]
+
+
+def test_gradients_held_at_once_count_once_blocks_step_as_they_land() -> None:
+    units = _units() + [UnitBytes("resident", state=80_000, masters=40_000, weights=0, grads=40_000)]
+    after = plan_tier(units, None, nvme=False)
+    during = plan_tier(units, None, nvme=False, grads_in_flight=2)
+    assert after.grad_bytes == 4 * 4000 + 40_000 and during.grad_bytes == 40_000 + 4000
+    held = plan_tier(units[::-1], None, nvme=False, grads_in_flight=2, held=1)  # a small resident unit last
+    assert held.grad_bytes == 40_000 + 4000 + 4000
+    with pytest.raises(ValueError, match=r"gradient buffers 44.00 kB \(2 units' at once\)"):
+        plan_tier(units, 1000, nvme=False, grads_in_flight=2)

@@ -180,3 +180,32 @@ def test_what_the_tier_cannot_do_is_refused_before_any_work(tmp_path: Path) -> N
         _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), task=functools.partial(Task, functools.partial(Mine, lr=1e-3)))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(PREFIX)]
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
+def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool, caplog: pytest.LogCaptureFixture) -> None:
+    in_memory = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap), "bf16-mixed")
+    with caplog.at_level("INFO"):
+        tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path)), "bf16-mixed")
+    _assert_same(in_memory, tiered)
+    assert "optimizer state of 4/4 units, fp32 masters of 4/4" in caplog.text
+    if overlap:  # blocks step as their gradients land: at most 4 units' gradients counted (the resident's always)
+        assert tiered[1].strategy._tier_plan.grads_in_flight == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_tier_streams_through_pinned_buffers_and_equals_the_run_in_memory(tmp_path: Path) -> None:
+    def fit(strategy: L2LOffloadStrategy) -> tuple[Task, pl.Trainer]:
+        torch.manual_seed(0)
+        module = Task()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, max_steps=4,
+                             plugins=[OffloadPrecision("bf16-mixed")])
+        trainer.fit(module, _data())
+        return module, trainer
+
+    in_memory = fit(L2LOffloadStrategy())
+    tiered = fit(L2LOffloadStrategy(nvme_path=str(tmp_path)))
+    _assert_same(in_memory, tiered)
+    assert tiered[1].strategy.offload_stats.nvme_read_bytes > 0
