@@ -1,8 +1,9 @@
 """One L2L fit of a model whose host state is larger than the memory cgroup it may run in (tests/strategies/test_l2l_tier_cgroup.py).
 
 ``python tier_memory_worker.py WIDTH DEPTH STEPS [NVME_PATH]``: blocks of ``WIDTH x WIDTH`` Linears (fp32, AdamW: 16 B a
-parameter in memory), ``STEPS`` steps, with the NVMe tier under NVME_PATH when given; prints the peak RSS and a digest
-of every weight, so that runs in and out of the cgroup can be compared bit for bit."""
+parameter in memory), ``STEPS`` steps, with the NVMe tier under NVME_PATH when given (and then a checkpoint, last.ckpt in
+the working directory); prints the peak RSS and a digest of every weight, so that runs in and out of the cgroup can be
+compared bit for bit."""
 
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=L2LOffloadStrategy(nvme_path=nvme), max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, data)
+    if nvme:  # a checkpoint of everything, written from the tier's maps: never all of it in memory at once
+        trainer.save_checkpoint("last.ckpt")
     digest = hashlib.sha256()
     for name, value in model.state_dict().items():
         digest.update(name.encode())
