@@ -24,3 +24,17 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path)
     assert [p.name for p in target.parent.iterdir()] == ["run.json"]
     atomic_write_text(target, "new")
     assert target.read_text() == "new"
+
+
+def test_a_bounded_cache_write_goes_to_disk_every_few_bytes_and_keeps_every_byte(tmp_path, monkeypatch) -> None:
+    import os
+
+    from lightning_accel import atomic
+
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(atomic, "FLUSH_EVERY", 10)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    data = bytes(range(35))
+    path = atomic.atomic_write(tmp_path / "ckpt", lambda f: [f.write(data[i:i + 7]) for i in range(0, 35, 7)], bounded_cache=True)
+    assert path.read_bytes() == data and len(synced) == 2  # after 14 and 28 bytes (then the last 7 with the final fsync)

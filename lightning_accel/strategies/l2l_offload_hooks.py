@@ -62,6 +62,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
@@ -80,6 +81,7 @@ from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
 from lightning_accel.offload.tier_setup import check_tier_optimizers, make_tier
 from lightning_accel.patching import swapped
+from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.user_hooks import overrides
 
@@ -487,6 +489,17 @@ class L2LOffloadHooks(Strategy):
         # a hook that reads the gradients must see every one of them before any block steps
         hooks = self._reads_gradients("on_after_backward", "on_before_optimizer_step")
         return isinstance(optimizer, PER_PARAMETER) and not clipping and not scaling and not hooks
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # With the tier, a checkpoint is as large as the state it keeps out of memory: written through the page cache it
+        # would fill a memory limit (lightning_accel.atomic.CacheBoundedWriter); Lightning's default writer is swapped for
+        # ours (atomic, 64 MiB at a time to disk), a CheckpointIO the user chose is kept
+        if self.nvme_path is not None and type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None:
+            if self.is_global_zero:
+                AtomicCheckpointIO().save_checkpoint(checkpoint, filepath)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -111,7 +111,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if "://" in str(path):  # remote filesystems: no atomic rename to rely on
             return super().save_checkpoint(checkpoint, path, storage_options)
         try:
-            atomic_write(path, lambda f: torch.save(checkpoint, f))
+            atomic_write(path, lambda f: torch.save(checkpoint, f), bounded_cache=True)
         except OSError as err:
             raise CheckpointWriteError(path, checkpoint_bytes(checkpoint), err) from err
         except RuntimeError as err:  # torch's zip writer turns the file's OSError into "enforce fail at inline_container.cc"
