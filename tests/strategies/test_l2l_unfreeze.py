@@ -12,6 +12,9 @@ the model), to 1e-12, and in bf16 against one process accumulating the ranks' ba
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+from typing import Any
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -21,7 +24,9 @@ import lightning_accel.strategies.l2l_offload_hooks as hooks_module
 from lightning_accel import L2LOffloadStrategy, OffloadPrecision
 from lightning_accel.offload import L2LExecutor, make_plan
 from lightning_accel.offload.host_store import HostStore
-from tests.support.unfreeze_models import CASES, PER_RANK_BATCH, Transfer, data, fit_case, weights
+from tests.support.unfreeze_models import CASES, PER_RANK_BATCH, RankBatches, Transfer, data, fit_case, weights
+from tests.support.user_script import run_user_script
+from tests.support.workers import WORKERS
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 0.0) -> None:
@@ -110,3 +115,71 @@ def test_cuda_thawed_masters_are_pinned_and_train_as_plain_lightning(case: str) 
     _assert_equal({k: v.cpu() for k, v in weights(got).items()}, weights(want), atol=1e-10)  # host fused vs device loop
     if case == "refreeze":  # (pruning made permanent at the end replaces each pruned weight's data: not pinned)
         assert all(p.device.type == "cpu" and p.is_pinned() for p in got.backbone.parameters())
+
+
+# -- two gloo ranks -------------------------------------------------------------------------------------------------
+
+DDP_CASES = [*(f"{case}-part" for case in CASES), "finetune-repl", "pruning-ddp", "finetune-part-bf16", "refreeze-part-delayed"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("unfreeze_ddp")
+    result = run_user_script(WORKERS / "unfreeze_ddp_worker.py", [str(out), ",".join(DDP_CASES)], 600, "2-process unfreezing")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return out
+
+
+def _ranks(out: Path, case: str) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{case}-rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(case: str, turns: bool = False, **kwargs: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``case`` on one process over the batches the 2 ranks read: its weights and its optimizer's state dict."""
+    bf16 = kwargs.get("precision") == "bf16-mixed"
+    task = Transfer(torch.float32 if bf16 else torch.float64)
+    trainers = fit_case(case, task, DataLoader(data(2), batch_sampler=RankBatches(turns=turns)), **kwargs)
+    return weights(task), trainers[-1].optimizers[0].state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in DDP_CASES if "bf16" not in c and "delayed" not in c])
+def test_two_ranks_train_as_one_process_on_the_global_batches(two_ranks: Path, case: str) -> None:
+    want, _ = _one_process(case.split("-")[0])
+    for rank in _ranks(two_ranks, case):  # every rank ends with the same weights
+        _assert_equal(rank["weights"], want, atol=1e-12)
+    _trained_everywhere(_ranks(two_ranks, case)[0]["weights"], case.split("-")[0])
+
+
+@pytest.mark.slow
+def test_two_ranks_in_bf16_train_as_one_process_accumulating_their_batches(two_ranks: Path) -> None:
+    want, _ = _one_process("finetune", turns=True, precision="bf16-mixed", accumulate_grad_batches=2, limit_train_batches=4)
+    for rank in _ranks(two_ranks, "finetune-part-bf16"):
+        _assert_equal(rank["weights"], want, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_delayed_equal_one_device_delayed(two_ranks: Path) -> None:
+    """One step late, the ranks land the pending update (and send its weights) before a block is frozen again: the
+    same weights as the one-device delayed update on the global batches."""
+    want, _ = _one_process("refreeze", strategy=lambda: L2LOffloadStrategy(delayed_update=True, delayed_update_warmup=0))
+    for rank in _ranks(two_ranks, "refreeze-part-delayed"):
+        _assert_equal(rank["weights"], want, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_thawed_blocks_get_owners_and_the_checkpoint_holds_plain_state(two_ranks: Path) -> None:
+    """Block 0 trains from the start (rank 0 steps it); blocks 2 and 3, thawed at epoch 1, are given to the ranks
+    around it; block 1 never trains. Rank 0's checkpoint gathers every rank's state: the one process's, in float64."""
+    ranks = _ranks(two_ranks, "finetune-part")
+    owned = [{n.split(".")[1] for n in r["owned"]} for r in ranks]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {"0", "2", "3"} and "0" in owned[0]
+    assert sum(r["host_optimizer_bytes"] for r in ranks) == _ranks(two_ranks, "finetune-repl")[0]["host_optimizer_bytes"]
+    _, want = _one_process("finetune")
+    got = torch.load(two_ranks / "finetune-part.ckpt", weights_only=False)["optimizer_states"][0]
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=1e-12, msg=f"{index}.{key}")
