@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 CASES = ("finetune", "backbone", "addgroup", "refreeze", "pruning", "between")
 EPOCHS = 3
 PER_RANK_BATCH = 4
-SAMPLES = 16  # per rank: 4 batches an epoch
+SAMPLES = 8  # per rank: 2 batches an epoch
 
 
 class Block(nn.Module):
@@ -128,9 +128,9 @@ class Finetune(BaseFinetuning):
 
 
 class AddGroup(pl.Callback):
-    """At global step ``step`` (mid-epoch 0): ``backbone[3]`` requires grad again and joins the optimizer in a group."""
+    """At global step ``step`` (the second batch of epoch 0): ``backbone[3]`` requires grad again and joins the optimizer in a group."""
 
-    def __init__(self, step: int = 2) -> None:
+    def __init__(self, step: int = 1) -> None:
         self.step = step
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

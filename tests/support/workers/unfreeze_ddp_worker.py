@@ -3,7 +3,7 @@
 Run as ``python unfreeze_ddp_worker.py OUT_DIR CASE[,CASE...]``: Lightning's subprocess launcher re-runs this script
 for the other rank. A case is ``{case}-{how}[-{extra}]``: ``case`` one of :data:`tests.support.unfreeze_models.CASES`,
 ``how`` ``part`` (host step partitioned), ``repl`` (replicated) or ``ddp`` (Lightning's DDP), extras ``bf16``
-(OffloadPrecision('bf16-mixed') on the fp32 model: the thawed matrices get bf16 shadows; two steps an epoch) and ``delayed``
+(OffloadPrecision('bf16-mixed') on the fp32 model: the thawed matrices get bf16 shadows) and ``delayed``
 (delayed_update from the first step). Each case is one run of :func:`~tests.support.unfreeze_models.fit_case` in the
 same processes; every rank writes ``{case}-rank{r}.pt`` (its weights, the units it steps, its optimizer state's bytes
 and the host bytes per parameter) and rank 0 writes ``{case}.ckpt`` (what DDP would write: one plain optimizer state).
@@ -27,7 +27,7 @@ def run(out: str, case: str) -> None:
     name, how, *extras = case.split("-")
     bf16 = "bf16" in extras
     task = Transfer(torch.float32 if bf16 else torch.float64)
-    kwargs: dict[str, Any] = {"devices": 2, **({"limit_train_batches": 2} if bf16 else {})}  # (a bf16 linear: ~30 ms here)
+    kwargs: dict[str, Any] = {"devices": 2}
     if how == "ddp":
         strategy: Any = "ddp"
         if bf16:
