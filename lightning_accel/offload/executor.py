@@ -168,17 +168,20 @@ class L2LExecutor:
                 self._unit_of[p] = RESIDENT
         for param in self._unit_of:
             if param.requires_grad:
-                self._hook(param)
+                self._send_grads(param)
         self._watch.open(self.model)
 
-    def _hook(self, param: nn.Parameter) -> None:
+    def _send_grads(self, param: nn.Parameter) -> None:
+        """From now on ``param``'s gradients go to the host as autograd produces them."""
         if param not in self._hooks:
             self._hooks[param] = param.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _unhook(self, param: nn.Parameter) -> None:
+    def _stop_grads(self, param: nn.Parameter) -> None:
+        """``param`` sends no more gradients (frozen again, or gone from its unit): its hook and staging buffer go."""
         handle = self._hooks.pop(param, None)
         if handle is not None:
             handle.remove()
+        self.streamer.drop_staging(param)
 
     def detach(self) -> None:
         """Undo :meth:`attach`: the model computes normally again (weights stay on the host)."""
@@ -231,7 +234,7 @@ class L2LExecutor:
         changes = self.find_changes() if changes is None else changes
         if changes:
             self.finish_delayed_update()  # the update computed before the change lands in the masters it was for
-            apply_changes(changes, self.model, self.plan, self.store, self.device, self._unit_of, self._hook, self._unhook)
+            apply_changes(changes, self.model, self.plan, self.store, self.device, self._unit_of, self._send_grads, self._stop_grads)
             self._watch.settle(self.model, self.store)
             self.stats.offloaded_params = self.store.numel()
             self.update_host_bytes()

@@ -171,11 +171,11 @@ def find_changes(model: nn.Module, plan: OffloadPlan, store: HostStore, trainabl
 
 
 def apply_changes(changes: Changes, model: nn.Module, plan: OffloadPlan, store: HostStore, device: torch.device,
-                  unit_of: dict[nn.Parameter, int], hook: Callable[[nn.Parameter], None],
-                  unhook: Callable[[nn.Parameter], None]) -> None:
+                  unit_of: dict[nn.Parameter, int], send_grads: Callable[[nn.Parameter], None],
+                  stop_grads: Callable[[nn.Parameter], None]) -> None:
     """Bring ``plan``, ``store`` and ``unit_of`` (offloaded parameter -> its unit's index) up to date with ``changes``
-    (no step under way, every unit released, no update pending). ``hook`` / ``unhook``: the executor's gradient
-    hooks, for the offloaded parameters that start or stop sending gradients to the host."""
+    (no step under way, every unit released, no update pending). ``send_grads`` / ``stop_grads``: the executor's, for
+    the offloaded parameters that start or stop sending gradients to the host (its hooks and staging buffers)."""
     added: list[tuple[int, str, nn.Parameter]] = []
     for index in changes.units:  # blocks first: the resident unit is what they do not hold
         unit = plan.resident if index == RESIDENT else plan.blocks[index]
@@ -183,7 +183,7 @@ def apply_changes(changes: Changes, model: nn.Module, plan: OffloadPlan, store: 
         before, now = {p for _, p in unit.params}, {p for _, p in fresh.params}
         for _, param in unit.params:
             if param not in now and param in unit_of:  # (a parameter moved to another unit is added back there)
-                unhook(param)
+                stop_grads(param)
                 store.remove(param)
                 del unit_of[param]
         unit.params, unit.buffers = fresh.params, fresh.buffers
@@ -195,7 +195,7 @@ def apply_changes(changes: Changes, model: nn.Module, plan: OffloadPlan, store: 
         store.add(name, param)
         unit_of[param] = index
         if param.requires_grad:
-            hook(param)
+            send_grads(param)
     for index in changes.units:
         unit = plan.resident if index == RESIDENT else plan.blocks[index]
         if index != RESIDENT or plan.offload_resident:
@@ -207,10 +207,10 @@ def apply_changes(changes: Changes, model: nn.Module, plan: OffloadPlan, store: 
         store.adopt(param)
     for param in changes.thaw:
         store.thaw(param)
-        hook(param)
+        send_grads(param)
     for param in changes.refreeze:
         store.refreeze(param)
-        unhook(param)
+        stop_grads(param)
 
 
 def _same(a: list[tuple[str, nn.Parameter]], b: list[tuple[str, nn.Parameter]]) -> bool:

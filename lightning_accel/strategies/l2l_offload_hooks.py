@@ -487,11 +487,12 @@ class L2LOffloadHooks(Strategy):
         return fuse
 
     def host_optimizer_bytes(self) -> int:
-        """Bytes of optimizer state held for the host parameters."""
+        """Bytes of optimizer state held for the host parameters (a block frozen again keeps its state, as the
+        optimizer does)."""
         if self._executor is None:
             return 0
-        host = [p for p in self._executor.store.master if p not in self._executor.store.frozen]
         tier = self._executor.tier
+        host = self._executor.store.master
         return sum(state_bytes(o, host) - (tier.state_bytes_on_disk(o) if tier is not None else 0) for o in self.optimizers)
 
     def _fuse(self, optimizer: Optimizer) -> bool:
