@@ -60,12 +60,11 @@ from lightning_accel.offload.activations import ActivationOffload
 from lightning_accel.offload.delayed import DelayedUpdate
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import OffloadPlan, Unit
+from lightning_accel.offload.replan import RESIDENT, Changes, Watch, apply_changes, find_changes
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
 from lightning_accel.offload.tier import NVMeTier, UnitStep
 from lightning_accel.patching import Patch, patch, remove_all
-
-RESIDENT = -1  # the resident unit's index in the streamer
 
 # a block's host step: updates the parameters, writes what it can of their shadows
 # (parameter -> low-precision shadow) in the same pass, reads the bf16 gradients it is given
@@ -106,8 +105,10 @@ class L2LExecutor:
         units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
         self.store = HostStore(units, compute_dtype, pin=device.type == "cuda", snapshot=delayed_update)
         self.streamer = Streamer(self.store, device, self.stats, alias=alias)
-        # units whose optimizer state and masters live on disk (set once the optimizer exists: attach_tier)
+        # units whose optimizer state and masters live on disk (set once the optimizer exists: attach_tier); what
+        # makes it again when the parameters change (unfrozen, frozen, replaced: begin_step)
         self.tier: NVMeTier | None = None
+        self.retier: Callable[[], None] | None = None
         self.stats.offloaded_params = self.store.numel()
         self.update_host_bytes()
         # runs first in every host-step / delayed-update thread (the thread budget, HostThreads)
@@ -119,8 +120,9 @@ class L2LExecutor:
         self._turn = len(plan.blocks) - 1 if checkpoint_blocks and not offload_activations else None
         self._originals: dict[int, Callable[..., Any]] = {}
         self._patches: list[Patch] = []  # the blocks' wrapped forwards, removed by detach()
-        self._hooks: list[Any] = []
+        self._hooks: dict[nn.Parameter, Any] = {}  # the gradient hook of each offloaded parameter requiring grad
         self._unit_of: dict[nn.Parameter, int] = {}
+        self._watch = Watch()  # whether the user's code may have changed a parameter since the last step
         self._pending_grads: dict[int, int] = {}
         self._step_h2d = self._step_d2h = self._step_act = 0
         # Host optimizer steps that overlap the backward pass: set per backward by
@@ -146,6 +148,7 @@ class L2LExecutor:
         """From now on the spilled units of ``tier`` step through its buffers (:meth:`step_spilled`, and the
         block steps during the backward); the host bytes no longer count what went to disk."""
         self.tier = tier
+        self._watch.settle(self.model, self.store)  # the parameters now hold the tier's views: the baseline
         self.update_host_bytes()
 
     # -- installation -----------------------------------------------------------------
@@ -163,22 +166,34 @@ class L2LExecutor:
             self._patches.append(patch(unit.module, "forward", functools.partial(self._block_forward, index)))
             for _, param in unit.params:
                 self._unit_of[param] = index
-        hooked = [p for u in self.plan.blocks for _, p in u.params]
         if self.plan.offload_resident:
-            hooked += [p for _, p in self.plan.resident.params]
             for _, p in self.plan.resident.params:
                 self._unit_of[p] = RESIDENT
-        for param in hooked:
+        for param in self._unit_of:
             if param.requires_grad:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                self._send_grads(param)
+        self._watch.open(self.model)
+
+    def _send_grads(self, param: nn.Parameter) -> None:
+        """From now on ``param``'s gradients go to the host as autograd produces them."""
+        if param not in self._hooks:
+            self._hooks[param] = param.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _stop_grads(self, param: nn.Parameter) -> None:
+        """``param`` sends no more gradients (frozen again, or gone from its unit): its hook and staging buffer go."""
+        handle = self._hooks.pop(param, None)
+        if handle is not None:
+            handle.remove()
+        self.streamer.drop_staging(param)
 
     def detach(self) -> None:
         """Undo :meth:`attach`: the model computes normally again (weights stay on the host)."""
         remove_all(self._patches)
         self._originals.clear()
-        for hook in self._hooks:
-            hook.remove()
+        for handle in self._hooks.values():
+            handle.remove()
         self._hooks.clear()
+        self._watch.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -201,19 +216,41 @@ class L2LExecutor:
             self.stats.nvme_seconds = self.tier.counters.wait_seconds
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self.stats.host_bytes)
 
-    def begin_step(self) -> None:
-        """Before a forward pass: bring the resident unit in if it streams. A frozen parameter
-        was planned to be streamed as stored and never written: one unfrozen since (gradual
-        unfreezing) would be updated in its stored dtype, unlike plain training, so it is refused."""
-        thawed = next((p for p in self.store.frozen if p.requires_grad), None)
-        if thawed is not None:
-            name = next(n for u in self.plan.blocks + [self.plan.resident] for n, p in u.params if p is thawed)
-            raise RuntimeError(
-                f"{self.owner}: parameter {name} was frozen when the offload was planned and now requires grad; "
-                "unfreezing during fit is not supported: set requires_grad before fit (or fit again after changing it)"
-            )
+    def find_changes(self) -> Changes:
+        """What the user's code changed in the planned parameters since the last step (:mod:`.replan`); raises the
+        refusals. Units a step left on the device (its backward never ran: ``training_step`` returned None) are
+        released first: every parameter is compared on its host tensor."""
+        if self.streamer.on_device:
+            self.end_eval()
+        if self._watch.quiet():
+            return Changes()
+        changes = find_changes(self.model, self.plan, self.store, self._watch.trainable, self.owner)
+        if not changes:
+            self._watch.settle(self.model, self.store)
+        return changes
+
+    def begin_step(self, changes: Changes | None = None) -> Changes:
+        """Before a forward pass: follow what changed since the last step (``changes``, else found now: a frozen
+        parameter that requires grad now is thawed, one frozen again goes back to its stored form, replaced data
+        is adopted, units whose parameters changed are planned again; a pending delayed update lands first), then
+        bring the resident unit in if it streams. Returns the changes (falsy: none)."""
+        changes = self.find_changes() if changes is None else changes
+        if changes:
+            self.finish_delayed_update()  # the update computed before the change lands in the masters it was for
+            retier = self.tier is not None and self.retier is not None
+            if self.tier is not None:  # its files were laid out for the parameters as they were: read from, then let go
+                self.tier.close()
+                self.tier = None
+            apply_changes(changes, self.model, self.plan, self.store, self.device, self._unit_of, self._send_grads, self._stop_grads)
+            if retier:
+                assert self.retier is not None
+                self.retier()  # a new plan and new files from the parameters and state as they are now (attach_tier)
+            self._watch.settle(self.model, self.store)
+            self.stats.offloaded_params = self.store.numel()
+            self.update_host_bytes()
         if self.plan.offload_resident:
             self.streamer.acquire(RESIDENT, self.plan.resident)
+        return changes
 
     def _block_forward(self, index: int, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoint_blocks and torch.is_grad_enabled() and index != self._turn:

@@ -120,6 +120,16 @@ class HostGradientSync:
         self.bytes_reduced = 0  # payload of the last synchronised backward's collectives
         self.launched_in_backward = 0  # of those, launched while the backward pass was still running
 
+    def set_units(self, units: Sequence[Sequence[nn.Parameter]], owners: Sequence[int] | None = None) -> None:
+        """Between steps: the units' parameters that require grad, and their owners, changed (a backbone unfrozen at
+        an epoch's start; the number of units and their order stay). Nothing may be in flight."""
+        if self._launched:
+            raise RuntimeError("HostGradientSync.set_units during a backward pass: its collectives are still in flight")
+        if len(units) != len(self.units):
+            raise ValueError(f"{len(units)} units given for the {len(self.units)} this sync was made for")
+        self.units = [[p for p in unit if p.requires_grad] for unit in units]
+        self.owners = None if owners is None else list(owners)
+
     def begin(self) -> None:
         """Before a backward pass whose gradients are to be averaged (the last of an accumulation)."""
         self._ready.clear()

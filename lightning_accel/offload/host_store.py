@@ -18,6 +18,14 @@ torchao ``NF4Tensor``), pinned on CUDA; it streams as stored, is never written, 
 model computes on it as it would without offload. ``master[p]`` and ``shadow[p]`` are that
 tensor itself, so the optimizer paths, which only see parameters with gradients, never
 touch it, and it costs its stored size once (:func:`~lightning_accel.offload.stored.stored_nbytes`).
+
+What is frozen can change between steps, and the store follows (the executor finds the changes
+before each step): a frozen parameter that starts to require grad (gradual unfreezing:
+``BaseFinetuning``) is *thawed*, given the master and shadow it would have had if trainable at
+planning; frozen again, it goes back to its stored dtype, rounded from the master, and costs its
+stored size again. A quantized weight cannot be thawed (:func:`cannot_train`). A parameter whose
+``.data`` the user's code replaced is *adopted* (its values become the master's), and parameters
+added to or removed from a unit are added or removed.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_accel.offload.plan import Unit
-from lightning_accel.stored import pinned, stored_nbytes
+from lightning_accel.stored import is_plain, pinned, plain_parts, stored_nbytes
 
 
 class HostStore:
@@ -45,34 +53,110 @@ class HostStore:
         # the bf16 gradient each fp32 buffer was widened from, and both tensors' versions then (see add_grad)
         self.low_grads: dict[nn.Parameter, tuple[Tensor, int, Tensor, int]] = {}
         self._keep_low = False
+        # parameters frozen at planning that require grad now (gradual unfreezing): the dtype each was stored in
+        self.thawed: dict[nn.Parameter, torch.dtype] = {}
         for unit in units:
             for name, param in unit.params:
-                if not param.requires_grad:
-                    self._keep_frozen(param)
-                    continue
-                if not param.is_floating_point():
-                    raise TypeError(f"parameter {name} is {param.dtype}; L2L offload keeps fp32 masters of floating-point parameters only")
-                # fp32 masters; a float64 model (a reference run) keeps float64 and computes in it
-                keep = torch.float64 if param.dtype == torch.float64 else torch.float32
-                master = param.data.detach().to("cpu", keep)
-                if pin:
-                    master = master.pin_memory()
-                param.data = master
-                self.master[param] = master
-                # Matrices (linear, conv, embedding weights: nearly all the bytes) travel in
-                # the compute dtype; vectors (biases, norm scales) stay fp32, as autocast
-                # and the CPU's layer_norm kernels expect.
-                same = compute_dtype == torch.float32 or keep == torch.float64 or master.ndim < 2
-                if not same:
-                    self.shadow[param] = self._low(master)
-                elif snapshot:
-                    self.shadow[param] = master.clone().pin_memory() if pin else master.clone()
-                else:
-                    self.shadow[param] = master
-            for owner, buf_name, _ in unit.buffers:
-                buf = owner._buffers[buf_name]
-                if buf is not None:
-                    owner._buffers[buf_name] = buf.detach().to("cpu").pin_memory() if pin else buf.detach().to("cpu")
+                self.add(name, param)
+            self.add_buffers(unit.buffers)
+
+    # -- what the store holds, and changes to it between steps ------------------------------------
+    # Every entry is made and dropped in these methods, whatever the reason (planning, a parameter that starts or
+    # stops training, a weight replaced or added by the user's code), so a tier that keeps masters elsewhere (files)
+    # has one place to follow: ``master``, ``shadow``, ``frozen`` and ``thawed`` change nowhere else (``grads``
+    # also fills and empties every step: add_grad, clear_grads).
+
+    def add(self, name: str, param: nn.Parameter) -> None:
+        """Take ``param`` into the store as planning does: frozen, as stored; requiring grad, an fp32 master
+        (float64 for a float64 model) and, where the device computes in a low precision, a shadow. ``name`` is
+        for the refusals: a weight that cannot train (an integer tensor, a quantized subclass) requiring grad."""
+        if not param.requires_grad:
+            self._keep_frozen(param)
+            return
+        if not param.is_floating_point():
+            raise TypeError(f"parameter {name} is {param.dtype}; L2L offload keeps fp32 masters of floating-point parameters only")
+        refusal = cannot_train(param.data)
+        if refusal is not None:
+            raise ValueError(f"parameter {name} {refusal}; {KEEP_IT_FROZEN}")
+        self._keep_trainable(param)
+
+    def add_buffers(self, buffers: Iterable[tuple[nn.Module, str, str]]) -> None:
+        """Move a unit's buffers (owner, name, qualified name) to the host (pinned on CUDA) where they are not already."""
+        for owner, buf_name, _ in buffers:
+            buf = owner._buffers[buf_name]
+            if buf is not None and (buf.device.type != "cpu" or (self.pin and not buf.is_pinned())):
+                owner._buffers[buf_name] = pinned(buf.detach().to("cpu")) if self.pin else buf.detach().to("cpu")
+
+    def remove(self, param: nn.Parameter) -> None:
+        """Forget ``param`` (no longer in its unit: removed or replaced by the user's code). It keeps its data."""
+        for table in (self.master, self.shadow, self.grads, self.low_grads, self.thawed):
+            table.pop(param, None)
+        self.frozen.discard(param)
+
+    def thaw(self, param: nn.Parameter) -> None:
+        """A parameter frozen at planning now requires grad (``BaseFinetuning`` unfreezing a backbone): it gets
+        what it would have got had it required grad at planning, a master made from its stored values and a
+        shadow where the store makes one; its gradient buffer comes with its first gradient. Why here and not a
+        refusal: gradual unfreezing is how transfer learning is done in Lightning, and the stored form only
+        saves memory while the weight is frozen. A quantized weight has no values to update: refused."""
+        stored = self.master[param]
+        refusal = cannot_train(stored)
+        if refusal is not None:
+            raise ValueError(f"the parameter {refusal}; {KEEP_IT_FROZEN}")
+        del self.master[param], self.shadow[param]
+        self.frozen.discard(param)
+        self.thawed[param] = stored.dtype
+        self._keep_trainable(param)
+
+    def refreeze(self, param: nn.Parameter) -> None:
+        """A thawed parameter is frozen again: back to its stored dtype, rounded from the master, so it costs
+        its stored size again and no master, shadow or gradient buffer (its optimizer state is the optimizer's)."""
+        dtype = self.thawed.pop(param)
+        param.data = self.master[param].to(dtype)
+        for table in (self.master, self.shadow, self.grads, self.low_grads):
+            table.pop(param, None)
+        self._keep_frozen(param)
+
+    def adopt(self, param: nn.Parameter) -> None:
+        """The user's code replaced ``param.data`` (``ModelPruning``'s lottery-ticket reset does
+        ``param.data = original.data``): its values become the master's (the shadow follows), or for a frozen one
+        the stored tensor. Without this the module would compute on a tensor the optimizer, the copies and the
+        other ranks never see. A trainable parameter's shape cannot change (its optimizer state has it)."""
+        if param in self.frozen:
+            self._keep_frozen(param)
+            return
+        master = self.master[param]
+        if param.shape != master.shape:
+            raise ValueError(
+                f"the parameter's data was replaced by a tensor of shape {tuple(param.shape)}, not {tuple(master.shape)}; "
+                "replace the parameter (a new nn.Parameter) or fit again"
+            )
+        master.copy_(param.data)
+        param.data = master
+        self.refresh_shadows([param])
+
+    def holds_data_of(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` computes on the store's tensor (between steps it must: otherwise its data was replaced)."""
+        return _first_part(param.data).data_ptr() == _first_part(self.master[param]).data_ptr()
+
+    def _keep_trainable(self, param: nn.Parameter) -> None:
+        # fp32 masters; a float64 model (a reference run) keeps float64 and computes in it
+        keep = torch.float64 if param.dtype == torch.float64 else torch.float32
+        master = param.data.detach().to("cpu", keep)
+        if self.pin:
+            master = pinned(master)
+        param.data = master
+        self.master[param] = master
+        # Matrices (linear, conv, embedding weights: nearly all the bytes) travel in
+        # the compute dtype; vectors (biases, norm scales) stay fp32, as autocast
+        # and the CPU's layer_norm kernels expect.
+        same = self.compute_dtype == torch.float32 or keep == torch.float64 or master.ndim < 2
+        if not same:
+            self.shadow[param] = self._low(master)
+        elif self.snapshot:
+            self.shadow[param] = pinned(master.clone()) if self.pin else master.clone()
+        else:
+            self.shadow[param] = master
 
     def _keep_frozen(self, param: nn.Parameter) -> None:
         stored = param.data if param.device.type == "cpu" else param.data.to("cpu")
@@ -170,3 +254,19 @@ class HostStore:
     def numel(self) -> int:
         """Parameters the store holds (frozen and trainable)."""
         return sum(p.numel() for p in self.master)
+
+
+# the fix, in every refusal of a weight that cannot train
+KEEP_IT_FROZEN = "keep it frozen (requires_grad=False) and train an adapter on it (peft LoRA), or load that weight unquantized"
+
+
+def cannot_train(tensor: Tensor) -> str | None:
+    """Why a stored weight cannot get a master and train (the end of a sentence naming it), or None: a quantized
+    tensor subclass (torchao's ``NF4Tensor``) holds codes, not values an optimizer could update."""
+    if not is_plain(tensor):
+        return f"is stored as {type(tensor).__name__} (quantized), which cannot train"
+    return None
+
+
+def _first_part(tensor: Tensor) -> Tensor:
+    return plain_parts(tensor)[0]

@@ -74,25 +74,36 @@ def make_plan(model: nn.Module, policy: BlockPolicy = "auto", prefetch_blocks: i
     owner: dict[int, str] = {}
     units = []
     for block in blocks:
-        unit = Unit(block.name, block.module, buffers=_buffers(block.module, block.name))
-        for name, param in block.module.named_parameters():
+        unit = block_unit(block.name, block.module)
+        for name, param in unit.params:
             if id(param) in owner:
                 raise ValueError(
-                    f"parameter {block.name}.{name} is shared with block {owner[id(param)]}; untie it, or choose blocks "
+                    f"parameter {name} is shared with block {owner[id(param)]}; untie it, or choose blocks "
                     "that do not share parameters"
                 )
             owner[id(param)] = block.name
-            unit.params.append((f"{block.name}.{name}", param))
         units.append(unit)
+    return OffloadPlan(units, resident_unit(model, units), prefetch_blocks, offload_resident)
+
+
+def block_unit(name: str, module: nn.Module) -> Unit:
+    """The unit of block ``module`` (qualified name ``name``): its parameters and buffers as they are now (at
+    planning, and again for a block whose parameters or buffers changed since)."""
+    return Unit(name, module, [(f"{name}.{n}", p) for n, p in module.named_parameters()], _buffers(module, name))
+
+
+def resident_unit(model: nn.Module, blocks: list[Unit]) -> Unit:
+    """The parameters and buffers of ``model`` outside every block, as they are now."""
     resident = Unit("resident", None)
-    in_blocks = {id(b.module) for b in blocks}
+    in_blocks = {id(p) for unit in blocks for _, p in unit.params}
+    block_modules = {id(u.module) for u in blocks}
     for name, param in model.named_parameters():
-        if id(param) not in owner:
+        if id(param) not in in_blocks:
             resident.params.append((name, param))
     for mod_name, mod in model.named_modules():
-        if any(mod_name == b.name or mod_name.startswith(f"{b.name}.") for b in blocks) or id(mod) in in_blocks:
+        if any(mod_name == b.name or mod_name.startswith(f"{b.name}.") for b in blocks) or id(mod) in block_modules:
             continue
         for buf_name, buf in mod._buffers.items():
             if isinstance(buf, Tensor):
                 resident.buffers.append((mod, buf_name, f"{mod_name}.{buf_name}" if mod_name else buf_name))
-    return OffloadPlan(units, resident, prefetch_blocks, offload_resident)
+    return resident

@@ -165,6 +165,10 @@ class Streamer:
                 owner._buffers[name] = host
         self._device_bytes -= entry.nbytes
 
+    def drop_staging(self, param: nn.Parameter) -> None:
+        """``param`` sends no more gradients (frozen again, or gone from its unit): its staging buffer goes."""
+        self._staging.pop(param, None)
+
     def staging_bytes(self) -> int:
         """Pinned host buffers the gradient copies land in (CUDA; one per trainable parameter once used)."""
         return sum(t.numel() * t.element_size() for t in self._staging.values())

@@ -55,7 +55,8 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
             in host memory (the compute snapshot). Parameters
             kept on the device (the resident unit unless ``offload_resident``) are updated
             at once, as usual. A pending update is applied before validation, before every
-            checkpoint is written and at the end of fit (waiting for it there); the step
+            checkpoint is written, before a step at which what trains changed (a backbone
+            unfrozen) and at the end of fit (waiting for it there); the step
             after such a point computes on fully updated weights, as a resumed run does,
             which keeps resuming exact.
             Needs a per-parameter optimizer and automatic optimization; not with fp16 loss

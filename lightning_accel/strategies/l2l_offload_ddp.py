@@ -35,6 +35,14 @@ What this adds, each mechanism in :mod:`lightning_accel.offload`:
   :mod:`~lightning_accel.offload.optimizer_state`); loading one hands each rank its shard, so a
   checkpoint of this strategy loads into a one-device run or DDP and theirs into this.
 
+What trains can change during the fit (``BaseFinetuning`` unfreezing a backbone, a block frozen again, pruning;
+:mod:`~lightning_accel.offload.replan`): every rank follows the change before the same step, the averaging and the
+device all-reduce take the parameters that train now, a unit keeps the rank that has stepped it (its optimizer state
+is there) and the units that start training are given out around them
+(:class:`~lightning_accel.offload.partition.UnitOwners`). torch's DDP does not do this: its reducer keeps the
+parameters that required grad when it wrapped the model, so a backbone unfrozen later is not averaged and its ranks
+drift apart; here the ranks equal one process on the global batch.
+
 At setup rank 0's weights and buffers go to every rank, as DDP does when it wraps the model;
 after that each rank keeps its own buffers (DDP's ``broadcast_buffers=False``): BatchNorm
 running statistics are per rank.
@@ -79,7 +87,7 @@ from lightning_accel.cpu_budget import CpuBudget, cpu_budget, local_ranks
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
-from lightning_accel.offload.partition import HostPartition, partition_units
+from lightning_accel.offload.partition import HostPartition, UnitOwners
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
@@ -144,8 +152,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         self.host_step = host_step
         self._host_group: dist.ProcessGroup | None = None  # gloo, host tensors only, used by the sync worker
         self._grad_sync: HostGradientSync | None = None
-        self._partition: HostPartition | None = None
-        self._units: list[list[nn.Parameter]] = []  # host parameters (requiring grad) per unit
+        self._owners = UnitOwners(1, host_step == "partitioned")  # host parameters per unit, and who steps each
         self._resident: list[nn.Parameter] = []  # parameters kept on the device, all-reduced after backward
         self._resident_pending: PendingMean | None = None
         self._resident_bytes = 0  # the device parameters' share of reduced_bytes
@@ -202,23 +209,49 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         executor = self._executor
         assert executor is not None
         plan = executor.plan
-        units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
-        self._units = [[p for _, p in unit.params if p.requires_grad] for unit in units]
-        numels = [sum(p.numel() for p in unit) for unit in self._units]
-        self._resident = [] if plan.offload_resident else [p for _, p in plan.resident.params if p.requires_grad]
-        self._partition = partition_units(numels, self.world_size) if self.host_step == "partitioned" else None
+        self._owners = UnitOwners(self.world_size, self.host_step == "partitioned")
+        self._plan_units()
         if self._grad_sync is not None:
             self._grad_sync.close()
         self._grad_sync = HostGradientSync(
-            self._units, executor.store, self._host_group,
-            owners=None if self._partition is None else self._partition.owners,
+            self._units, executor.store, self._host_group, owners=self._owners.owners,
             land=executor.streamer.finish_grads, init_worker=self._threads.init_worker if self._threads else None,
             # blocks last first, as the backward finishes them; a streamed resident unit (head and
             # embeddings: its gradients arrive at both ends of the backward) after all of them
-            order=[*range(len(plan.blocks) - 1, -1, -1), *range(len(plan.blocks), len(units))],
+            order=[*range(len(plan.blocks) - 1, -1, -1), *range(len(plan.blocks), len(self._units))],
         )
-        how = self._partition.describe(numels) if self._partition is not None else "host optimizer replicated on every rank"
-        self._plan_text += f"; {self.world_size} ranks, {how}"
+        self._plan_text += f"; {self.world_size} ranks, {self._owners.describe()}"
+
+    def _plan_units(self) -> bool:
+        """Each unit's host parameters and who steps it, and the device parameters to all-reduce: at setup, and again
+        when what trains changed (:class:`~lightning_accel.offload.partition.UnitOwners`). Returns whether the owners
+        changed."""
+        assert self._executor is not None
+        plan = self._executor.plan
+        units = plan.blocks + ([plan.resident] if plan.offload_resident else [])
+        self._resident = [] if plan.offload_resident else [p for _, p in plan.resident.params if p.requires_grad]
+        return self._owners.update([[p for _, p in unit.params] for unit in units])
+
+    @property
+    def _partition(self) -> HostPartition | None:
+        return self._owners.partition
+
+    @property
+    def _units(self) -> list[list[nn.Parameter]]:
+        """The host parameters requiring grad, per unit."""
+        return self._owners.units
+
+    @override
+    def _after_changes(self) -> str:
+        # which parameters train changed between steps: the averaging, the owners and the device all-reduce follow
+        if self._grad_sync is None:  # (not fitting)
+            return ""
+        moved = self._plan_units()
+        self._grad_sync.set_units(self._units, self._owners.owners)
+        for optimizer in self.optimizers:  # state another rank holds (a checkpoint's, kept until the owner was known)
+            for param in self._owners.others(self.global_rank):
+                optimizer.state.pop(param, None)
+        return f"; {self._owners.describe()}" if moved else ""
 
     # -- gradients ------------------------------------------------------------------------------
 
@@ -358,13 +391,11 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
 
     def owned_parameters(self) -> list[nn.Parameter]:
         """The host parameters this rank steps (all of them when replicated)."""
-        if self._partition is None:
-            return [p for unit in self._units for p in unit]
-        return [p for i in self._partition.owned(self.global_rank) for p in self._units[i]]
+        return self._owners.stepped_by(self.global_rank)
 
     def host_optimizer_bytes(self) -> int:
         """Bytes of optimizer state this rank holds for host parameters (1/N of all when partitioned)."""
-        host = [p for unit in self._units for p in unit]
+        host = [p for unit in self._owners.held for p in unit]
         return sum(state_bytes(o, host) for o in self.optimizers)
 
     def host_weight_bytes(self) -> int:
@@ -372,12 +403,10 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         return self._executor.store.weight_bytes() if self._executor is not None else 0
 
     def _kept_indices(self, optimizer: Optimizer) -> set[int]:
-        """Indices of ``optimizer.state_dict()`` whose state this rank keeps: its own host
-        parameters and every parameter not on the host."""
-        index = param_indices(optimizer)
-        host = {id(p) for unit in self._units for p in unit}
-        mine = {id(p) for p in self.owned_parameters()}
-        return {i for pid, i in index.items() if pid in mine or pid not in host}
+        """Indices of ``optimizer.state_dict()`` whose state this rank keeps: its own units' parameters and every
+        parameter of no unit that has trained yet (the device's, a frozen backbone's: its owner is not known yet)."""
+        decided, mine = self._owners.state_ids(self.global_rank)
+        return {i for pid, i in param_indices(optimizer).items() if pid in mine or pid not in decided}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -385,8 +414,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         if self._partition is None:
             return state
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        index = param_indices(inner)
-        send = {index[id(p)] for p in self.owned_parameters()}
+        _, mine = self._owners.state_ids(self.global_rank)
+        send = {i for pid, i in param_indices(inner).items() if pid in mine}
         return gather_state(state, send, self._host_group, dst=0)
 
     @override

@@ -14,7 +14,11 @@ What each hook adds to :class:`SingleDeviceStrategy`:
 - ``model_to_device``: plan the units, move block parameters to the host store, keep the
   rest (embeddings, head, norms) on the device, wrap the blocks' forwards;
 - ``training_step`` / ``pre_backward`` / ``post_backward``: bracket the passes so the
-  executor prefetches in the right direction and lands the gradients on the host;
+  executor prefetches in the right direction and lands the gradients on the host; before
+  each step (and evaluation step) the executor follows what the user's code changed in the
+  parameters since the last one (gradual unfreezing, pruning: :mod:`lightning_accel.offload.replan`),
+  said in one line; a quantized weight set to train is refused there, or at setup when
+  ``BackboneFinetuning`` declares it;
 - ``optimizer_step``: on a step's backward pass, step each block's parameters on the host
   (in a worker thread) as soon as that block's gradients have arrived, overlapping the
   backward of the blocks still running (blocks whose gradients landed together share one
@@ -64,9 +68,12 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.plugins.io import TorchCheckpointIO
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -76,6 +83,7 @@ from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.offload import L2LExecutor, OffloadStats, make_plan
 from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_optimizer, check_delayed_update, check_host_optimizer
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
+from lightning_accel.offload.host_store import KEEP_IT_FROZEN, cannot_train
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
@@ -218,6 +226,30 @@ class L2LOffloadHooks(Strategy):
             rank_zero_info(said)
         if self.delayed_update:
             self._check_delayed_update(trainer)
+        self._refuse_declared_unfreezing(trainer)
+
+    def _refuse_declared_unfreezing(self, trainer: Trainer) -> None:
+        """Before the first step: a callback that declares what it will unfreeze (``BackboneFinetuning``: the
+        LightningModule's ``backbone``, at its epoch) must not find a quantized weight there, which cannot train; a
+        weight unfrozen by other code is refused at the step it was unfrozen (:mod:`lightning_accel.offload.replan`)."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = trainer.lightning_module
+        backbone = getattr(module, "backbone", None)
+        for callback in trainer.callbacks:
+            if not isinstance(callback, BackboneFinetuning) or not isinstance(backbone, nn.Module):
+                continue  # (without a backbone BackboneFinetuning refuses the fit itself)
+            epoch = callback.unfreeze_backbone_at_epoch
+            if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= epoch:
+                continue  # the fit ends before that epoch
+            names = {p: n for n, p in module.named_parameters()}
+            for param in backbone.parameters():
+                refusal = cannot_train(param)
+                if refusal is not None:
+                    raise ValueError(
+                        f"{type(self).__name__}: BackboneFinetuning(unfreeze_backbone_at_epoch={epoch}) unfreezes the "
+                        f"LightningModule's backbone, whose parameter {names[param]} {refusal}; {KEEP_IT_FROZEN}"
+                    )
 
     def _setup_tier(self) -> list[str]:
         """With ``host_budget`` or ``nvme_path``: plan what stays in host memory (refusing a budget that cannot be met,
@@ -244,10 +276,17 @@ class L2LOffloadHooks(Strategy):
         self._tier_plan = tier_plan
         # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
         executor.max_unstepped = None if in_flight is None else in_flight - 2
+        executor.retier = self._retier
         if tier is not None:
             executor.attach_tier(tier)
             return [f"NVMe tier: {tier_plan.describe()} under {tier.directory}"]
         return [f"NVMe tier: {tier_plan.describe()}"]
+
+    def _retier(self) -> None:
+        """The parameters changed during fit (unfrozen, frozen again, replaced): the tier is planned and laid out again from
+        them and their state as they are now (read from the old files' views, written to new ones), and says so."""
+        said = self._setup_tier()
+        rank_zero_info(f"{type(self).__name__}: the trained parameters changed; " + "; ".join(said))
 
     def _steps_in_backward(self, optimizer: Optimizer) -> bool:
         """Whether every step of this fit runs block by block during the backward, as set up now: the overlap wanted,
@@ -308,10 +347,22 @@ class L2LOffloadHooks(Strategy):
         # said in setup, once the optimizers' host kernels are known: one line per fit
         self._plan_text = f"{type(self).__name__}: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
 
+    def _begin_step(self) -> None:
+        """Before a step's forward: the executor follows what the user's code changed in the parameters since the
+        last step (a backbone unfrozen at an epoch's start, a weight pruned; :mod:`lightning_accel.offload.replan`),
+        after a pending delayed update has landed where the ranks agree on it, and the change is said in one line."""
+        executor = self._executor
+        assert executor is not None
+        changes = executor.find_changes()
+        if changes:  # (data parallel: the owners' updates sent before the masters change; every rank calls it)
+            self._land_delayed_update()
+        if executor.begin_step(changes):
+            rank_zero_info(f"{type(self).__name__}: {changes.describe()}{self._after_changes()}")
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self._executor is not None
-        self._executor.begin_step()
+        self._begin_step()
         self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
         return super().training_step(*args, **kwargs)
 
@@ -343,7 +394,7 @@ class L2LOffloadHooks(Strategy):
 
     def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         assert self._executor is not None
-        self._executor.begin_step()
+        self._begin_step()
         try:
             return step(*args, **kwargs)
         finally:
@@ -445,11 +496,12 @@ class L2LOffloadHooks(Strategy):
         return fuse
 
     def host_optimizer_bytes(self) -> int:
-        """Bytes of optimizer state held for the host parameters."""
+        """Bytes of optimizer state held for the host parameters (a block frozen again keeps its state, as the
+        optimizer does)."""
         if self._executor is None:
             return 0
-        host = [p for p in self._executor.store.master if p not in self._executor.store.frozen]
         tier = self._executor.tier
+        host = self._executor.store.master
         return sum(state_bytes(o, host) - (tier.state_bytes_on_disk(o) if tier is not None else 0) for o in self.optimizers)
 
     def _fuse(self, optimizer: Optimizer) -> bool:
@@ -558,6 +610,11 @@ class L2LOffloadHooks(Strategy):
 
     def _after_delayed_landing(self) -> None:
         """After a point where a pending host update may have landed (every rank reaches the same ones)."""
+
+    def _after_changes(self) -> str:
+        """After the executor followed a change of the parameters (which train, which units hold which), before the
+        step; returns what to add to the line that says the change."""
+        return ""
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_accel.offload.grad_sync import HostGradientSync, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
-from lightning_accel.offload.partition import partition_units
+from lightning_accel.offload.partition import UnitOwners, partition_units
 from lightning_accel.offload.weight_sync import broadcast_units
 
 
@@ -33,6 +33,52 @@ def test_unequal_units_balance_by_size_and_fewer_units_than_ranks_leave_a_rank_e
     assert partition_units([5], 2).owned(1) == []
     with pytest.raises(ValueError, match="world size must be >= 1, got 0"):
         partition_units([1], 0)
+
+
+def test_fixed_units_keep_their_rank_and_the_others_go_round_them() -> None:
+    # unit 0 (4) stays on rank 1, counted first; then 6 -> r0 (0 < 4), 5 -> r1 (4 < 6), 1 -> r0 (6 < 9)
+    assert partition_units([4, 6, 5, 1], 2, fixed={0: 1}).owners == (1, 0, 1, 0)
+    assert partition_units([4, 6, 5, 1], 2, fixed={0: 1, 1: 1}).owners == (1, 1, 0, 0)
+
+
+def test_a_unit_that_trained_keeps_its_owner_when_others_start_training() -> None:
+    """Gradual unfreezing over 2 ranks: block 0 trains from the start, blocks 2 and 3 from a later epoch, block 1 never;
+    frozen again, block 2 keeps its owner (its optimizer state stays there)."""
+    blocks = [[nn.Parameter(torch.zeros(4)) for _ in range(2)] for _ in range(4)]
+    for block in blocks[1:]:
+        for p in block:
+            p.requires_grad_(False)
+    owners = UnitOwners(2, partitioned=True)
+    owners.update(blocks)
+    assert owners.owners is not None and owners.owners[0] == 0 and owners.trained == {0}
+    assert owners.stepped_by(0) == blocks[0] and owners.stepped_by(1) == []
+    for p in blocks[2] + blocks[3]:
+        p.requires_grad_(True)
+    assert owners.update(blocks)  # the owners changed
+    assert owners.owners[0] == 0 and {owners.owners[2], owners.owners[3]} == {0, 1} and owners.trained == {0, 2, 3}
+    kept = owners.owners
+    for p in blocks[2]:
+        p.requires_grad_(False)
+    assert not owners.update(blocks) and owners.owners == kept
+    decided, mine = owners.state_ids(kept[2])
+    assert {id(p) for p in blocks[2]} <= mine and not {id(p) for p in blocks[1]} & decided  # block 1: nobody's yet
+    assert blocks[2][0] in owners.others(1 - kept[2]) and blocks[2][0] not in owners.stepped_by(kept[2])
+    replicated = UnitOwners(2, partitioned=False)
+    assert not replicated.update(blocks) and replicated.stepped_by(1) == blocks[0] + blocks[3]
+    assert replicated.state_ids(0) == (set(), set()) and replicated.others(0) == []
+
+
+def test_the_sync_takes_new_units_between_steps_only(group_of_one: dist.ProcessGroup) -> None:
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2), requires_grad=False)
+    sync = HostGradientSync([[a], [b]], SimpleNamespace(grads={}), group_of_one)
+    try:
+        b.requires_grad_(True)
+        sync.set_units([[a], [b]])
+        assert sync.units == [[a], [b]]
+        with pytest.raises(ValueError, match=r"1 units given for the 2 this sync was made for"):
+            sync.set_units([[a, b]])
+    finally:
+        sync.close()
 
 
 def test_mean_keeps_no_gradient_where_no_rank_had_one(group_of_one: dist.ProcessGroup) -> None:

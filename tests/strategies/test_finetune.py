@@ -89,16 +89,47 @@ def test_l2l_host_bytes_per_offloaded_parameter(kind: str, most: float, caplog: 
     assert f"({stats.host_bytes_per_param:.2f} B each; " in caplog.text  # the plan line says it
 
 
-def test_unfreezing_a_frozen_weight_during_fit_is_refused() -> None:
-    task, _, _ = _start("bf16")
+def test_unfreezing_a_quantized_weight_during_fit_is_refused_at_that_step() -> None:
+    """A bf16 base weight unfrozen mid-fit trains (tests/strategies/test_l2l_unfreeze.py); an NF4 one cannot: refused
+    in one line naming it, at the step it was unfrozen, before that step computes anything."""
+    task, _, _ = _start("nf4")
 
     class Unfreeze(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *_: object) -> None:
             if trainer.global_step == 1:
                 module.net.base_model.model.model.layers[1].mlp.up_proj.weight.requires_grad_(True)
 
-    with pytest.raises(RuntimeError, match=r"parameter .*layers\.1\.mlp\.up_proj\.weight was frozen when the offload was planned and now requires grad"):
-        fit(task, L2LOffloadStrategy(), steps=3, plugins=[OffloadPrecision("bf16-mixed")], callbacks=[Unfreeze()])
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=L2LOffloadStrategy(), max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         plugins=[OffloadPrecision("bf16-mixed")], callbacks=[Unfreeze()])
+    with pytest.raises(RuntimeError, match=r"^L2LOffloadStrategy: parameter .*layers\.1\.mlp\.up_proj\.weight is stored as "
+                                           r"NF4Tensor \(quantized\), which cannot train, and it was set to require grad after "
+                                           r"the offload was planned; keep it frozen \(requires_grad=False\) and train an adapter"):
+        trainer.fit(task, lm_loader())
+    assert trainer.global_step == 1
+
+
+class _WithBackbone(CausalLM):
+    """A QLoRA task whose LightningModule names its blocks ``backbone``, as ``BackboneFinetuning`` requires."""
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self.net.base_model.model.model.layers
+
+
+def test_backbone_finetuning_of_a_quantized_backbone_is_refused_before_the_first_step() -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    task = _WithBackbone(lora_llama(nf4=True), lr=1e-3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=L2LOffloadStrategy(), max_epochs=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: BackboneFinetuning\(unfreeze_backbone_at_epoch=1\) unfreezes the "
+                                         r"LightningModule's backbone, whose parameter net\.base_model\.model\.model\.layers\.0\."
+                                         r"self_attn\.q_proj\.base_layer\.weight is stored as NF4Tensor \(quantized\), which cannot "
+                                         r"train; keep it frozen"):
+        trainer.fit(task, lm_loader())
+    assert trainer.global_step == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,6 +19,7 @@ from lightning_accel.offload import tier as tier_module
 from lightning_accel.offload.tier_dir import PREFIX
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+from tests.support.unfreeze_models import PER_RANK_BATCH, Transfer, data, fit_case, weights
 
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -209,3 +210,18 @@ def test_on_cuda_the_tier_streams_through_pinned_buffers_and_equals_the_run_in_m
     tiered = fit(L2LOffloadStrategy(nvme_path=str(tmp_path)))
     _assert_same(in_memory, tiered)
     assert tiered[1].strategy.offload_stats.nvme_read_bytes > 0
+
+
+@pytest.mark.parametrize("case", ["finetune", "refreeze", "pruning"])
+def test_parameters_that_change_during_fit_are_laid_out_again(tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    # unfrozen at epoch 1 (a new param group), frozen again at epoch 2, pruned (weights replaced, masks added): the tier
+    # plans and writes its files again from the parameters and state as they are, and trains as plain Lightning
+    want, got = Transfer(foreach=False), Transfer(foreach=False)
+    fit_case(case, want, DataLoader(data(), batch_size=PER_RANK_BATCH))
+    with caplog.at_level("INFO"):
+        fit_case(case, got, DataLoader(data(), batch_size=PER_RANK_BATCH), lambda: L2LOffloadStrategy(nvme_path=str(tmp_path)))
+    expected = weights(want)
+    for name, value in weights(got).items():
+        assert torch.equal(value.to(expected[name].dtype), expected[name]), name
+    assert "the trained parameters changed; NVMe tier: host" in caplog.text
+    assert not list(tmp_path.iterdir())
