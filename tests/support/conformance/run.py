@@ -23,7 +23,7 @@ from torch import Tensor
 from tests.support.conformance.task import HookRecorder, RecordingLogger
 
 HANG_S = 120.0  # a feature past this is a hang (each takes well under a second; the 2-core CI machine is shared)
-IDLE_S = 5.0  # or no rank using the CPU for this long: every rank waits on another
+IDLE_S = 3.0  # or no rank making progress for this long (see the worker's Watchdog): every rank waits on another
 
 
 @dataclass(frozen=True)

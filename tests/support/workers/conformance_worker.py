@@ -7,8 +7,10 @@ was in (:data:`START_ENV`, inherited), since what came before ended on rank 0 be
 
 Each feature saves ``OUT_DIR/FEATURE-rank{r}.pt`` when it ends: what it saw (:class:`tests.support.conformance.Run`), or
 the exception that ended it (``error``: one line; ``lines``: how many its message has; ``refused``: raised before any
-training batch began; ``prelaunch``: before rank 1 existed). A :class:`Watchdog` saves ``error: hung ...`` and exits
-the process when no rank makes progress; the test's launcher starts the remaining features in fresh processes. After each feature of a launched world the ranks meet in the launcher's store (a key each), not in a
+training batch began; ``prelaunch``: before rank 1 existed), and ``FEATURE-rank{r}.seconds`` how long it took; at
+the end each rank writes the CPU seconds it used (``cpu-rank{r}-{pid}.seconds``: CI's budget is CPU on 2 cores). A
+:class:`Watchdog` saves ``error: hung ...`` and exits the process when no rank makes progress; the test's launcher starts
+the remaining features in fresh processes. After each feature of a launched world the ranks meet in the launcher's store (a key each), not in a
 collective, which a broken process group could not run; a rank whose peer died exits there.
 """
 
