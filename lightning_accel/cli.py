@@ -42,6 +42,7 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from lightning_accel.config.compose import resolve_recipe, searchpath_override
+    from lightning_accel.config.pretrained import RUN_OVERRIDE, takes_directory_config
     from lightning_accel.config.preflight import is_sweep, preflight
     from lightning_accel.config.ranks import CONFIG_ENV, check_rank, publish
     from lightning_accel.config.schema import register_schemas
@@ -56,7 +57,13 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     published = False
     if check:
         # every rank checks its own composition (cheap: the network on meta), before any process group exists
-        cfg = preflight(str(path), args, relaunched=relaunched)
+        notes: list[str] = []
+        cfg = preflight(str(path), args, relaunched=relaunched, notes=notes)
+        if takes_directory_config(cfg) and RUN_OVERRIDE not in args:
+            args.append(RUN_OVERRIDE)  # the run composes what was checked: the directory's config, not the recipe's
+        if not relaunched:
+            for note in notes:
+                print(f"lightning-accel: {note}", flush=True)
         if relaunched:
             check_rank(cfg)  # the same as rank 0's, or refused by name
         else:

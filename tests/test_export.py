@@ -117,7 +117,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Any, cli_proces
     recipe in a fresh process; the root directory holds the base (``base``) and each job's outputs."""
     root = tmp_path_factory.mktemp("export")
     save_base(root / "base")
-    base = ["model.net.config=null", f"model.net.pretrained_path={root / 'base'}"]
+    base = [f"model.net.pretrained_path={root / 'base'}"]  # alone: its config.json replaces the recipe's model.net.config
     lora = [LORA[0], *base, *LORA[1:]]
     jobs = {
         "killed": cli_processes.job(["run", *lora, *KILL], with_tests_path(make_cli_env(root / "crashed"))),

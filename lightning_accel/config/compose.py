@@ -3,7 +3,8 @@
 A recipe is a primary Hydra config (``recipes/NAME.yaml``) whose defaults start with the
 base ``train`` config from ``conf/``; ``conf/`` joins Hydra's search path through the
 ``hydra.searchpath`` override, so the same override list works for composition here and
-for a real Hydra run in :mod:`lightning_accel.cli`.
+for a real Hydra run in :mod:`lightning_accel.cli` (which adds the one override this
+composition implies: :data:`lightning_accel.config.pretrained.RUN_OVERRIDE`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,22 @@ def searchpath_override() -> str:
     return f"hydra.searchpath=[file://{conf_dir()}]"
 
 
-def compose_recipe(recipe: str | Path, overrides: Sequence[str] = (), *, with_hydra: bool = False) -> DictConfig:
-    """Compose a recipe as a run would, without running it."""
+def compose_recipe(recipe: str | Path, overrides: Sequence[str] = (), *, with_hydra: bool = False,
+                   notes: list[str] | None = None) -> DictConfig:
+    """Compose a recipe as a run would, without running it. A ``model.net.pretrained_path`` replaces the recipe's
+    ``model.net.config`` (:mod:`lightning_accel.config.pretrained`); ``notes`` gets the line saying so."""
+    from lightning_accel.config.pretrained import use_directory_config
+
     path = resolve_recipe(str(recipe))
     register_schemas()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
-        return compose(
+        cfg = compose(
             config_name=path.stem,
             overrides=[*overrides, searchpath_override()],
             return_hydra_config=with_hydra,
         )
+    note = use_directory_config(cfg, overrides)
+    if note is not None and notes is not None:
+        notes.append(note)
+    return cfg

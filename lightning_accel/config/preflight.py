@@ -5,7 +5,9 @@ sweep checks) compose the recipe once and ask the same questions in the same ord
 bad input ends in one line and exit status 2 before Hydra makes a run directory:
 
 1. composition: the YAML parses, every option and key exists, values have their types,
-   the groups a run needs (model, data, trainer) are not removed;
+   the groups a run needs (model, data, trainer) are not removed; a ``pretrained_path``
+   takes the place of the recipe's model config, what the user set agreeing with it
+   (:mod:`lightning_accel.config.pretrained`);
 2. binding: every ``_target_`` imports and takes the keys given (:func:`validate`);
 3. sweeps: search space keys exist, each listed value composes, the direction and the
    SLURM allocation can be derived (:func:`lightning_accel.sweep.check_sweep`);
@@ -59,11 +61,13 @@ def _first_line(err: BaseException) -> str:
     return one_line(str(err)) or type(err).__name__
 
 
-def _compose(path: Path, overrides: Sequence[str]) -> DictConfig:
+def _compose(path: Path, overrides: Sequence[str], notes: list[str] | None = None) -> DictConfig:
     import yaml
 
     try:
-        return compose_recipe(path, overrides, with_hydra=True)
+        return compose_recipe(path, overrides, with_hydra=True, notes=notes)
+    except UserError:  # our own check at composition (a pretrained_path against the user's config): already one line
+        raise
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
@@ -268,19 +272,22 @@ def recipe_root(cfg: DictConfig, recipe_path: Path) -> Path:
     return Path(str(cfg.paths.root_dir)).expanduser() / recipe_path.stem
 
 
-def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False) -> DictConfig:
+def preflight(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False,
+              notes: list[str] | None = None) -> DictConfig:
     """Compose ``recipe`` with ``overrides`` once and run every check (see the module doc).
 
     Returns the composed config (Hydra's node included); ``ckpt_path=last`` comes back as
     the checkpoint file it resolved to. ``launch=False`` (``validate``) skips what only a
     run on this machine needs: hardware and a writable outputs directory. ``relaunched``: a
     rank that rank 0 started (:mod:`lightning_accel.config.ranks`): earlier runs are left to
-    rank 0 to reap (its own run is already under way there).
+    rank 0 to reap (its own run is already under way there). ``notes`` gets the lines a run prints about what
+    composition changed (a ``pretrained_path``'s config replacing the recipe's).
     """
-    return preflight_built(recipe, overrides, launch=launch, relaunched=relaunched)[0]
+    return preflight_built(recipe, overrides, launch=launch, relaunched=relaunched, notes=notes)[0]
 
 
-def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False) -> tuple[DictConfig, Any]:
+def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = True, relaunched: bool = False,
+                    notes: list[str] | None = None) -> tuple[DictConfig, Any]:
     """:func:`preflight`, and the LightningModule its checks built on the meta device from the
     config it returns: ``estimate`` measures that one instead of building it again (a 70B
     LoRA's build, peft's injection on meta, takes seconds)."""
@@ -290,7 +297,7 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     path = resolve_recipe(recipe)
     flags = [o for o in overrides if o.startswith("-")]
     plain = [o for o in overrides if not o.startswith("-") and not is_sweep(o)]
-    cfg = _compose(path, plain)
+    cfg = _compose(path, plain, notes)
     for group in _REQUIRED_GROUPS:
         if cfg.get(group) is None:
             raise UserError(f"{group} is empty ({group}=null?); a run needs one, e.g. {_example(group)}")

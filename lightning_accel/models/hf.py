@@ -52,8 +52,10 @@ def hf_causal_lm(
             Weights are random (the model's own initializer, seeded by the run's seed).
         pretrained_path: a local directory written by ``save_pretrained`` (config and
             weights); nothing is downloaded. Leave ``config`` unset: the directory brings
-            its own. A directory whose files or tensor names would not load every
-            parameter is refused in one line, on the meta device without reading a weight.
+            its own (a recipe's composition drops the recipe's own config for it:
+            :mod:`lightning_accel.config.pretrained`). A directory whose files or tensor
+            names would not load every parameter is refused in one line, on the meta
+            device without reading a weight.
         dtype: parameter dtype, ``float32`` (default: what optimizers and the offload
             masters expect), ``bfloat16``, ``float16`` or ``float64``. Mixed precision is
             the trainer's job, not this one.
@@ -74,6 +76,34 @@ def hf_causal_lm(
     if config is None:
         raise UserError("hf_causal_lm needs a config (model_type plus its keys) or a pretrained_path; set model.net.config")
     return AutoModelForCausalLM.from_config(make_config(config), **kwargs)
+
+
+_ABSENT = object()
+
+
+def directory_config(path: Path, given: Mapping[str, Any]) -> str:
+    """The architecture the ``save_pretrained`` directory ``path`` holds, in words (``llama: 4 layers, hidden_size 128,
+    vocab_size 256``), once every value in ``given`` (what the user set for ``model.net.config`` on the command line)
+    agrees with its config.json; a value that does not is refused in one line naming both. The directory is checked as
+    :func:`hf_causal_lm` checks it (exists, has a readable config.json with a model_type)."""
+    raw = read_config(path)
+    _check_model_type(str(raw["model_type"]), f"{where(path)}: config.json's model_type", "point it at a causal LM's save_pretrained output")
+    loaded: PretrainedConfig | None = None
+    for key, value in given.items():
+        theirs = raw.get(key, (raw.get("rope_parameters") or {}).get(key, _ABSENT))  # transformers 5 keeps rope_theta there
+        if theirs is _ABSENT:  # a default config.json leaves out, or a name the config class maps (gpt2's n_embd)
+            loaded = loaded or AutoConfig.from_pretrained(path, local_files_only=True)
+            theirs = getattr(loaded, key, _ABSENT)
+        if theirs is _ABSENT:
+            raise UserError(f"model.net.config.{key}={value!r} is not a key of the {raw['model_type']} config.json in "
+                            f"{where(path)}; drop model.net.config.{key}: the directory's config is used as saved")
+        if plain(theirs) != plain(value):
+            raise UserError(f"model.net.config.{key}={value!r} contradicts {where(path)}, whose config.json has {key}={theirs!r}; "
+                            f"drop model.net.config.{key} (the directory's config is used as saved), or point pretrained_path "
+                            f"at a checkpoint saved with {key}={value!r}")
+    shape = [f"{raw[k]} layers" if k.endswith("layers") or k == "n_layer" else f"{k} {raw[k]}"
+             for k in ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "vocab_size") if k in raw]
+    return f"{raw['model_type']}: {', '.join(shape)}" if shape else str(raw["model_type"])
 
 
 def make_config(config: Mapping[str, Any]) -> PretrainedConfig:

@@ -81,19 +81,59 @@ def test_ls_shows_the_architectures(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_a_recipe_loads_a_local_directory_instead_of_its_config(tmp_path: Path) -> None:
+    """pretrained_path alone: the directory's config (a Qwen2 here) replaces the recipe's Llama, the line says so, and
+    the model holds the saved weights. Before: "hf_causal_lm got both pretrained_path=... and a config"."""
     from lightning_accel.models.hf import hf_causal_lm
 
     saved = hf_causal_lm({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256})
     saved.save_pretrained(tmp_path / "mine")
-    cfg = compose_recipe("llama-tiny_cpu", ["model.net.config=null", f"model.net.pretrained_path={tmp_path / 'mine'}"])
+    notes: list[str] = []
+    cfg = compose_recipe("llama-tiny_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}"], notes=notes)
+    assert cfg.model.net.config is None
+    assert notes == [f"model.net.pretrained_path='{tmp_path / 'mine'}': its config.json (qwen2: 2 layers, hidden_size 32, "
+                     "vocab_size 256) replaces the recipe's model.net.config"]
     task = instantiate(cfg.model)
     assert type(task.net).__name__ == "Qwen2ForCausalLM"
     torch.testing.assert_close(task.net.state_dict(), saved.state_dict(), rtol=0, atol=0)
-    # leaving the recipe's config in place is refused with the fix
-    cfg = compose_recipe("llama-tiny_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}"])
-    with pytest.raises(Exception, match=r"the directory brings its own config: set model.net.config=null"):
-        instantiate(cfg.model)
+    # the old spelling still composes, and says nothing: there is no recipe config left to replace
+    notes.clear()
+    assert compose_recipe("llama-tiny_cpu", ["model.net.config=null", f"model.net.pretrained_path={tmp_path / 'mine'}"],
+                          notes=notes).model.net.config is None and notes == []
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (["model.net.config.hidden_size=64"], r"model.net.config.hidden_size=64 contradicts model.net.pretrained_path='.*/mine', "
+                                              r"whose config.json has hidden_size=32; drop model.net.config.hidden_size"),
+        (["model.net.config={model_type: qwen2, num_hidden_layers: 4}"], r"model.net.config.model_type='qwen2' contradicts .* "
+                                                                         r"model_type='llama'"),
+        (["+model.net.config.sliding_window=8"], r"model.net.config.sliding_window=8 is not a key of the llama config.json in "
+                                                 r"model.net.pretrained_path='.*/mine'; drop model.net.config.sliding_window"),
+    ],
+    ids=["contradicts", "a whole config", "not in config.json"],
+)
+def test_a_config_the_user_sets_against_the_directory_is_one_line_before_any_run(
+        tmp_path: Path, given: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_accel import cli
+
+    _save_tiny_llama(tmp_path / "mine")
+    capsys.readouterr()
+    assert cli.main(["run", "llama-tiny_lora_cpu", f"model.net.pretrained_path={tmp_path / 'mine'}", *given]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(message, line), line
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_what_the_user_sets_in_agreement_with_the_directory_passes(tmp_path: Path) -> None:
+    """The recipe's own keys (its random base: 4 layers of 128) are not compared; the user's, equal to config.json's, pass."""
+    _save_tiny_llama(tmp_path / "mine")
+    agreeing = ["model.net.config.hidden_size=32", "model.net.config={num_hidden_layers: 2, vocab_size: 256}"]
+    cfg = compose_recipe("llama-tiny_lora_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}", *agreeing])
+    assert cfg.model.net.config is None
+    with pytest.raises(UserError, match=r"hidden_size=33 contradicts"):
+        compose_recipe("llama-tiny_lora_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}", "model.net.config.hidden_size=33"])
 
 
 def _save_tiny_llama(path: Path) -> torch.nn.Module:
@@ -113,8 +153,8 @@ def test_a_save_pretrained_directory_passes_preflight(tmp_path: Path, launch: bo
     from lightning_accel.config.preflight import preflight
 
     _save_tiny_llama(tmp_path / "mine")
-    cfg = preflight("llama-tiny_cpu", ["model.net.config=null", f"model.net.pretrained_path={tmp_path / 'mine'}"], launch=launch)
-    assert cfg.model.net.pretrained_path == str(tmp_path / "mine")
+    cfg = preflight("llama-tiny_cpu", [f"model.net.pretrained_path={tmp_path / 'mine'}"], launch=launch)
+    assert cfg.model.net.pretrained_path == str(tmp_path / "mine") and cfg.model.net.config is None
     assert not (tmp_path / "outputs").exists()  # preflight makes no run directory
 
 
@@ -149,7 +189,7 @@ def test_a_broken_directory_is_one_line_before_any_run(tmp_path: Path, command: 
     breaks(tmp_path / "mine")
     path = tmp_path / ("gone" if "does not exist" in message else "mine")
     capsys.readouterr()  # save_pretrained's progress bar
-    assert cli.main([command, "llama-tiny_cpu", "model.net.config=null", f"model.net.pretrained_path={path}"]) == 2
+    assert cli.main([command, "llama-tiny_cpu", f"model.net.pretrained_path={path}"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert re.search(message, line), line
     assert not (tmp_path / "outputs").exists()  # refused in preflight, before Hydra makes a run directory
@@ -219,7 +259,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Any, cli_process
         make_cli_env(root / PIPELINE), processes=2)
     saved = _save_tiny_llama(root / "mine")
     jobs["pretrained"] = cli_processes.job(
-        ["run", "llama-tiny_cpu", "model.net.config=null", f"model.net.pretrained_path={root / 'mine'}", "trainer.max_steps=2",
+        ["run", "llama-tiny_cpu", f"model.net.pretrained_path={root / 'mine'}", "trainer.max_steps=2",
          "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "data.block_size=32",
          "data.max_bytes=100000", "trainer.enable_progress_bar=false"], make_cli_env(root / "pretrained"))
     done = cli_processes.side_by_side(jobs)
@@ -268,7 +308,11 @@ def test_a_run_trains_from_a_save_pretrained_directory(e2e: dict[str, tuple[Path
     saved = e2e["mine"][1]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval mode" not in proc.stdout + proc.stderr  # from_pretrained's eval mode is undone: dropout is on in training
+    # pretrained_path alone: the directory's config replaces the recipe's, said once, and the run composed it that way
+    assert proc.stdout.count("its config.json (llama: 2 layers, hidden_size 32, vocab_size 256) replaces the recipe's "
+                             "model.net.config") == 1, proc.stdout[-2000:]
     (run_json,) = (outputs / "llama-tiny_cpu").glob("*/run.json")
+    assert "model.net.config=null" in (run_json.parent / ".hydra" / "overrides.yaml").read_text()
     status = json.loads(run_json.read_text())
     assert status["status"] == "completed" and status["global_step"] == 2
     # two AdamW steps from the saved weights: every tensor moved, none by more than the two steps'

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="needs the hf extra: p
 
 from lightning_accel.config.errors import UserError  # noqa: E402
 from lightning_accel.models.extras import MissingExtraError  # noqa: E402
-from lightning_accel.models.hf import DTYPES, hf_causal_lm, make_config  # noqa: E402
+from lightning_accel.models.hf import DTYPES, directory_config, hf_causal_lm, make_config  # noqa: E402
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -230,6 +230,28 @@ def test_a_moe_checkpoint_missing_an_expert_is_refused(tmp_path, meta: bool) -> 
     message = r"the weights have no model.layers.0.mlp.experts.gate_up_proj" if meta else r"the weights do not convert into the model"
     with pytest.raises(UserError, match=message):
         _load(tmp_path, meta)
+
+
+def test_a_directory_describes_its_architecture_and_refuses_a_contradicting_value(tmp_path) -> None:
+    """What ``run RECIPE model.net.pretrained_path=DIR`` checks the user's model.net.config keys against: config.json, and
+    the config class's defaults and its other names for what config.json leaves out (GPT-2's n_embd is hidden_size)."""
+    _saved(tmp_path / "llama")
+    assert directory_config(tmp_path / "llama", {}) == "llama: 2 layers, hidden_size 32, vocab_size 64"
+    assert directory_config(tmp_path / "llama", {"hidden_size": 32, "num_key_value_heads": 2, "rope_theta": 10000.0}).startswith("llama")
+    with pytest.raises(UserError) as info:
+        directory_config(tmp_path / "llama", {"num_hidden_layers": 4})
+    assert str(info.value) == (
+        f"model.net.config.num_hidden_layers=4 contradicts model.net.pretrained_path={str(tmp_path / 'llama')!r}, whose config.json "
+        "has num_hidden_layers=2; drop model.net.config.num_hidden_layers (the directory's config is used as saved), or point "
+        "pretrained_path at a checkpoint saved with num_hidden_layers=4")
+    with pytest.raises(UserError, match=r"model.net.config.hiden_size=32 is not a key of the llama config.json in"):
+        directory_config(tmp_path / "llama", {"hiden_size": 32})
+    _saved(tmp_path / "gpt2", {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "vocab_size": 64})
+    assert directory_config(tmp_path / "gpt2", {"hidden_size": 32}) == "gpt2: 2 layers, n_embd 32, vocab_size 64"
+    with pytest.raises(UserError, match=r"model.net.config.hidden_size=64 contradicts .* config.json has hidden_size=32"):
+        directory_config(tmp_path / "gpt2", {"hidden_size": 64})
+    with pytest.raises(UserError, match=r"pretrained_path='.*/gone' does not exist"):
+        directory_config(tmp_path / "gone", {})
 
 
 @pytest.mark.parametrize(

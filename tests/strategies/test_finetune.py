@@ -140,6 +140,32 @@ def test_gpipe_trains_adapters_like_plain_lightning_on_the_same_micro_batches(ki
     assert relative_update_difference(start, _plain(kind, micro_batch=4), adapters(task.net)) == 0.0
 
 
+def test_the_lora_recipe_fine_tunes_a_save_pretrained_directory_named_alone(tmp_path: Path) -> None:
+    """``llama-tiny_lora_cpu model.net.pretrained_path=DIR`` and nothing else: the directory's Llama (2 layers of 64, not
+    the recipe's 4 of 128) with its saved weights as the frozen base, LoRA on q/v; two steps train the adapters only.
+    Before, the recipe's own model.net.config made it refused ("got both pretrained_path=... and a config")."""
+    import transformers
+    from torch.utils.data import TensorDataset
+
+    from lightning_accel.config.compose import compose_recipe
+    from lightning_accel.runner import build_model
+
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4))
+    saved.save_pretrained(tmp_path / "base")
+    task = build_model(compose_recipe("llama-tiny_lora_cpu", [f"model.net.pretrained_path={tmp_path / 'base'}"]))
+    base = task.net.get_base_model()
+    assert base.config.num_hidden_layers == 2 and base.config.hidden_size == 64
+    torch.testing.assert_close(base.model.embed_tokens.weight, saved.model.embed_tokens.weight, rtol=0, atol=0)
+    start, frozen_before = adapters(task.net), frozen(task.net)
+    assert start and all(".lora_" in n for n in start)
+    tokens, targets, _ = lm_loader().dataset.tensors
+    fit(task, steps=2, loader=DataLoader(TensorDataset(tokens, targets), batch_size=8))
+    assert_frozen_unchanged(frozen_before, task.net)
+    assert all(not torch.equal(adapters(task.net)[n], start[n]) for n in start if ".lora_B" in n)
+
+
 def _fit_qlora_task(strategy: Any, out: Path, resume: Path | None = None) -> pl.LightningModule:
     """Our QLoRA task (``model/adapter=qlora``, 2 layers) for 2 bf16-mixed steps, a checkpoint after each (none when
     resuming)."""

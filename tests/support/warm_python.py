@@ -252,6 +252,7 @@ def _shutdown(code: int) -> None:
 
 
 _zygote: WarmPython | None = None
+_starting = threading.Lock()  # threads that launch side by side share one zygote
 
 
 def python() -> str:
@@ -260,9 +261,10 @@ def python() -> str:
     global _zygote
     if os.environ.get("LIGHTNING_ACCEL_TESTS_COLD") == "1" or not hasattr(socket, "send_fds"):
         return sys.executable
-    if _zygote is None:
-        _zygote = WarmPython(Path(tempfile.mkdtemp(prefix="warm-python-"))).start()
-        atexit.register(_zygote.stop)
+    with _starting:
+        if _zygote is None:
+            _zygote = WarmPython(Path(tempfile.mkdtemp(prefix="warm-python-"))).start()
+            atexit.register(_zygote.stop)
     return _zygote.executable
 
 
