@@ -189,9 +189,10 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
             materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
             built in ``__init__`` is (for a module that cannot be initialized again after building).
-        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics
-            (each micro-batch is still normalized by its own), as ``GPipeStrategy(deferred_batch_norm=True)``; without
-            it once per micro-batch. Recomputation and shape inference never update them.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics,
+            as plain training does (the default, as ``GPipeStrategy``'s: ``num_batches_tracked`` counts batches, and a
+            ``momentum=None`` average weighs batches); each micro-batch is still normalized by its own. ``False``: once
+            per micro-batch. Recomputation and shape inference never update them.
     """
 
     strategy_name = "gpipe_distributed"
@@ -212,7 +213,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
         deferred_init: bool = True,
-        deferred_batch_norm: bool = False,
+        deferred_batch_norm: bool = True,
         **kwargs: Any,
     ) -> None:
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
