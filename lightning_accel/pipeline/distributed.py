@@ -328,6 +328,7 @@ class RankPipeline:
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)
+        self._trainable = self._requires_grad()
 
     def reschedule(self, schedule: str, chunks: int) -> None:
         """Run the next steps under ``schedule`` in ``chunks`` micro-batches; between steps only, and only to a schedule
@@ -399,6 +400,12 @@ class RankPipeline:
             schedule._initialize_pp_stages = inferring
         return schedule
 
+    def _requires_grad(self) -> tuple[bool, ...]:
+        """Which of the whole model's parameters train (placeholders included: every rank sees the same, no exchange).
+        torch's stages learn at their first step which activations carry a gradient between ranks, so a change needs
+        fresh stages."""
+        return tuple(p.requires_grad for p in self.net.parameters())
+
     def _restart_microbatches(self) -> None:
         """The next forward of each stage is micro-batch 0 (what re-materialization counts from)."""
         for m in self.modules:
@@ -447,6 +454,9 @@ class RankPipeline:
         one is refused. Returns the mean of the micro-batch losses on the last stage's rank.
         """
         chunks = self.chunks if chunks is None else chunks
+        if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
+            self._trainable, self._by_shape = self._requires_grad(), {}
+            self.schedule = self._build_schedule(self.chunks)  # its shape inference learns which activations need grad
         if shape is not None:
             if not self._by_shape and chunks == self.chunks:
                 self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
