@@ -15,6 +15,8 @@ itself (the user's: a later ``Trainer`` may get it), removed at teardown:
   holds (the rest placeholders, which moving it to the device leaves as they are), averages those, resets only this
   rank's BatchNorm statistics, and its checkpoint state is the whole averaged model, gathered like the module's; after
   fit it is whole on every rank, as the module is (:func:`averaged_copies`).
+- ``WeightAveraging`` (``EMAWeightAveraging``): the same for its ``AveragedModel``; the averaged weights it saves as a
+  checkpoint's ``state_dict`` are the whole model's.
 - ``ModelPruning``: refused before the first step. It reparametrizes every weight (``weight_orig`` and a mask), a
   global threshold over all of them, and which rank holds each tensor is decided by the split.
 """
@@ -26,7 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, ModelSummary, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, ModelSummary, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -60,23 +62,49 @@ def adapt_callbacks(
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummary):
             patches.append(_summary_without_example(callback))
+        if isinstance(callback, WeightAveraging) and _copy_of(callback, module) is not None:  # validation swaps it in
+            patches.append(_average_weights_this_rank_holds(callback, module, split, layout, global_rank))
         if not fitting:  # the callbacks below act during fit only
             continue
         if isinstance(callback, BaseFinetuning):
             patches.append(_whole_groups_stored(callback, trainer, split, layout))
-        if isinstance(callback, StochasticWeightAveraging) and callback._average_model is not None:
+        if isinstance(callback, StochasticWeightAveraging) and _copy_of(callback, module) is not None:
             patches += _average_what_this_rank_holds(callback, module, split, layout, global_rank)
     return patches
 
 
+def _copy_of(callback: pl.Callback, module: nn.Module) -> nn.Module | None:
+    """The copy of ``module`` a weight-averaging callback keeps (SWA's averaged LightningModule, the module inside
+    WeightAveraging's ``AveragedModel``), if it has the module's structure (one made before ``configure_model`` built
+    the network has not: as under DDP, it averages nothing of it)."""
+    copy = None
+    if isinstance(callback, StochasticWeightAveraging):
+        copy = callback._average_model
+    elif isinstance(callback, WeightAveraging) and callback._average_model is not None:
+        copy = callback._average_model.module
+    return copy if copy is not None and copy.state_dict().keys() == module.state_dict().keys() else None
+
+
 def averaged_copies(trainer: pl.Trainer, module: nn.Module) -> list[nn.Module]:
-    """The module copies this Trainer's callbacks keep, freed like the module (SWA's averaged model): made whole with it
-    after fit, so the callback's state (its checkpoint entry) is the whole model's there too."""
-    return [
-        c._average_model for c in trainer.callbacks  # type: ignore[attr-defined]
-        if isinstance(c, StochasticWeightAveraging) and c._average_model is not None
-        and c._average_model.state_dict().keys() == module.state_dict().keys()
-    ]
+    """The module copies this Trainer's callbacks keep, freed like the module (SWA's and WeightAveraging's averaged
+    models): made whole with it after fit, so what the callback saves or copies back is the whole model's there too."""
+    copies = [_copy_of(c, module) for c in trainer.callbacks]  # type: ignore[attr-defined]
+    return [c for c in copies if c is not None]
+
+
+def _whole_copy_state(
+    state: dict[str, Any], prefix: str, module: nn.Module, split: RankSplit, layout: RankLayout, global_rank: int,
+) -> dict[str, Any]:
+    """A copy's state dict (its names: ``prefix`` + the module's) as the whole model's, gathered on rank 0 like the
+    module's (a collective, as saving a checkpoint is): what is outside the blocks from a rank that steps it; entries
+    not under ``prefix`` (the averaging's counter) as they are."""
+    live = module.state_dict(keep_vars=True)
+
+    def held(name: str, t: Tensor) -> Tensor:
+        own = name[len(prefix):] if name.startswith(prefix) else None
+        return t if own not in live or split.counted_here(live[own], layout) else t.to("meta")
+
+    return gather_model_state({n: held(n, t) for n, t in state.items()}, layout, global_rank)
 
 
 def _summary_without_example(callback: ModelSummary) -> Patch:
@@ -111,8 +139,6 @@ def _average_what_this_rank_holds(
 ) -> list[Patch]:
     average = callback._average_model
     assert average is not None
-    if average.state_dict().keys() != module.state_dict().keys():
-        return []  # copied before configure_model built the network: as under DDP, nothing of it to average
     _placeholders_like(average, module)
     apply = average._apply
 
@@ -131,14 +157,9 @@ def _average_what_this_rank_holds(
     state_dict = callback.state_dict
 
     def whole_state() -> dict[str, Any]:
-        """The averaged model as one state dict of the whole model (a collective, as saving a checkpoint is): what is
-        outside the blocks from a rank that steps it."""
         state = state_dict()
-        averaged = state.get("average_model_state")
-        if averaged is not None:
-            live = module.state_dict(keep_vars=True)
-            mine = {n: t if split.counted_here(live[n], layout) else t.to("meta") for n, t in averaged.items()}
-            state["average_model_state"] = gather_model_state(mine, layout, global_rank)
+        if state.get("average_model_state") is not None:
+            state["average_model_state"] = _whole_copy_state(state["average_model_state"], "", module, split, layout, global_rank)
         return state
 
     return [
@@ -146,6 +167,24 @@ def _average_what_this_rank_holds(
         patch(callback, "reset_batch_norm_and_save_state", reset_held),
         patch(callback, "state_dict", whole_state),
     ]
+
+
+def _average_weights_this_rank_holds(
+    callback: WeightAveraging, module: pl.LightningModule, split: RankSplit, layout: RankLayout, global_rank: int,
+) -> Patch:
+    """``WeightAveraging`` (``EMAWeightAveraging``): its ``AveragedModel``, made whole in its setup hook (or after the last
+    run), keeps only what this rank holds (its updates, the swaps around validation and its copy back then pair
+    placeholder with placeholder), and the state it puts in a checkpoint (the averaged weights as the checkpoint's
+    ``state_dict``) is the whole model's."""
+    averaged = callback._average_model
+    assert averaged is not None
+    _placeholders_like(averaged.module, module)
+    state_dict = averaged.state_dict
+
+    def whole_state(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return _whole_copy_state(state_dict(*args, **kwargs), "module.", module, split, layout, global_rank)
+
+    return patch(averaged, "state_dict", whole_state)
 
 
 def _placeholders_like(copy: nn.Module, module: nn.Module) -> None:

@@ -50,8 +50,8 @@ def _load(two_ranks, case: str, rank: int) -> dict:
 @pytest.mark.parametrize("case", TRAINED)
 def test_every_rank_holds_the_trained_module_after_fit_and_evaluates_it_like_plain_lightning(two_ranks, plain, case):
     """BaseFinetuning (net.0 frozen, unfrozen at epoch 1 as a new param group; before: ``aten::equal`` on meta tensors)
-    with a StepLR, clipping by norm and EarlyStopping on an epoch-end value; SWA from epoch 2 with a BatchNorm (before:
-    "Cannot copy out of meta tensor"). On both ranks after fit: the whole trained module, no placeholder, equal to plain
+    with a StepLR, clipping by norm, EarlyStopping on an epoch-end value and EMAWeightAveraging; SWA from epoch 2 with
+    a BatchNorm (before, both averaging callbacks: "Cannot copy out of meta tensor"). On both ranks after fit: the whole trained module, no placeholder, equal to plain
     Lightning's, ``model(x)`` computing plain's output (before: rank 1 held meta tensors and ``model(x)`` raised); then
     ``trainer.validate``, ``test`` and ``predict`` give plain's results and leave the module whole."""
     expected = plain[1][case]
@@ -93,12 +93,16 @@ def test_logged_values_and_epoch_end_outputs_equal_plain_lightning(two_ranks, pl
 
 @pytest.mark.parametrize("case", TRAINED)
 def test_a_checkpoint_after_fit_holds_the_whole_model_its_param_groups_and_callback_states(two_ranks, plain, case):
-    """``trainer.save_checkpoint`` after fit: the module, the optimizer's state under plain training's indices in both
-    param groups (BaseFinetuning's added group included), BaseFinetuning's record of the groups (the whole model's, by
-    name) and SWA's averaged model (whole: before, rank 1's blocks were meta in it), each equal to plain Lightning's."""
+    """``trainer.save_checkpoint`` after fit: the module (EMA's averaged weights and the trained ones), the optimizer's
+    state under plain training's indices in both param groups (BaseFinetuning's added group included), BaseFinetuning's
+    record of the groups (the whole model's, by name) and SWA's averaged model (whole: before, rank 1's blocks were meta
+    in it), each equal to plain Lightning's."""
     got = torch.load(two_ranks / f"{case}-2.ckpt", weights_only=False)
     expected = torch.load(plain[0] / f"{case}-1.ckpt", weights_only=False)
-    _close(got["state_dict"], expected["state_dict"], case)
+    models = [k for k in ("state_dict", "current_model_state", "averaging_state") if k in expected]
+    assert models == [k for k in ("state_dict", "current_model_state", "averaging_state") if k in got]
+    for key in models:  # EMAWeightAveraging saves the averaged weights as state_dict, the trained ones beside them
+        _close(got[key], expected[key], f"{case}: {key}")
     (mine,), (theirs,) = got["optimizer_states"], expected["optimizer_states"]
     assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
     assert mine["state"].keys() == theirs["state"].keys() and theirs["state"]

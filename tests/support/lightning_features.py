@@ -9,7 +9,9 @@ saw; :data:`CASES` says what each case turns on:
 - ``finetune``: ``BaseFinetuning`` (``net.0`` frozen, unfrozen at epoch 1 with a new param group), a ``StepLR`` and
   ``LearningRateMonitor``, clipping by norm, ``self.log(sync_dist=True)``, Lightning 2's epoch-end outputs (the loss and
   per-sample predictions appended in ``training_step``, a dict in ``validation_step``), ``self.all_gather`` in
-  validation, ``EarlyStopping`` on a value computed at epoch end from the last stage's outputs, the model summary;
+  validation, ``EarlyStopping`` on a value computed at epoch end from the last stage's outputs, the model summary,
+  ``EMAWeightAveraging`` (validation and the end of fit on the averaged weights, which a checkpoint's ``state_dict``
+  holds);
 - ``swa``: ``StochasticWeightAveraging(swa_epoch_start=2)`` with a BatchNorm (its recomputed statistics epoch included);
 - ``pruning``: ``ModelPruning``, which a pipeline strategy refuses before the first step;
 - ``no_room``: a plain fit, for a strategy told the host cannot hold the whole module after it.
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
     EarlyStopping,
+    EMAWeightAveraging,
     LearningRateMonitor,
     ModelPruning,
     StochasticWeightAveraging,
@@ -139,7 +142,7 @@ def data(n: int, seed: int = 2) -> TensorDataset:
 def _callbacks(case: str) -> list[pl.Callback]:
     if case == "finetune":
         early = EarlyStopping("val_epoch_mean", patience=1, mode="max", check_on_train_epoch_end=False)
-        return [Unfreeze(), LearningRateMonitor(), early]
+        return [Unfreeze(), LearningRateMonitor(), early, EMAWeightAveraging(decay=0.5)]
     if case == "swa":
         return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)]
     if case == "pruning":
