@@ -53,8 +53,10 @@ class DeferredBatchNorm:
         original = bn.forward
 
         def forward(x: Tensor) -> Tensor:
-            if not bn.training or x.is_meta:  # evaluation, or a shadow run for shapes (meta statistics: no trace)
+            if not bn.training:
                 return original(x)
+            if x.is_meta:  # a shadow run for shapes: no statistics (momentum=None would read the meta counter's value)
+                return F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
             bn._check_input_dim(x)  # type: ignore[attr-defined]
             forward_pass = self.accumulating()
             if forward_pass and not self.defer:

@@ -31,7 +31,8 @@ Failure: a neighbour that dies makes the transport raise (gloo closes the connec
 a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
 into one error naming this rank, its stage and the neighbouring ranks, so every rank
 exits within the timeout instead of hanging. An exception raised by a stage's forward (the
-user's layer, loss or ``training_step``) is re-raised on its rank as itself, same type, its
+user's layer, loss or ``training_step``), or by its backward (``detect_anomaly``'s NaN gradient;
+:mod:`lightning_accel.pipeline.torch_stage`), is re-raised on its rank as itself, same type, its
 message followed by the rank and stage; that rank first leaves one line in the process
 group's store, and the pipeline's other ranks, whose exchanges then fail, end with an error
 naming it (:meth:`RankPipeline._stage_error`).
@@ -73,7 +74,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
@@ -89,6 +89,7 @@ from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_meter import StageMeter
 from lightning_accel.pipeline.step_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
+from lightning_accel.pipeline.torch_stage import PipeStage
 
 __all__ = [
     "RankPipeline",
@@ -117,7 +118,7 @@ class StageModule(nn.Module):
         self.pipe, self.stage, self.remat_stop, self.microbatch = pipe, stage, remat_stop, 0
         self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
         self.recorder: StepRecorder | None = None
-        self.split_backward = False  # set by _Stage while torch runs an input- or weight-gradient half of a backward
+        self.split_backward = False  # set by PipeStage while torch runs an input- or weight-gradient half of a backward
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The stage's blocks' parameters; during a split backward (zero-bubble schedules) also the trainable ones outside
@@ -209,48 +210,6 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
                 kept.add(id(p))
                 shared_params.append(p)
     return shared_params
-
-
-class _Stage(PipelineStage):
-    """torch's stage, whose shape metadata also carries the structure of the block outputs it sends
-    (:attr:`StageBoundaries.structures`), so the next stage's rank never runs another rank's block for it."""
-
-    def backward_maybe_with_nosync(
-        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
-    ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]] | None]:
-        self.submod.split_backward = backward_type != "full"
-        try:
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        finally:
-            self.submod.split_backward = False
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        meter = self.submod.pipe.meter
-        with meter.action("F", self.stage_index) if meter is not None else nullcontext():
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> None:
-        meter = self.submod.pipe.meter  # measuring (schedule="auto"): a whole backward as its two halves, each timed
-        if meter is None:
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        with meter.action("I", self.stage_index):
-            super().backward_one_chunk(bwd_chunk_id, loss, False, last_backward)
-        if full_backward:
-            self.backward_weight_one_chunk(bwd_chunk_id, last_backward)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        meter = self.submod.pipe.meter
-        with meter.action("W", self.stage_index) if meter is not None else nullcontext():
-            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
-
-    def _send_meta(self, meta: Any, dst_stage: int) -> None:
-        super()._send_meta((meta, dict(self.submod.pipe.boundaries.structures)), dst_stage)
-
-    def _recv_meta(self, src_stage: int) -> Any:
-        meta, structures = super()._recv_meta(src_stage)
-        known = self.submod.pipe.boundaries.structures
-        known.update({k: v for k, v in structures.items() if k not in known})
-        return meta
 
 
 def _store() -> Any:
@@ -369,6 +328,7 @@ class RankPipeline:
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)
+        self._trainable = self._requires_grad()
 
     def reschedule(self, schedule: str, chunks: int) -> None:
         """Run the next steps under ``schedule`` in ``chunks`` micro-batches; between steps only, and only to a schedule
@@ -412,7 +372,7 @@ class RankPipeline:
         """Fresh stages over this rank's modules, and the schedule driving them over ``chunks`` micro-batches (stages fix
         their shapes at their first step)."""
         stages = [
-            _Stage(m, s, len(self.balance), self.device, group=self.group)
+            PipeStage(m, s, len(self.balance), self.device, group=self.group)
             for m, s in zip(self.modules, self.indices)
         ]
         schedule: Any = SCHEDULE_TABLE[self.schedule_name].build(
@@ -439,6 +399,12 @@ class RankPipeline:
 
             schedule._initialize_pp_stages = inferring
         return schedule
+
+    def _requires_grad(self) -> tuple[bool, ...]:
+        """Which of the whole model's parameters train (placeholders included: every rank sees the same, no exchange).
+        torch's stages learn at their first step which activations carry a gradient between ranks, so a change needs
+        fresh stages."""
+        return tuple(p.requires_grad for p in self.net.parameters())
 
     def _restart_microbatches(self) -> None:
         """The next forward of each stage is micro-batch 0 (what re-materialization counts from)."""
@@ -488,6 +454,9 @@ class RankPipeline:
         one is refused. Returns the mean of the micro-batch losses on the last stage's rank.
         """
         chunks = self.chunks if chunks is None else chunks
+        if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
+            self._trainable, self._by_shape = self._requires_grad(), {}
+            self.schedule = self._build_schedule(self.chunks)  # its shape inference learns which activations need grad
         if shape is not None:
             if not self._by_shape and chunks == self.chunks:
                 self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__

@@ -92,15 +92,16 @@ def broadcast_shared(tensors: Sequence[Tensor], owners: Sequence[int], shared: S
 
 
 def keep_own_parameters(
-    optimizer: Optimizer, owner_of: Mapping[int, tuple[int, bool]], pp_rank: int, default: tuple[int, bool]
+    optimizer: Optimizer, owner_of: Mapping[int, tuple[int, bool]], pp_rank: int, default: tuple[int, bool],
+    start: int = 0, offset: int = 0,
 ) -> tuple[list[list[int]], list[int]]:
-    """Leave in ``optimizer`` only the parameters this rank trains (owned by ``pp_rank``, or shared); ``owner_of``:
-    parameter id -> (owner, shared), ``default`` for a parameter not in it. Returns the whole model's optimizer's
-    parameter indices per group, and this rank's among them."""
+    """Leave in ``optimizer``'s param groups from ``start`` on only the parameters this rank trains (owned by
+    ``pp_rank``, or shared); ``owner_of``: parameter id -> (owner, shared), ``default`` for a parameter not in it.
+    Returns those groups' indices in the whole model's optimizer (counted from ``offset``, the parameters of the groups
+    before ``start``), and this rank's among them."""
     full: list[list[int]] = []
     kept: list[int] = []
-    offset = 0
-    for group in optimizer.param_groups:
+    for group in optimizer.param_groups[start:]:
         params = group["params"]
         full.append(list(range(offset, offset + len(params))))
         mine = [owner_of.get(id(p), default)[0] == pp_rank or owner_of.get(id(p), default)[1] for p in params]

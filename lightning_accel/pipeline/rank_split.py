@@ -26,6 +26,7 @@ from lightning_accel.pipeline.deferred_init import agreed_seed, has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, owners, send_initial_weights
 from lightning_accel.pipeline.schedule import stage_rank
+from lightning_accel.pipeline.whole_module import fits_every_host, gather_whole_module, placeholder_bytes
 
 __all__ = ["RankSplit", "split_module", "tensors_of"]
 
@@ -51,6 +52,11 @@ class RankSplit:
     # the pipeline rank of the last stage: the last (-1), or rank 0 for a V-shaped schedule (zbv, dualpipev)
     last_rank: int = -1
     kept_ids: list[list[int]] = field(default_factory=list)  # per optimizer: its parameters' ids, in state_dict order
+    # per optimizer, per param group: every parameter the whole model's optimizer holds there (other ranks' as their
+    # placeholders), what a callback that records the groups (BaseFinetuning) must see
+    whole_groups: list[list[list[Tensor]]] = field(default_factory=list)
+    _owner: dict[int, tuple[int, bool]] = field(default_factory=dict)  # tensor id -> (owner, shared), at the split
+    _kept_groups: list[list[list[int]]] = field(default_factory=list)  # per optimizer, per group: the ids left there
 
     def counted_here(self, t: Tensor, layout: RankLayout) -> bool:
         """Whether this rank counts ``t`` once for the whole model (a norm, a checkpoint's optimizer state): its own
@@ -60,10 +66,49 @@ class RankSplit:
     def keep_own_parameters(self, module: nn.Module, optimizers: Sequence[Optimizer], layout: RankLayout) -> None:
         """Leave in each optimizer only this rank's parameters (see :func:`lightning_accel.pipeline.placement.keep_own_parameters`);
         a parameter not in ``module`` counts as outside the blocks."""
-        owner = {id(t): (o, sh) for t, o, sh in zip(tensors_of(module), self.owners, self.shared)}
-        default = (self.last_rank % layout.pp_size, True)
-        self.optimizer_index = [keep_own_parameters(o, owner, layout.pp_rank, default) for o in optimizers]
-        self.kept_ids = [[id(p) for group in o.param_groups for p in group["params"]] for o in optimizers]
+        self._owner = {id(t): (o, sh) for t, o, sh in zip(tensors_of(module), self.owners, self.shared)}
+        self.optimizer_index, self.whole_groups, self._kept_groups, self.kept_ids = [], [], [], []
+        for optimizer in optimizers:
+            self.whole_groups.append([list(g["params"]) for g in optimizer.param_groups])
+            self.optimizer_index.append(keep_own_parameters(optimizer, self._owner, layout.pp_rank, self._default(layout)))
+            self._note_kept(optimizer, None)
+
+    def _default(self, layout: RankLayout) -> tuple[int, bool]:
+        return (self.last_rank % layout.pp_size, True)
+
+    def _note_kept(self, optimizer: Optimizer, index: int | None) -> None:
+        groups = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+        ids = [i for group in groups for i in group]
+        if index is None:
+            self._kept_groups.append(groups)
+            self.kept_ids.append(ids)
+        else:
+            self._kept_groups[index], self.kept_ids[index] = groups, ids
+
+    def follow_param_groups(self, optimizers: Sequence[Optimizer], layout: RankLayout) -> None:
+        """Param groups added since the split or the last call (``BaseFinetuning`` unfreezing a module:
+        ``optimizer.add_param_group`` with all its parameters, placeholders included) are recorded whole, under the
+        whole model's optimizer indices, and left with this rank's parameters; groups replaced (``BaseFinetuning``
+        restoring its groups from a checkpoint: every parameter again) are taken whole, as at the split. Cheap when
+        nothing changed: call it before each step and before the optimizer state is read or loaded."""
+        for index, optimizer in enumerate(optimizers[: len(self._kept_groups)]):
+            known = self._kept_groups[index]
+            current = [[id(p) for p in g["params"]] for g in optimizer.param_groups]
+            if current == known:
+                continue
+            start = len(known) if current[: len(known)] == known else 0  # appended groups, or every group anew
+            whole = self.whole_groups[index][:start] + [list(g["params"]) for g in optimizer.param_groups[start:]]
+            full, kept = self.optimizer_index[index] if start else ([], [])
+            offset = sum(len(g) for g in whole[:start])
+            more_full, more_kept = keep_own_parameters(optimizer, self._owner, layout.pp_rank, self._default(layout), start, offset)
+            self.whole_groups[index] = whole
+            self.optimizer_index[index] = (full + more_full, kept + more_kept)
+            self._note_kept(optimizer, index)
+
+    def whole_param_groups(self, index: int, optimizer: Optimizer) -> list[dict[str, Any]]:
+        """Optimizer ``index``'s param groups as the whole model's optimizer holds them (every parameter, other ranks' as
+        placeholders), for a callback that records them by name (:meth:`follow_param_groups` first)."""
+        return [{**group, "params": whole} for group, whole in zip(optimizer.param_groups, self.whole_groups[index])]
 
     def sync_shared(self, module: nn.Module, layout: RankLayout) -> None:
         """Every rank gets the current values of what lives outside the stages (every rank of the pipeline calls it)."""
@@ -83,6 +128,28 @@ class RankSplit:
 
     def _steps_here(self, pid: int, layout: RankLayout) -> bool:
         return pid not in self.shared_params or self.shared_owner.get(pid, self.last_rank % layout.pp_size) == layout.pp_rank
+
+    def gather_whole(
+        self, module: nn.Module, layout: RankLayout, available: int | None, check: bool = True, copies: Sequence[nn.Module] = (),
+    ) -> int | None:
+        """Every rank's ``module`` whole, its placeholders filled on the CPU from the stages' ranks
+        (:func:`~lightning_accel.pipeline.whole_module.gather_whole_module`), and each of ``copies`` (modules of the same
+        structure made before the split and freed alike: SWA's averaged model), what is outside their blocks taken from
+        a rank that steps it; with ``check``, only where every host's ranks fit what they need in the ``available`` bytes
+        each sees (None: unknown, taken to fit). Returns the bytes this rank needed when they do not (nothing moved).
+        Every rank calls it."""
+        needed = sum(placeholder_bytes(tensors_of(m)) for m in (module, *copies))
+        if check and not fits_every_host(needed, available):
+            return needed
+        users = [self.shared_owner.get(id(t), o) for t, o in zip(tensors_of(module), self.owners)]
+        gather_whole_module(module, tensors_of(module), self.owners, self.shared, layout)
+        for copy in copies:
+            tensors = tensors_of(copy)
+            if not any(t.is_meta for t in tensors):  # whole already (an evaluation after fit did not free it)
+                continue
+            broadcast_shared(tensors, users, self.shared, layout)
+            gather_whole_module(copy, tensors, self.owners, self.shared, layout)
+        return None
 
     def local_optimizer_state(self, index: int, whole: Mapping[str, Any]) -> Mapping[str, Any]:
         """This rank's part of optimizer ``index``'s whole-model state."""

@@ -9,7 +9,10 @@ the schedule's backward, and the gradients are set aside for the trainer's own b
 the last rank reduces the loss and the logs over the micro-batches like plain training's
 batch. Evaluation (:func:`eval_step`): the batch streams through the stages, the last rank
 runs the step once on the whole batch, and what it logged (and returned) reaches every
-rank. The step is any callable on a module with a ``log`` method. No Lightning here.
+rank. Either way, what the step appends to the module's lists (Lightning 2's epoch-end
+outputs) is the last rank's, one item per batch, on every rank
+(:mod:`lightning_accel.pipeline.kept_outputs`). The step is any callable on a module with a
+``log`` method. No Lightning here.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from torch import Tensor, nn
 
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.gradients import set_aside
-from lightning_accel.pipeline.microbatch import batch_size, scatter
+from lightning_accel.pipeline.kept_outputs import Appended, KeptLists
+from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.step_report import EvalLogs, MicroBatchLogs, StepResult, silenced
 
-__all__ = ["eval_step", "train_step"]
+__all__ = ["eval_step", "kept_on_cpu", "train_step"]
 
 
 def train_step(
@@ -37,21 +41,24 @@ def train_step(
     shape: Any,
     loss_reduction: str,
     scaler: Any = None,
-) -> tuple[StepResult | None, list[Tensor | None]]:
+) -> tuple[StepResult | None, list[Tensor | None], KeptLists, Appended]:
     """``step(micro_batch)`` over the equal micro-batches of ``batch`` (:meth:`RankPipeline.microbatches`) through the schedule (``shape``: the
-    batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere) and this
-    rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before)."""
+    batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere), this
+    rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before), and the
+    module's lists around the step with, on the last stage's rank, what the whole batch's step appends to them (to send
+    to the others; every rank then calls :meth:`KeptLists.settle`)."""
     chunks = pipe.microbatches(batch_size(batch))  # pipe.chunks, or equal micro-batches of a ragged batch
     micro = scatter(batch, chunks)
     sizes = [batch_size(mb) for mb in micro]
     outputs: list[Any] = [None] * chunks
     logs = MicroBatchLogs(chunks)
+    kept = KeptLists(module)
     if scaler is not None:
         scaler.scale(torch.zeros((), device=pipe.device))  # ranks without the loss need the scale too
 
     def forward(i: int) -> Tensor:
         """The user's step on micro-batch ``i``: every rank runs it, up to its stage's end."""
-        with logs.recording(module, i):
+        with logs.recording(module, i), kept.recording():
             out = step(micro[i])
         if out is None:
             raise ValueError("training_step returned None (skip the batch), but the pipeline has already run it")
@@ -62,10 +69,16 @@ def train_step(
     with set_aside(pipe.parameters()) as grads:
         pipe.train_step(forward, shape=shape, chunks=chunks)  # a smaller last batch gets a schedule of its own
     if not pipe.holds_last:
-        return None, grads
+        return None, grads, kept, {}
     reduced = reduce_outputs(outputs, sizes, loss_reduction)
     loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
-    return (loss.detach().cpu(), logs.reduced(sizes, loss_reduction), isinstance(reduced, Mapping)), grads
+    result = (loss.detach().cpu(), logs.reduced(sizes, loss_reduction), isinstance(reduced, Mapping))
+    return result, grads, kept, kept.merged(sizes, loss_reduction)
+
+
+def kept_on_cpu(appended: Appended) -> Appended:
+    """What crosses to the other ranks: detached CPU copies."""
+    return {name: [map_tensors(item, lambda t: t.detach().cpu()) for item in items] for name, items in appended.items()}
 
 
 def eval_step(
@@ -84,15 +97,21 @@ def eval_step(
     size = batch_size(batch)
     parts = scatter(batch, pipe.eval_chunks(size))
     logs = EvalLogs(module, hook)
+    kept = KeptLists(module)
 
     def run(i: int | None) -> Any:
-        # i None: the whole batch on the last stage, where the step's logging counts
-        with logs.recording() if i is None else silenced(module):
-            return step(batch if i is None else parts[i])
+        # i None: the whole batch on the last stage, where the step's logging (and what it appends) counts
+        if i is None:
+            with logs.recording(), kept.recording():
+                return step(batch)
+        with silenced(module):
+            return step(parts[i])
 
     out = pipe.evaluate(size, run)
     sent = output_to_cpu(out) if pipe.holds_last and output_to_cpu is not None else None
-    records, output = logs.exchange(sent, src, pipe.group)
+    appended = kept.merged([size], "mean") if pipe.holds_last else {}
+    records, output, appended = logs.exchange(sent, src, pipe.group, kept_on_cpu(appended))
+    kept.settle(appended, device)
     if pipe.holds_last:
         return out
     EvalLogs.replay(module, records, device)

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_accel.pipeline.placement import RankLayout
 
-__all__ = ["gather_model_state", "gather_optimizer_state", "gather_whole_module", "load_own_state", "local_optimizer_state"]
+__all__ = ["gather_model_state", "gather_optimizer_state", "load_own_state", "local_optimizer_state"]
 
 
 def _cpu(value: Any) -> Any:
@@ -88,23 +88,3 @@ def load_own_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool 
             f"{result.unexpected_keys[:5]}; load_model_state_dict(..., strict=False) to ignore them"
         )
     return True
-
-
-def gather_whole_module(module: nn.Module, layout: RankLayout, global_rank: int, available: int | None) -> int | None:
-    """Make global rank 0's ``module`` the whole model: its freed (``meta``) tensors filled, on the CPU, with the values the
-    other ranks of its pipeline hold, as a module is after DDP; only when they fit ``available`` bytes of host memory
-    (None: unknown, assumed to fit). Every rank of the pipeline calls it. Returns, on rank 0, the bytes that were needed
-    when they did not fit (nothing gathered), else None."""
-    if layout.dp_rank != 0:  # another replica: rank 0 is in replica 0's pipeline
-        return None
-    state = module.state_dict()
-    freed = [n for n, t in state.items() if t.is_meta]
-    needed = sum(state[n].numel() * state[n].element_size() for n in freed)
-    decision: list[Any] = [global_rank != 0 or available is None or needed <= available]
-    dist.broadcast_object_list(decision, src=layout.pp_global(0), group=layout.pp_group)
-    if not decision[0]:
-        return needed if global_rank == 0 else None
-    whole = gather_model_state(state, layout, global_rank)
-    if global_rank == 0 and freed:
-        module.load_state_dict({n: whole[n] for n in freed}, strict=False, assign=True)
-    return None

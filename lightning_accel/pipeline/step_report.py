@@ -187,21 +187,23 @@ def unpack_number(x: float, spec: tuple) -> Any:
 
 
 def broadcast_step_result(
-    result: StepResult | None, cached: tuple | None, src: int, group: Any, device: torch.device
-) -> tuple[StepResult, tuple | None]:
-    """The ``src`` rank's step result on every rank of ``group``, and the signature every rank caches for the next step.
+    result: StepResult | None, cached: tuple | None, src: int, group: Any, device: torch.device, extra: Any = None
+) -> tuple[StepResult, tuple | None, Any]:
+    """The ``src`` rank's step result on every rank of ``group``, the signature every rank caches for the next step, and
+    ``extra`` (given on ``src``; what the step appended to the module's lists, :mod:`lightning_accel.pipeline.kept_outputs`).
 
     Steady state, one small tensor broadcast: float64 ``[changed, loss, numbers...]`` sized from
     ``cached``, the signature every rank holds (on 2 gloo CPU ranks about 0.2 ms a step, against
     0.8 ms for pickling the result and its two broadcasts). When the signature changed
-    (first step, a new name or option, a value that is not a number), ``changed`` is set and the
-    result follows through ``broadcast_object_list`` with its signature. ``result`` is given on ``src`` only.
+    (first step, a new name or option, a value that is not a number) or there is an ``extra``, ``changed`` is set and
+    the result follows through ``broadcast_object_list`` with its signature and the extra. ``result`` is given on
+    ``src`` only.
     """
     count = 0 if cached is None else len(cached[2])
     signature = None
     if result is not None:
         signature = step_signature(result)
-        if same_signature(signature, cached):
+        if same_signature(signature, cached) and not extra:
             loss, records, _ = result
             numbers = torch.tensor([0.0, float(loss), *(float(v) for _, v, _ in records)], dtype=torch.float64, device=device)
         else:
@@ -213,14 +215,14 @@ def broadcast_step_result(
     values = numbers.tolist()
     if values[0] == 0.0:
         if result is not None:
-            return result, cached
+            return result, cached, None
         assert cached is not None
         as_dict, loss_spec, entries = cached
         records = [(name, unpack_number(x, spec), kw) for (name, spec, kw), x in zip(entries, values[2:])]
-        return (unpack_number(values[1], loss_spec), records, as_dict), cached
-    payload: list[Any] = [result, signature]
+        return (unpack_number(values[1], loss_spec), records, as_dict), cached, None
+    payload: list[Any] = [result, signature, extra]
     dist.broadcast_object_list(payload, src=src, group=group)
-    return payload[0], payload[1]
+    return payload[0], payload[1], payload[2]
 
 
 # -- the log calls: recorded per micro-batch (training), logged and replayed (evaluation)
@@ -276,12 +278,13 @@ class EvalLogs:
         else:
             self.records.append((name, loggable(value), a, kw))
 
-    def exchange(self, output: Any, src: int, group: Any) -> tuple[list[tuple[str, Any, tuple, dict]], Any]:
-        """Every rank of the pipeline calls it: ``src`` (the last stage's global rank) sends its records and ``output``
-        (what the step returned, on the CPU, or None); returns what ``src`` sent."""
-        payload: list[Any] = [self.records, output]
+    def exchange(self, output: Any, src: int, group: Any, kept: Any = None) -> tuple[list[tuple[str, Any, tuple, dict]], Any, Any]:
+        """Every rank of the pipeline calls it: ``src`` (the last stage's global rank) sends its records, ``output``
+        (what the step returned, on the CPU, or None) and ``kept`` (what the step appended to the module's lists:
+        :mod:`lightning_accel.pipeline.kept_outputs`); returns what ``src`` sent."""
+        payload: list[Any] = [self.records, output, kept]
         dist.broadcast_object_list(payload, src=src, group=group)
-        return payload[0], payload[1]
+        return payload[0], payload[1], payload[2]
 
     @staticmethod
     def replay(module: nn.Module, records: Sequence[tuple[str, Any, tuple, dict]], device: torch.device) -> None:

@@ -109,7 +109,8 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
             only each stage's input and recompute the rest in backward (memory for time).
         blocks: the block policy of :func:`lightning_accel.models.block_policy.find_blocks`.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from the
-            whole batch, instead of once per micro-batch.
+            whole batch, as plain training does (the default; torchgpipe's ``deferred_batch_norm=True``), each
+            micro-batch still normalized by its own statistics; ``False``: once per micro-batch, from its own.
     """
 
     strategy_name = "gpipe"
@@ -121,7 +122,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         devices: DeviceSpec = None,
         checkpoint: str = "except_last",
         blocks: BlockPolicy = "auto",
-        deferred_batch_norm: bool = False,
+        deferred_batch_norm: bool = True,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:

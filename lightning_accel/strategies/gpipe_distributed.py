@@ -45,9 +45,18 @@ weights). One built in ``configure_model`` (Lightning's hook for large models) i
 (:func:`~lightning_accel.pipeline.deferred_init.materialize`, seeded from global rank 0's
 ``torch.initial_seed()`` and each module's name): the initial weights equal ``materialize`` of
 the whole model in one process, for any layout; a checkpoint given to ``fit`` loads after
-setup. After ``fit`` rank 0's module is the whole trained model (the other stages gathered onto the CPU, as a
-module is after DDP, when they fit the free host memory; one warning otherwise), the other ranks keep their stages;
-``validate``, ``test``, ``save_checkpoint`` and another ``fit`` split it again.
+setup. After ``fit`` every rank's module is the whole trained model (the other stages gathered onto the CPU, as a
+module is after DDP, when they fit the hosts' free memory; otherwise one warning on each rank names
+``trainer.strategy.gather_module()``: :mod:`~lightning_accel.strategies.gpipe_split_state`); ``validate``, ``test``,
+``predict`` and another ``fit`` split it again (an evaluation leaves it whole again).
+
+Lightning's features that see every parameter or every rank's outputs behave as under DDP: callbacks that walk the
+parameters (``BaseFinetuning``'s unfreezing into a new param group, ``StochasticWeightAveraging``'s averaged copy) see
+real tensors for what their rank holds and leave the placeholders (:mod:`~lightning_accel.strategies.gpipe_callbacks`;
+``ModelPruning`` is refused before the first step); what ``training_step`` or ``validation_step`` appends to the
+module's lists (Lightning 2's epoch-end outputs) is the last rank's, one item per batch, on every rank
+(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas; a stage's own error
+(``detect_anomaly``'s included) is raised as itself.
 
 Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
 LightningModule's ``example_input_array`` before the first batch;
@@ -64,7 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -74,8 +83,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -87,9 +94,7 @@ from lightning_accel.comm.gradients import clip_grad_norm_over, grad_norm_over
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
-from lightning_accel.patching import Patch, patch, remove_all, swapped
-from lightning_accel.host_memory import available_host_bytes
-from lightning_accel.models.finetune_checkpoint import left_out_of_checkpoint
+from lightning_accel.patching import Patch, remove_all, swapped
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, average_gradients
@@ -100,13 +105,15 @@ from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptio
 from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
-from lightning_accel.pipeline.rank_step import eval_step, train_step
+from lightning_accel.pipeline.rank_step import eval_step, kept_on_cpu, train_step
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
-from lightning_accel.pipeline.state_gather import gather_model_state, gather_whole_module, load_own_state
+from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
 from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
+from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
+from lightning_accel.strategies.gpipe_split_state import SplitModuleState
 from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
@@ -117,27 +124,6 @@ def _to_device(module: nn.Module, device: torch.device) -> None:
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
-def _summaries_without_example(trainer: pl.Trainer) -> list[Patch]:
-    """Lightning's model summary, at fit start on every rank, runs ``example_input_array`` through the whole module to
-    show layer sizes; on a split module the other ranks' stages are on ``meta`` and that forward fails. The summary
-    callbacks of this Trainer summarize without it (names, types and parameter counts stay; no in/out sizes) until the
-    returned patches are removed: the callback objects are the user's, and may be handed to another Trainer."""
-    patches = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if not isinstance(callback, ModelSummary):
-            continue
-
-        def without_example(trainer: pl.Trainer, module: pl.LightningModule, summary: Any = callback._summary) -> Any:
-            example, module.example_input_array = module.example_input_array, None  # a property: not swapped()
-            try:
-                return summary(trainer, module)
-            finally:
-                module.example_input_array = example
-
-        patches.append(patch(callback, "_summary", without_example))
-    return patches
-
-
 def _shapes(batch: Any) -> tuple:
     """The shapes of a batch's tensors: the same on every rank (every rank loads the same batch)."""
     found: list[tuple[int, ...]] = []
@@ -145,7 +131,7 @@ def _shapes(batch: Any) -> tuple:
     return tuple(found)
 
 
-class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
+class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithoutWrapper):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -189,9 +175,10 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
             materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
             built in ``__init__`` is (for a module that cannot be initialized again after building).
-        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics
-            (each micro-batch is still normalized by its own), as ``GPipeStrategy(deferred_batch_norm=True)``; without
-            it once per micro-batch. Recomputation and shape inference never update them.
+        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics,
+            as plain training does (the default, as ``GPipeStrategy``'s: ``num_batches_tracked`` counts batches, and a
+            ``momentum=None`` average weighs batches); each micro-batch is still normalized by its own. ``False``: once
+            per micro-batch. Recomputation and shape inference never update them.
     """
 
     strategy_name = "gpipe_distributed"
@@ -212,7 +199,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
         deferred_init: bool = True,
-        deferred_batch_norm: bool = False,
+        deferred_batch_norm: bool = True,
         **kwargs: Any,
     ) -> None:
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
@@ -240,6 +227,8 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
+        self._undo_equal: Callable[[], None] | None = None  # torch.equal on placeholders, from setup to teardown
+        self._whole_at_setup = False  # the module was whole when this run's setup split it (after fit: every rank)
 
     # -- placement ----------------------------------------------------------------------------
 
@@ -321,16 +310,20 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         # DDPStrategy.setup would move the whole model to the device and broadcast all of it;
         # here each rank only ever places its own stages there
         self._refuse_unsupported(trainer)
+        refuse_callbacks(trainer, type(self).__name__)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
+        self._whole_at_setup = not has_meta_tensors(trainer.lightning_module)
         self._split()
         self._unpatch()  # a setup without a teardown between (not Lightning's order): patch once, not twice
-        self._patches = _summaries_without_example(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             assert self._split_state is not None
             self._split_state.keep_own_parameters(trainer.lightning_module, self.optimizers, self._layout)
+        assert self._split_state is not None
+        self._patches = adapt_callbacks(trainer, trainer.lightning_module, self._split_state, self._layout, self.global_rank)
+        self._undo_equal = placeholders_equal_nothing()  # BaseFinetuning compares every parameter by value
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -414,12 +407,14 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        assert self._split_state is not None
+        self._split_state.follow_param_groups(self.optimizers, self._layout)  # a group a callback added: this rank's share
         tuner = self._tuner if self._tuner is not None and not self._tuner.done else None
         if tuner is not None:
             tuner.before_step(batch_size(batch))
         start = time.perf_counter()
         with self.precision_plugin.train_step_context():
-            result, self._pending = train_step(
+            result, self._pending, kept, appended = train_step(
                 pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
                 self.loss_reduction, getattr(self.precision_plugin, "scaler", None),
             )
@@ -430,9 +425,11 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
             rank_zero_info(f"DistributedGPipeStrategy: {choice.report()}")
         # the last rank has the loss and the logs: every rank returns and logs the same
         layout = self._layout
-        (loss, records, as_dict), self._step_signature_cache = broadcast_step_result(
+        (loss, records, as_dict), self._step_signature_cache, appended = broadcast_step_result(
             result, self._step_signature_cache, layout.pp_global(self._last_rank()), layout.pp_group, self.root_device,
+            kept_on_cpu(appended),
         )
+        kept.settle(appended or {}, self.root_device)  # what the step appended to the module's lists: one item a batch
         for name, value, kw in records:
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
         loss = loss.to(self.root_device)
@@ -488,6 +485,15 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         if group is None and self._mesh is not None:
             group = self._mesh.get_group("dp")
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``self.all_gather(...)``: over the replicas, each on its own shard, as DDP's ranks are (a pipeline's ranks hold
+        one step; its last rank alone reaches the end of the user's step, so a gather over every rank would wait). The
+        LightningModule passes ``group.WORLD`` when the user names none: that means the replicas too."""
+        if (group is None or group is dist.group.WORLD) and self._mesh is not None:
+            group = self._mesh.get_group("dp")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -561,66 +567,12 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
     def on_predict_start(self) -> None:
         self.sync_weights()
 
-    # -- checkpoints --------------------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part);
-        a fine-tune's frozen base is left out (:func:`~lightning_accel.models.finetune_checkpoint.left_out_of_checkpoint`):
-        its checkpoint does not hold it, so it is not gathered."""
-        assert self.lightning_module is not None
-        self.sync_weights()
-        state = self.lightning_module.state_dict()
-        if self._split_state is None or not dist.is_initialized():
-            return state
-        left_out = left_out_of_checkpoint(self.lightning_module)
-        return gather_model_state({n: t for n, t in state.items() if n not in left_out}, self._layout, self.global_rank)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
-        if not load_own_state(self.lightning_module, checkpoint["state_dict"], strict):
-            super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole model's optimizer state: each rank's part under the indices plain training would give it."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        state = optimizer.state_dict()
-        index = next((i for i, o in enumerate(self.optimizers) if o is optimizer), None)
-        if index is None or self._split_state is None or not dist.is_initialized():
-            return state
-        return self._split_state.optimizer_state(index, state, self._layout)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each rank takes its own parameters' state from the whole model's optimizer state."""
-        for index, (optimizer, whole) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"])):
-            if self._split_state is None:
-                optimizer.load_state_dict(whole)
-                continue
-            optimizer.load_state_dict(self._split_state.local_optimizer_state(index, whole))
-            _optimizers_to_device([optimizer], self.root_device)
-
-    @override
-    def on_train_end(self) -> None:
-        self.sync_weights()  # after fit, each rank holds its stages and current values of everything else
-        module = self.lightning_module
-        if self._split_state is None or module is None or not dist.is_initialized():
-            return
-        # rank 0's module: the whole trained model on the CPU, as after DDP (when it fits the host)
-        needed = gather_whole_module(module, self._layout, self.global_rank, available_host_bytes())
-        if needed is not None:
-            rank_zero_warn(
-                f"DistributedGPipeStrategy: after fit rank 0's module holds only its stages: the other stages "
-                f"({needed / 2**30:.1f} GiB) do not fit the free host memory; trainer.save_checkpoint(path) gathers "
-                "every stage into a checkpoint that loads into the whole model"
-            )
-
     def _unpatch(self) -> None:
         remove_all(self._patches)
         self._remove_plugin_methods()
+        if self._undo_equal is not None:
+            self._undo_equal()
+            self._undo_equal = None
 
     @override
     def teardown(self) -> None:

@@ -361,16 +361,6 @@ def test_a_block_tensor_shared_with_the_rest_of_the_model_is_refused():
     )
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo group in this process: enough for the checks that run before any exchange."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_shapes_that_change_between_steps_fail_before_the_step(one_rank_group):
     from lightning_accel.pipeline.distributed import RankPipeline
 

@@ -64,6 +64,22 @@ def test_batch_norm_buffers_and_weights_equal_the_reference_after_fit(two_ranks,
 
 
 
+def test_batch_norm_counts_batches_by_default_and_a_cumulative_average_equals_plain_lightning(two_ranks):
+    """No deferred_batch_norm given, 4 micro-batches, 3 steps: every BatchNorm's num_batches_tracked is 3, as in plain
+    Lightning, and the first one (momentum=None: the cumulative average over batches; its inputs are the data) holds
+    plain Lightning's running statistics. Before: 12 updates of a micro-batch's statistics each (the default counted
+    micro-batches), and momentum=None crashed on rank 1, whose meta run of rank 0's BatchNorm read the meta counter."""
+    assert [(two_ranks / f"bn-first-default-rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
+    piped = torch.load(two_ranks / "bn-first-default.pt", weights_only=False)
+    model, _, batch, n, _ = SECTIONS["bn_default"]()["bn-first-default"]
+    plain = model()
+    fit(plain, DataLoader(data(n), batch_size=batch), "auto")
+    reference = plain.state_dict()
+    assert [int(v) for k, v in piped.items() if k.endswith("num_batches_tracked")] == [3, 3]
+    for name in ("net.0.running_mean", "net.0.running_var", "net.0.num_batches_tracked"):
+        torch.testing.assert_close(piped[name], reference[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("case", ["ragged-last-smaller-gpipe", "ragged-batch6-1f1b"])
 def test_ragged_batches_train_like_plain_lightning(two_ranks, case):
     """A last batch smaller than chunks (2 with chunks=4) and a batch_size chunks does not divide (6) train in equal

@@ -6,7 +6,7 @@ comma-separated list, one ``Trainer.fit`` each in the same processes (start-up p
 once). Per schedule, rank 0 saves ``{schedule}.ckpt`` (through ``trainer.save_checkpoint``)
 and every rank ``{schedule}-rank{r}.pt``: the loss each step returned, what ``train/loss``
 logged, the parameters resident on that rank at the end of training (the rest are on the meta device), its module's
-tensors after fit (rank 0: the whole model) and rank 0's logits of two validation sequences through it,
+tensors after fit (the whole model, on every rank) and its logits of two validation sequences through it,
 the parameters its optimizer holds with the sizes of their state, and ``val/loss``,
 ``val/ppl`` from the validation at the end of fit and from ``trainer.validate`` after it.
 ``1f1b`` trains on 36 sequences: its fifth batch has 4, not 8. ``gpipe`` re-materializes every
@@ -86,10 +86,10 @@ def fit(out: str, schedule: str, epochs: int, name: str, ckpt_path: str | None =
         with open(os.path.join(out, "auto-chosen.txt"), "w") as f:
             f.write(f"{strategy.schedule} {strategy.chunks}")
     in_fit = _val(trainer)
-    # after fit, as after DDP: the module (rank 0's whole, the others' own stages) and what it computes
+    # after fit, as after DDP: every rank's module whole, and what it computes
     after_fit = {n: t.detach().clone() for n, t in task.state_dict().items() if not t.is_meta}
     probe = next(iter(val_loader()))[0][:2]
-    logits = task.net(probe).detach() if trainer.global_rank == 0 else None
+    logits = task.net(probe).detach()
     trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
     # what a save puts in each rank's memory: the whole optimizer state on rank 0 only (a collective: every rank)
     optimizer_entries = len(trainer.strategy.optimizer_state(trainer.optimizers[0])["state"])

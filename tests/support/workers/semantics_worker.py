@@ -57,6 +57,19 @@ class BatchNormBlocks(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class FirstBatchNorm(BatchNormBlocks):
+    """A BatchNorm with ``momentum=None`` (the cumulative average, weighted by ``num_batches_tracked``) as the first block,
+    on rank 0, where its inputs are the data (plain training's, whatever the weights); another inside rank 1's stage.
+    Rank 1 runs rank 0's blocks on meta for their shapes: the meta run must not read the meta counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.BatchNorm1d(5, momentum=None), nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3),
+        )
+
+
 def data(n: int = 24) -> TensorDataset:
     g = torch.Generator().manual_seed(2)
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g))
@@ -135,6 +148,11 @@ def _bn_cases() -> dict[str, tuple]:
         model = (lambda inside=layout == "inside": BatchNormBlocks(inside))
         cases[name] = (model, dict(chunks=chunks, checkpoint=checkpoint, deferred_batch_norm=deferred), 8, 24, {})
     return cases
+
+
+def _bn_default_cases() -> dict[str, tuple]:
+    """The strategy's defaults (no deferred_batch_norm given), 4 micro-batches: statistics once per batch."""
+    return {"bn-first-default": (FirstBatchNorm, dict(chunks=4, balance=[3, 3]), 8, 24, {})}
 
 
 def _ragged_cases() -> dict[str, tuple]:
@@ -251,7 +269,7 @@ def run_moe(out: str) -> None:
         torch.save({k: v.detach().clone() for k, v in task.state_dict().items()}, os.path.join(out, "moe.pt"))
 
 
-SECTIONS = {"batchnorm": _bn_cases, "ragged": _ragged_cases, "tuples": _tuple_cases}
+SECTIONS = {"batchnorm": _bn_cases, "bn_default": _bn_default_cases, "ragged": _ragged_cases, "tuples": _tuple_cases}
 
 
 def fit(model: pl.LightningModule, loader: DataLoader, strategy, devices: int = 1, **kwargs) -> pl.Trainer:
