@@ -16,14 +16,11 @@ from tests.support.conformance.compare import verdict
 _DDP_THAW = ("the reference is wrong here: DDP does not average a parameter that starts to require grad after it wrapped the model "
              "(its reducer's parameters are fixed then), so DDP's ranks drift; l2l_offload_ddp averages it and equals one "
              "process on the global batches (tests/strategies/test_l2l_unfreeze.py): 1e-4 from DDP")
-_META_FREEZE = "crashes at the unfreeze epoch: aten::equal on meta tensors in BaseFinetuning.filter_on_optimizer"
 _PER_MICRO_BATCH = "training_step runs once per micro-batch, so "
 # (feature, strategy) -> what differs today; each is a strict xfail, so a fix shows up as a failure to remove it here
 KNOWN: dict[tuple[str, str], str] = {
     ("base_finetuning", "l2l_offload_ddp"): _DDP_THAW,
     ("backbone_finetuning", "l2l_offload_ddp"): _DDP_THAW,
-    ("base_finetuning", "gpipe_distributed"): _META_FREEZE,
-    ("backbone_finetuning", "gpipe_distributed"): _META_FREEZE,
     ("log_reduce_fx", "gpipe_distributed"): _PER_MICRO_BATCH + "an epoch's reduce_fx='max' takes the largest micro-batch loss: 2.18 vs 1.39",
     ("log_batch_size", "gpipe_distributed"): _PER_MICRO_BATCH + "a value logged with batch_size=1 gets the epoch mean 0.8466 vs 0.8549",
     ("log_dict", "gpipe_distributed"): _PER_MICRO_BATCH + "a logged loss**2 is the micro-batches' mean of squares: 1.417 vs 1.054",
@@ -32,20 +29,10 @@ KNOWN: dict[tuple[str, str], str] = {
     ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) trains differently: "
                                                          "val_loss 0.6538 vs 0.6507 after epoch 0, weights 4e-3 off",
     ("all_gather_training", "gpipe_distributed"): "hangs: rank 1 waits in all_gather inside micro-batch 0 while rank 0 waits for its gradient",
-    ("all_gather_validation", "gpipe_distributed"): "hangs: rank 1 waits in all_gather, rank 0 never calls it (only the last rank runs "
-                                                    "validation_step's code after the forward)",
-    ("epoch_end_outputs", "gpipe_distributed"): "rank 0 raises 'stack expects a non-empty TensorList' in on_validation_epoch_end (its "
-                                                "validation_step appended nothing), rank 1 hangs",
-    ("sanity_check", "gpipe_distributed"): "rank 0's validation_step never gets past the forward: the module records 0 of the 8 "
-                                           "validation calls (sanity check included)",
     ("lambda_callback", "gpipe_distributed"): "on_validation_batch_end gets outputs=None on rank 0 instead of the step's loss",
-    ("model_pruning", "gpipe_distributed"): "crashes after training began: 'Tensor on device meta is not on the expected device cpu!'",
-    ("stochastic_weight_averaging", "gpipe_distributed"): "crashes after training began: 'Cannot copy out of meta tensor; no data!'",
     ("timer", "gpipe_distributed"): "after Timer(duration=0) stops fit at its first step, rank 0's module keeps rank 1's blocks on "
                                     "meta (a stop by EarlyStopping gathers them)",
     ("model_summary", "gpipe_distributed"): "ModelSummary shows FLOPs 0 and in/out sizes '?' for every layer (the example input is not run)",
-    ("module_after_fit", "gpipe_distributed"): "after fit rank 1's module holds meta tensors: forward raises 'Tensor on device meta is "
-                                               "not on the expected device cpu!'",
     ("configure_model", "gpipe_distributed"): "a network built in configure_model is initialized again by deferred init, not by the "
                                               "user's seed: weights 0.86 off",
     ("detect_anomaly", "gpipe_distributed"): "the NaN gradient's anomaly reaches rank 1 as 'pipeline step failed on rank 1 ... "
