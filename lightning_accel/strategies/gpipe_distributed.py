@@ -107,6 +107,7 @@ from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.state_gather import gather_model_state, gather_whole_module, load_own_state
 from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
+from lightning_accel.strategies.options_check import check_options
 from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
@@ -215,6 +216,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, DDPWithoutWrapper):
         deferred_batch_norm: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
         self._auto = AutoSchedule() if schedule == "auto" else schedule if isinstance(schedule, AutoSchedule) else None
         self._tuner: ScheduleTuner | None = None

@@ -84,6 +84,7 @@ from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+from lightning_accel.strategies.options_check import check_options
 
 HostStep = Literal["partitioned", "replicated"]
 
@@ -124,6 +125,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         if host_step not in ("partitioned", "replicated"):
             raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
         if overlap_step:
