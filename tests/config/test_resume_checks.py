@@ -12,7 +12,10 @@ from omegaconf import OmegaConf
 
 from lightning_accel import cli
 from lightning_accel.config.compose import compose_recipe
+from lightning_accel.config.errors import UserError
+from lightning_accel.config.preflight import check_checkpoint, check_job
 from tests.support.checkpoints import write_checkpoint
+from tests.support.edited_configs import job
 
 WROTE = ["trainer.max_steps=800"]  # the run that wrote the checkpoint: gpt-tiny_cpu, AdamW, one-cycle over 800 steps
 
@@ -41,26 +44,36 @@ MISMATCHES = [
 ]
 
 
+def _resume(checkpoint: Path, overrides: list[str]) -> None:
+    """What preflight asks of ``ckpt_path`` (on the module and optimizers its job checks built), without composing."""
+    cfg, path = job("gpt-tiny_cpu", overrides)
+    module, optimization = check_job(cfg, path, launch=False)
+    check_checkpoint(str(checkpoint), module, optimization, cfg)
+
+
 @pytest.mark.parametrize(("overrides", "pattern"), [c[1:] for c in MISMATCHES], ids=[c[0] for c in MISMATCHES])
-def test_a_checkpoint_that_disagrees_with_the_config_is_refused_naming_both(overrides: list[str], pattern: str, checkpoint: Path,
-                                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["validate", "gpt-tiny_cpu", f"ckpt_path={checkpoint}", *overrides]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith(f"lightning-accel: error: ckpt_path='{checkpoint}' ")
+def test_a_checkpoint_that_disagrees_with_the_config_is_refused_naming_both(overrides: list[str], pattern: str, checkpoint: Path) -> None:
+    with pytest.raises(UserError) as refused:
+        _resume(checkpoint, overrides)
+    line = str(refused.value)
+    assert line.startswith(f"ckpt_path='{checkpoint}' ") and "\n" not in line
     assert re.search(pattern, line), line
 
 
-def test_the_config_that_wrote_it_resumes(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["validate", "gpt-tiny_cpu", f"ckpt_path={checkpoint}", *WROTE]) == 0, capsys.readouterr().err
+def test_the_config_that_wrote_it_resumes(checkpoint: Path) -> None:
+    _resume(checkpoint, WROTE)
 
 
-def test_a_weights_only_checkpoint_and_an_unnamed_optimizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Outside a run directory the other optimizer is named by its param groups' keys (Adam's and AdamW's are one set)."""
+def test_a_weights_only_checkpoint_an_unnamed_optimizer_and_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Outside a run directory the other optimizer is named by its param groups' keys (Adam's and AdamW's are one set);
+    ``run`` refuses before any work and makes no run directory."""
     weights = write_checkpoint(tmp_path / "weights.ckpt", "gpt-tiny_cpu", WROTE, weights_only=True)
-    assert cli.main(["validate", "gpt-tiny_cpu", f"ckpt_path={weights}", *WROTE]) == 2
-    assert "holds the weights only (ModelCheckpoint(save_weights_only=True)), no optimizer or scheduler state to resume; pass a full " \
-           "checkpoint" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"holds the weights only \(ModelCheckpoint\(save_weights_only=True\)\), no optimizer or scheduler "
+                                        r"state to resume; pass a full checkpoint"):
+        _resume(weights, WROTE)
     loose = write_checkpoint(tmp_path / "loose.ckpt", "gpt-tiny_cpu", WROTE)
     assert cli.main(["run", "gpt-tiny_cpu", f"ckpt_path={loose}", *WROTE, *SGD]) == 2
     assert "holds the state of torch.optim.Adam or torch.optim.AdamW, and this config's model.optimizer is SGD" in capsys.readouterr().err
+    assert cli.main(["run", "gpt-tiny_cpu", f"ckpt_path={tmp_path}"]) == 2
+    assert f"ckpt_path='{tmp_path}' is a directory, not a file; pass an existing .ckpt file" in capsys.readouterr().err
     assert not (tmp_path / "outputs").exists()

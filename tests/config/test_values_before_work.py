@@ -3,8 +3,9 @@
 Fresh examples of each kind of value (issue 51's escapes were others of the same kinds): the Trainer's loop and the
 seed, the optimizer's and scheduler's arguments (by type, and torch's own checks when built and at the first step),
 a strategy's options against the model, the model against the data's shapes, interpolations, the run directory, every
-job of a multirun. In process (``validate``: preflight without the hardware checks); ``run`` for one case of each kind,
-where no run directory may be made.
+job of a multirun. Each case edits a copy of a recipe composed once (tests/support/edited_configs.py) and asks
+:func:`~lightning_accel.config.preflight.check_job`, what ``run`` and ``validate`` ask of every
+job; one case of each end-to-end kind goes through ``lightning-accel run``, where no run directory may be made.
 """
 
 from __future__ import annotations
@@ -13,15 +14,18 @@ import re
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from lightning_accel import cli
+from lightning_accel.config.errors import UserError
+from lightning_accel.config.preflight import check_job, check_run_dir
+from tests.support.edited_configs import composed, job
 
-STRATEGY_OFF = ["~model.scheduler.max_lr", "~model.scheduler.total_steps", "~model.scheduler.pct_start", "~model.scheduler.cycle_momentum"]
+ONE_CYCLE_OFF = ["~model.scheduler.max_lr", "~model.scheduler.total_steps", "~model.scheduler.pct_start", "~model.scheduler.cycle_momentum"]
 
 
 def _scheduler(target: str, *args: str) -> list[str]:
-    return [f"model.scheduler._target_=torch.optim.lr_scheduler.{target}", *STRATEGY_OFF, *args]
-
+    return [f"model.scheduler._target_=torch.optim.lr_scheduler.{target}", *ONE_CYCLE_OFF, *args]
 
 # (kind, recipe, overrides, the line's pattern)
 CASES: list[tuple[str, str, list[str], str]] = [
@@ -99,61 +103,78 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("interpolation", "gpt-tiny_cpu", ["trainer.val_check_interval=${trainer.max_stepz}"],
      r"^trainer.val_check_interval=\$\{trainer.max_stepz\}: the interpolation reads 'trainer.max_stepz', which does not exist \(did you mean 'trainer.max_steps'"),
     ("interpolation", "gpt-tiny_cpu", ["trainer.max_steps=${steps:8}"], r"^trainer.max_steps=\$\{steps:8\}: there is no resolver 'steps'"),
-    ("path", "gpt-tiny_cpu", ["ckpt_path={tmp}"], r"^ckpt_path='.*' is a directory, not a file; pass an existing .ckpt file"),
 ]
-RUN_TOO = {"loop", "optimizer", "strategy", "data", "interpolation"}  # kinds also checked through `run`: no run directory made
 
 
-def _expand(args: list[str], tmp_path: Path) -> list[str]:
-    return [a.replace("{tmp}", str(tmp_path)) for a in args]
+def _refusal(recipe: str, overrides: list[str]) -> str:
+    cfg, path = job(recipe, overrides)
+    with pytest.raises(UserError) as refused:
+        check_job(cfg, path, launch=False)
+    line = str(refused.value)
+    assert "\n" not in line and "; " in line, line  # one line, the fix after the value and what is wrong
+    return line
 
 
 @pytest.mark.parametrize(("kind", "recipe", "overrides", "pattern"), CASES, ids=[f"{c[0]}: {' '.join(c[2])}" for c in CASES])
-def test_a_bad_value_is_refused_before_work_in_one_line(kind: str, recipe: str, overrides: list[str], pattern: str, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    commands = ["validate", "run"] if kind in RUN_TOO and overrides == next(c[2] for c in CASES if c[0] == kind) else ["validate"]
-    for command in commands:
-        assert cli.main([command, recipe, *_expand(overrides, tmp_path)]) == 2
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-accel")]
-        assert len(lines) == 1, lines
-        line = lines[0].removeprefix("lightning-accel: error: ")
-        assert re.search(pattern, line), line
-        assert "; " in line  # the fix, after the value and what is wrong
+def test_a_bad_value_is_refused_before_work_in_one_line(kind: str, recipe: str, overrides: list[str], pattern: str) -> None:
+    line = _refusal(recipe, overrides)
+    assert re.search(pattern, line), line
+
+
+# one case of each kind end to end: ``run`` refuses it in one line, exit status 2, and makes no run directory
+END_TO_END = [("loop", ["trainer.limit_train_batches=0"]), ("strategy", ["strategy=l2l_offload", "strategy.prefetch_blocks=6"]),
+              ("data", ["model.net.vocab_size=128"])]
+
+
+@pytest.mark.parametrize(("kind", "overrides"), END_TO_END, ids=[k for k, _ in END_TO_END])
+def test_run_refuses_it_in_one_line_and_makes_no_run_directory(kind: str, overrides: list[str], tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "gpt-tiny_cpu", *overrides]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-accel")]
+    assert len(lines) == 1 and lines[0].startswith(f"lightning-accel: error: {overrides[-1].split('=')[0]}="), lines
     assert not (tmp_path / "outputs").exists()
 
 
 @pytest.mark.parametrize("overrides", [
     ["model.net.block_size=32", "data.block_size=32"],  # positions = windows: fits
-    ["data.block_size=64", "model.net.block_size=128"],
     ["trainer.max_epochs=2", "trainer.max_steps=20", "trainer.min_epochs=2", "trainer.min_steps=20"],
     ["trainer.limit_train_batches=0.5", "trainer.val_check_interval=1", "trainer.max_time=00:01:30:00", "seed=0", "trainer.devices=-1"],
     ["strategy=l2l_offload", "strategy.prefetch_blocks=3"],
 ], ids=" ".join)
-def test_values_at_their_limits_pass(overrides: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_values_at_their_limits_pass(overrides: list[str]) -> None:
     """The checks refuse what is wrong only (a check that refused every value would pass the cases above)."""
-    assert cli.main(["validate", "gpt-tiny_cpu", *overrides]) == 0, capsys.readouterr().err
+    check_job(*job("gpt-tiny_cpu", overrides), launch=False)
 
 
 def test_every_job_of_a_multirun_is_checked_before_the_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A second value only a constructor refuses (not composition) ends the sweep before job 1 trains, naming the job."""
-    assert cli.main(["run", "gpt-tiny_cpu", "-m", "trainer.max_steps=8", "trainer.min_steps=1,50", "seed=1,2"]) == 2
+    from lightning_accel.sweep import sweep_jobs
+
+    assert cli.main(["run", "gpt-tiny_cpu", "-m", "trainer.max_steps=8", "trainer.min_steps=1,50"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert re.fullmatch(r"lightning-accel: error: multirun job 3 of 4 \(trainer.min_steps=50 seed=1\): trainer.min_steps=50 exceeds "
+    assert re.fullmatch(r"lightning-accel: error: multirun job 2 of 2 \(trainer.min_steps=50\): trainer.min_steps=50 exceeds "
                         r"trainer.max_steps=8: .*; raise trainer.max_steps to at least 50, or lower trainer.min_steps", line), line
-    assert cli.main(["run", "gpt-tiny_cpu", "model.optimizer.lr=1e-3,nan", "--multirun"]) == 2
-    assert "multirun job 2 of 2 (model.optimizer.lr=nan): model.optimizer.lr=nan is not a finite number" in capsys.readouterr().err
     assert not (tmp_path / "outputs").exists()
+    cfg = composed("gpt-tiny_cpu")
+    assert sweep_jobs(cfg, ["trainer.max_steps=4"]) is None  # a single run
+    assert sweep_jobs(cfg, ["model.optimizer.lr=1e-3,nan", "seed=1,2"]) == [  # a basic sweep: its jobs, in Hydra's order
+        ["model.optimizer.lr=0.001", "seed=1"], ["model.optimizer.lr=0.001", "seed=2"], ["model.optimizer.lr=nan", "seed=1"],
+        ["model.optimizer.lr=nan", "seed=2"]]
+    assert sweep_jobs(cfg, ["seed=range(0,30)", "data.batch_size=2,4"])[:3] == [  # 60 jobs: each value once
+        ["seed=0", "data.batch_size=2"], ["seed=1", "data.batch_size=2"], ["seed=2", "data.batch_size=2"]]
+    assert len(sweep_jobs(cfg, ["seed=range(0,30)", "data.batch_size=2,4"])) == 31
 
 
-def test_a_run_directory_that_cannot_be_made_is_refused_before_hydra_tries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_directory_that_cannot_be_made_is_refused_before_hydra_tries(tmp_path: Path) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    for args, pattern in [
-        ([f"hydra.run.dir={a_file}"], rf"hydra.run.dir='{a_file}' is a file, not a directory; point hydra.run.dir at a directory"),
-        ([f"hydra.run.dir={a_file}/run"], rf"hydra.run.dir='{a_file}/run' cannot be made: '{a_file}' is a file"),
-        (["-m", f"hydra.sweep.dir={a_file}", "seed=1,2"], rf"hydra.sweep.dir='{a_file}' is a file, not a directory"),
+    for key, where, multirun, pattern in [
+        ("hydra.run.dir", a_file, False, rf"hydra.run.dir='{a_file}' is a file, not a directory; point hydra.run.dir at a directory"),
+        ("hydra.run.dir", a_file / "run", False, rf"hydra.run.dir='{a_file}/run' cannot be made: '{a_file}' is a file"),
+        ("hydra.sweep.dir", a_file, True, rf"hydra.sweep.dir='{a_file}' is a file, not a directory"),
     ]:
-        assert cli.main(["run", "gpt-tiny_cpu", *args]) == 2
-        (line,) = capsys.readouterr().err.strip().splitlines()
-        assert re.search(pattern, line), line
-    assert not (tmp_path / "outputs").exists()
+        cfg = OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path / "fine")}, "sweep": {"dir": str(tmp_path / "fine")}}})
+        OmegaConf.update(cfg, key, str(where))
+        with pytest.raises(UserError, match=pattern):
+            check_run_dir(cfg, multirun)
+        check_run_dir(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path / "new" / "run")}}}), multirun=False)
