@@ -318,10 +318,11 @@ def test_validate_all_with_and_without_the_extras(monkeypatch: pytest.MonkeyPatc
     model), not one with the extras and one without."""
     from hydra.core.config_store import ConfigStore
 
+    from lightning_accel import commands
     from lightning_accel.config.compose import recipe_names
 
     # the device estimate of the three 24 GB recipes takes a minute; tests/estimate/test_regenerate.py checks their figures
-    monkeypatch.setattr(cli, "_device_warning", lambda *args: None)
+    monkeypatch.setattr(commands, "_device_warning", lambda *args: None)
     sweepers = ConfigStore.instance().repo["hydra"]["sweeper"]
     if "optuna.yaml" in sweepers:
         assert cli.main(["validate", "gpt-tiny_sweep_cpu"]) == 0
