@@ -1,4 +1,4 @@
-"""The ``lightning-accel`` command: run, ls, cp, validate and bench recipes; export a fine-tune's adapters.
+"""The ``lightning-accel`` command: run and bench here; ls, cp, validate, estimate, export in :mod:`lightning_accel.commands`.
 
 With no arguments it runs the embedded default recipe. ``run`` hands the recipe and the
 overrides to Hydra unchanged, so everything a Hydra user knows works (``-m`` multirun,
@@ -7,20 +7,19 @@ it (targets, values, hardware, data files), so bad input ends in one line and ex
 status 2 before Hydra makes a run directory. What gets past those checks (an error in a
 strategy's set-up, a step, a checkpoint write) ends in one line too, exit status 1: the
 traceback is in the run's log, ``run.json`` says ``failed`` (see :mod:`lightning_accel.runner`).
+Every command ends a bad argument in one line: argparse's usage errors (ours and each benchmark's) too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import re
-import shutil
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
-if TYPE_CHECKING:
-    from omegaconf import DictConfig
+from lightning_accel.commands import cmd_cp, cmd_estimate, cmd_export, cmd_ls, cmd_validate
 
 DEFAULT_RECIPE = "gpt-tiny_cpu"
 EXIT_USAGE = 2
@@ -34,6 +33,24 @@ _COMMANDS = ("run", "ls", "cp", "validate", "bench", "export", "estimate", "-h",
 def _fail(message: str) -> int:
     print(f"lightning-accel: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose usage error (the usage, wrapped over up to 20 lines, then the error) is our one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"lightning-accel: error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
+@contextlib.contextmanager
+def _one_line_usage() -> Iterator[None]:
+    """A benchmark's own ``argparse.ArgumentParser`` errors in :class:`OneLineParser`'s one line, while it parses."""
+    error = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = OneLineParser.error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = error  # type: ignore[method-assign]
 
 
 def cmd_run(recipe: str, args: Sequence[str]) -> int:
@@ -81,7 +98,9 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     # Keep argv[0]: Lightning re-runs it (the console script's path, or -m lightning_accel)
     # to start the other ranks.
     searchpath = searchpath_override()
-    sys.argv = [sys.argv[0], *[a for a in args if a != searchpath], searchpath]
+    # -m between two overrides would split Hydra's list of overrides in two (argparse: "unrecognized arguments")
+    flags = [a for a in args if a in _HYDRA_FLAGS]
+    sys.argv = [sys.argv[0], *flags, *[a for a in args if a != searchpath and a not in _HYDRA_FLAGS], searchpath]
     app = hydra.main(version_base="1.3", config_path=str(path.parent), config_name=path.stem)(task)
     try:
         app()
@@ -95,141 +114,6 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     return 0
 
 
-_MISSING_EXTRA = re.compile(r"comes with the (\w+) extra")
-
-
-def _needs_extra(err: BaseException) -> str | None:
-    """The extra a recipe needs when composing it failed for want of one, else None."""
-    from lightning_accel.config.errors import explain
-
-    match = _MISSING_EXTRA.search(explain(err) or "")
-    return match.group(1) if match else None
-
-
-def _extras_of(cfg: object) -> list[str]:
-    """The extras a composed recipe uses (its sweeper or launcher plugin)."""
-    from omegaconf import OmegaConf
-
-    sweeper = str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="") or "")
-    launcher = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
-    return [*(["sweep"] if "optuna" in sweeper.lower() else []), *(["slurm"] if "submitit" in launcher.lower() else [])]
-
-
-def cmd_ls() -> int:
-    from lightning_accel.config.compose import compose_recipe, recipe_names
-    from lightning_accel.config.validate import devices_needed
-
-    rows = [("recipe", "model", "accelerator", "techniques", "purpose")]
-    for name in recipe_names():
-        try:
-            cfg = compose_recipe(name, with_hydra=True)
-        except Exception as err:
-            extra = _needs_extra(err)
-            if extra is None:
-                raise
-            rows.append((name, "-", "-", "-", f'(needs the {extra} extra: pip install "lightning-accel[{extra}]")'))
-            continue
-        choices = cfg.hydra.runtime.choices
-        net = cfg.model.get("net") or {}
-        # the zoo's preset, a transformers config's model_type, or a litgpt config name
-        variant = net.get("preset") or (net.get("config") or {}).get("model_type") or net.get("name") or ""
-        model = f"{choices.get('model')}:{variant}".rstrip(":") + _param_count(net)
-        accel = f"{cfg.trainer.accelerator}x{devices_needed(cfg)}"
-        techniques = ",".join(cfg.recipe.techniques) or "-"
-        extras = "".join(f" [{e} extra]" for e in _extras_of(cfg))
-        rows.append((name, model, accel, techniques, str(cfg.recipe.purpose) + extras))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
-    return 0
-
-
-def _param_count(net_cfg: object) -> str:
-    """`` (5.4B)``: the network's size, built on the meta device (no memory, no time)."""
-    import torch
-    from hydra.utils import instantiate
-
-    try:
-        with torch.device("meta"):
-            net = instantiate(net_cfg, _convert_="all")
-        count = sum(p.numel() for p in net.parameters())
-    except Exception:  # a user network that cannot be built this way: leave the size out
-        return ""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f" ({count / scale:.1f}{unit})"
-    return f" ({count})"
-
-
-def cmd_cp(recipe: str, dest: str) -> int:
-    from lightning_accel.config.compose import resolve_recipe
-    from lightning_accel.config.errors import UserError
-
-    source = resolve_recipe(recipe)
-    target = os.path.join(dest, source.name) if os.path.isdir(dest) else dest
-    if not target.endswith((".yaml", ".yml")):
-        raise UserError(f"destination '{dest}' must be a directory or a .yaml file; e.g. lightning-accel cp {recipe} my_{recipe}.yaml")
-    if os.path.exists(target):
-        raise UserError(f"'{target}' already exists; choose another destination or remove it first")
-    shutil.copyfile(source, target)
-    print(f"copied {recipe} to {target}; run it with: lightning-accel run {target}")
-    return 0
-
-
-def cmd_validate(recipes: Sequence[str], overrides: Sequence[str]) -> int:
-    """Run every check a run would (:func:`preflight`), except this machine's hardware.
-
-    With several recipes, each is checked and reported; a recipe that needs an extra that
-    is not installed is skipped with the install line. Exit status 2 if any failed. A recipe
-    whose purpose states a device size ("one 24 GB GPU") is estimated too
-    (:mod:`lightning_accel.estimate`); a device peak beyond that size is a one-line warning.
-    """
-    from lightning_accel.config.errors import explain, failure_line
-    from lightning_accel.config.preflight import preflight_built
-
-    failed = 0
-    for name in recipes:
-        try:
-            cfg, module = preflight_built(name, overrides, launch=False)
-        except Exception as err:
-            extra = _needs_extra(err)
-            line = explain(err) or failure_line(err)  # a check that raised unexpectedly: its own line
-            if extra is not None and len(recipes) > 1:
-                print(f"skip  {name}  (needs the {extra} extra: pip install \"lightning-accel[{extra}]\")")
-                continue
-            if len(recipes) == 1:
-                raise
-            failed += 1
-            print(f"FAIL  {name}  {line}")
-            continue
-        warning = _device_warning(name, overrides, cfg, module)
-        if warning is not None:
-            print(f"warn  {name}  {warning}")
-        print(f"ok  {name}")
-    return EXIT_USAGE if failed else 0
-
-
-def _device_warning(name: str, overrides: Sequence[str], cfg: DictConfig, module: Any) -> str | None:
-    """One line when the recipe's estimated device peak exceeds the device size its purpose states
-    ("one 24 GB GPU"); None when it fits, states no size, or runs on the CPU. ``cfg`` and ``module``:
-    what preflight composed and built on meta, which the estimate measures instead of checking again."""
-    from lightning_accel.estimate import estimate_recipe
-    from lightning_accel.estimate.recipe import stated_device_memory
-    from lightning_accel.estimate.report import gb
-
-    stated = stated_device_memory(cfg)
-    if stated is None or str(cfg.trainer.accelerator) == "cpu":
-        return None
-    try:
-        estimate = estimate_recipe(name, list(overrides), built=(cfg, module))
-    except ValueError as err:  # a data module whose batch shape the estimate does not know
-        return f"device memory not estimated: {err}"
-    if estimate.device_fits is not False:
-        return None
-    return (f"estimated device peak {gb(estimate.device_peak)} exceeds the {gb(stated)} device the recipe states; "
-            f"HINT: lightning-accel estimate {name} shows where it goes")
-
-
 def cmd_bench(name: str | None, args: Sequence[str]) -> int:
     from lightning_accel.bench import load_benchmarks, run_benchmark
 
@@ -240,19 +124,8 @@ def cmd_bench(name: str | None, args: Sequence[str]) -> int:
         if not benchmarks:
             print("no benchmarks are installed yet")
         return 0
-    return run_benchmark(name, list(args))
-
-
-def cmd_export(run_dir: str, out: str | None) -> int:
-    """Write a fine-tune run's adapters in peft's format (:mod:`lightning_accel.models.export_adapters`)."""
-    from pathlib import Path
-
-    from lightning_accel.models.export_adapters import export_adapters
-
-    target, count, base = export_adapters(Path(run_dir), Path(out) if out is not None else None)
-    print(f"exported {count:,} adapter parameters of {run_dir} to {target}; load them with "
-          f"peft.PeftModel.from_pretrained(base, '{target}') on {base}")
-    return 0
+    with _one_line_usage():
+        return run_benchmark(name, list(args))
 
 
 # Hydra's flags that take no value: a Hydra user writes them before the config's name too
@@ -275,49 +148,8 @@ def _is_override(arg: str) -> bool:
     return "=" in arg or arg.startswith("~")
 
 
-def cmd_estimate(
-    recipe: str, overrides: Sequence[str], device_memory: str | None, host_memory: str | None, as_json: bool, measure: int | None = None
-) -> int:
-    """Print the recipe's memory by rank and component, and whether it fits (:mod:`lightning_accel.estimate`); with
-    ``measure``, run that many steps on this machine's GPUs and print ``max_memory_allocated`` beside each rank's
-    device figure (:mod:`lightning_accel.estimate.measure`; exit 1 when a device is off by more than 10%)."""
-    import json
-
-    from lightning_accel.config.errors import UserError
-    from lightning_accel.estimate import estimate_recipe, parse_size
-    from lightning_accel.estimate.report import device_size
-
-    try:
-        sizes = [size(s) if s is not None else None for size, s in ((device_size, device_memory), (parse_size, host_memory))]
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    if measure is not None:
-        import torch
-
-        if measure < 1:
-            raise UserError(f"--measure takes a number of training steps, 1 or more; got {measure}")
-        if not torch.cuda.is_available():
-            raise UserError("--measure compares the device figure with torch.cuda.max_memory_allocated: it needs a CUDA GPU")
-    estimate = estimate_recipe(recipe, list(overrides), *sizes)
-    if measure is None:
-        print(json.dumps(estimate.as_json(), indent=2) if as_json else estimate.format())
-        return 0
-    from lightning_accel.estimate.measure import compare, format_rows, run_and_measure
-
-    if estimate.on_cpu:
-        raise UserError(f"{recipe} trains on the CPU: --measure compares a GPU recipe's device figure")
-    if not as_json:  # the table first: the run takes minutes
-        print(estimate.format(), flush=True)
-    rows = compare(estimate, run_and_measure(recipe, list(overrides), measure))
-    if as_json:
-        print(json.dumps({**estimate.as_json(), "measured": [{**vars(r), "ratio": r.ratio} for r in rows]}, indent=2))
-    else:
-        print(format_rows(rows))
-    return 0 if all(r.within for r in rows) else 1
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="lightning-accel",
         description="Run, list, copy, validate and benchmark lightning_accel recipes; export a fine-tune's adapters. "
         f"With no arguments, runs the default recipe ({DEFAULT_RECIPE}).",
@@ -402,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = explain(err)
         if line is not None:
             return _fail(line)
+        if getattr(type(err), "explained", False) is True:  # failed after the work began, what it wrote removed
+            print(f"lightning-accel: error: {failure_line(err)}", file=sys.stderr)
+            return EXIT_FAILED
         if ns.command not in ("run", "validate"):
             raise
         # every exit of run and validate is one line: here a check (or Hydra) raised what it should have explained

@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +35,7 @@ from torch import nn
 from lightning_accel.atomic import atomic_write_text
 from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
 from lightning_accel.callbacks.random_state import RandomState
-from lightning_accel.config.errors import UserError, failure_line
+from lightning_accel.config.errors import UserError, failure_line, missing_file_line
 from lightning_accel.console import KNOWN_WARNINGS, DropNoise
 from lightning_accel.models import load_peak
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
@@ -95,7 +96,7 @@ def resolve_ckpt_path(cfg: DictConfig, recipe_root: Path) -> str | None:
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path != "last":
         if ckpt_path is not None and not Path(ckpt_path).is_file():
-            raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file or ckpt_path=last")
+            raise UserError(missing_file_line("ckpt_path", ckpt_path, "pass an existing .ckpt file or ckpt_path=last"))
         return ckpt_path
     return str(find_last_checkpoint(recipe_root, cfg))
 
@@ -198,9 +199,27 @@ def _failed(err: Exception, line: str, cfg: DictConfig, output_dir: Path, traine
     if bool(cfg.get("keep_failed", False)) or _checkpoint_of(trainer, output_dir) is not None:
         return RunFailed(f"{line} (traceback: {log})", rank)
     if rank == 0:
+        end_ranks(trainer)  # a rank still starting would make the directory again, and leave its log in it
         remove_run_dir(output_dir, keep_parent=HydraConfig.get().mode == RunMode.MULTIRUN)
     return RunFailed(f"{line} (nothing was checkpointed, so the run directory is removed; keep_failed=true keeps it, "
                      "with the traceback in its log)", rank)
+
+
+def end_ranks(trainer: pl.Trainer | None, grace_s: float = 2.0) -> None:
+    """Wait for the ranks this process started (Lightning's subprocess launcher) to end, ``grace_s`` for each to fail
+    on its own, then terminated, then killed: the run directory is removed only after, so no rank leaves its log
+    (or Hydra's ``.hydra``) in a directory that rank 0 removed."""
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    for proc in list(getattr(launcher, "procs", None) or []):
+        for stop, wait_s in ((None, grace_s), (proc.terminate, 3.0), (proc.kill, 10.0)):
+            if proc.poll() is not None:
+                break
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
 
 
 def _checkpoint_of(trainer: pl.Trainer | None, output_dir: Path) -> str | None:

@@ -227,6 +227,42 @@ def check_sweep_values(recipe: str | Path, plain: Sequence[str], overrides: Sequ
                 raise UserError(f"sweep value {key}={value} (from {text}) is refused: {line}") from None
 
 
+# A basic sweep of at most this many jobs is checked job by job; a larger one, and a sampling sweeper's (Optuna's), value
+# by value: each listed value once (an interval by its two bounds), the other keys at their first.
+_MAX_PRODUCT = 24
+
+
+def sweep_jobs(cfg: DictConfig, overrides: Sequence[str], multirun: bool = False) -> list[list[str]] | None:
+    """The jobs of a multirun as override lists, for preflight to check every job's composition before the first
+    starts (a second value that only its constructor refuses, ``model.optimizer.lr=1e-3,-1``, would otherwise fail
+    job 1 after job 0 trained); None for a single run. ``cfg``: the recipe composed with the non-sweep overrides."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    hydra_cfg = cfg.get("hydra")
+    params = {k: v for k, v in sweep_params(hydra_cfg, overrides).items() if not k.lstrip("+~").startswith("hydra.")}
+    if not params and not (multirun or str(OmegaConf.select(cfg, "hydra.mode", default="")).endswith("MULTIRUN")):
+        return None
+    parser = OverridesParser.create()
+    dims: list[list[str]] = []
+    for key, spec in params.items():
+        override = parser.parse_override(f"{key}={spec}")
+        if override.is_discrete_sweep():
+            values = list(override.sweep_string_iterator())
+        elif override.is_interval_sweep():
+            interval = override.value()
+            values = [str(interval.start), str(interval.end)]
+        else:
+            values = [str(spec)]
+        dims.append([f"{key}={v}" for v in values])
+    sampled = "optuna" in str(OmegaConf.select(cfg, "hydra.sweeper._target_", default="") or "").lower()
+    if not sampled and math.prod(len(d) for d in dims) <= _MAX_PRODUCT:
+        return [list(job) for job in itertools.product(*dims)]
+    first = [d[0] for d in dims]
+    return [first] + [[*first[:i], value, *first[i + 1:]] for i, d in enumerate(dims) for value in d[1:]]
+
+
 def check_slurm_devices(devices: Any) -> None:
     """SLURM allocations are sized by ``trainer.devices``: it must be a positive count."""
     if isinstance(devices, int) and devices > 0:

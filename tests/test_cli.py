@@ -128,12 +128,13 @@ def test_bad_input_in_a_real_process_is_one_line_on_stderr_and_exit_2(cli_env: d
 
 @pytest.mark.slow
 def test_failure_inside_a_run_is_marked_failed(cli_env: dict[str, str], tmp_path: Path) -> None:
-    # The model's context (16) is shorter than the data's windows (128): GPT raises mid-run.
-    proc = _run(["run", "gpt-tiny_cpu", "model.net.block_size=16", "trainer.max_steps=3", "keep_failed=true"], cli_env)
-    assert proc.returncode != 0
+    # a network whose forward raises at the first step: nothing before work can see it
+    proc = _run(["run", "gpt-tiny_cpu", "model.net._target_=tests.support.failing_nets.GPTFailingInForward", "trainer.max_steps=3",
+                 "keep_failed=true"], cli_env | {"PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert proc.returncode == 1
     (run,) = (tmp_path / "outputs" / "gpt-tiny_cpu").iterdir()
     status = json.loads((run / "run.json").read_text())
-    assert status["status"] == "failed" and "block_size" in status["error"]
+    assert status["status"] == "failed" and "GPTFailingInForward" in status["error"]
     assert not list(run.glob("checkpoints/*.ckpt"))
 
 
@@ -205,9 +206,10 @@ PREFLIGHT_BAD = [
     (["strategy=gpipe_distributed", "trainer.devices=2", "data.batch_size=1"], r"data.batch_size=1: .*chunks=4, schedule='1f1b'.* cannot be split"),
     (["strategy=gpipe", "strategy.devices=[cpu,cpu]", "strategy.balance=[3,3]"], r"does not cover the model's blocks \(blocks: 4"),
     (["strategy=l2l_offload", "strategy.prefetch_blocks=-1"], r"prefetch_blocks must be >= 0, got -1"),
-    (["trainer.max_steps=-5"], r"trainer: `max_steps` must be a non-negative integer or -1"),
-    (["model.optimizer.lr=-1"], r"model.optimizer: Invalid learning rate: -1"),  # torch's own check, under every strategy
-    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is not a positive integer"),  # Lightning: modulo by zero
+    (["trainer.max_steps=-5"], r"trainer.max_steps=-5 is not allowed; pass a number of optimizer steps >= 1, or -1"),
+    # torch's own check, under every strategy
+    (["model.optimizer.lr=-1"], r"model.optimizer.lr=-1: AdamW refuses it \(Invalid learning rate: -1, when built\); pass a value"),
+    (["trainer.accumulate_grad_batches=0"], r"trainer.accumulate_grad_batches=0 is not allowed; pass a number of batches >= 1"),
     # what a fit needs of the strategy, asked as its set-up asks (DDPWithoutWrapper.check_fit, check_delayed_update)
     (["strategy=gpipe_distributed", "trainer.devices=2", "trainer.sync_batchnorm=true"],
      r"trainer.sync_batchnorm=true: DistributedGPipeStrategy does not convert BatchNorm layers"),
@@ -255,18 +257,13 @@ def test_preflight_refuses_before_any_work(command: str, overrides: list[str], m
 def _checkpoint(tmp_path: Path, kind: str) -> Path:
     import os
 
-    import torch
-
-    from lightning_accel.config.compose import compose_recipe
-    from lightning_accel.runner import build_model
+    from tests.support.checkpoints import write_checkpoint
 
     path = tmp_path / f"{kind}.ckpt"
     if kind == "random":
         path.write_bytes(os.urandom(4096))
         return path
-    with torch.device("meta"):
-        model = build_model(compose_recipe("resnet-tiny_cpu" if kind == "other-model" else "gpt-tiny_cpu"))
-    torch.save({"state_dict": {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, "global_step": 0}, path)
+    write_checkpoint(path, "resnet-tiny_cpu" if kind == "other-model" else "gpt-tiny_cpu", ["trainer.max_steps=800"])
     if kind == "truncated":
         path.write_bytes(path.read_bytes()[:2000])
     return path
@@ -321,10 +318,11 @@ def test_validate_all_with_and_without_the_extras(monkeypatch: pytest.MonkeyPatc
     model), not one with the extras and one without."""
     from hydra.core.config_store import ConfigStore
 
+    from lightning_accel import commands
     from lightning_accel.config.compose import recipe_names
 
     # the device estimate of the three 24 GB recipes takes a minute; tests/estimate/test_regenerate.py checks their figures
-    monkeypatch.setattr(cli, "_device_warning", lambda *args: None)
+    monkeypatch.setattr(commands, "_device_warning", lambda *args: None)
     sweepers = ConfigStore.instance().repo["hydra"]["sweeper"]
     if "optuna.yaml" in sweepers:
         assert cli.main(["validate", "gpt-tiny_sweep_cpu"]) == 0

@@ -2,10 +2,11 @@
 run directory left behind by a run that never wrote a checkpoint (unless ``keep_failed=true``).
 
 In process (an interpreter start costs ~10 s of imports): each case is a real ``lightning-accel run`` of the tiny GPT
-for at most 2 steps, failing in the first step, with an input preflight cannot know (the data's sequence length against
-the model's). What a strategy checks at set-up (a block class the model lacks, chunks against the batch, a closure-based
-optimizer, a world size against the pipeline layout) preflight now asks first: exit 2 before any work, in
-tests/test_cli.py's PREFLIGHT_BAD.
+for at most 2 steps, failing in the first step, with an input preflight cannot know (a network whose forward raises).
+What a strategy checks at set-up (a block class the model lacks, chunks against the batch, a closure-based optimizer, a
+world size against the pipeline layout) and what shapes tell (the data's sequence length against the model's positions)
+preflight now asks first: exit 2 before any work, in tests/test_cli.py's PREFLIGHT_BAD and
+tests/config/test_values_before_work.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ TINY = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_va
 
 # (kind, overrides, what the one line says)
 ESCAPES = [
-    ("first step", ["model.net.block_size=24"], r"sequence length 32 exceeds the model's block_size 24"),
+    ("first step", ["model.net._target_=tests.support.failing_nets.GPTFailingInForward"],
+     r"ValueError: GPTFailingInForward got a batch of shape \(4, 32\) it was written to refuse; fix the network's forward"),
 ]
 
 

@@ -192,7 +192,7 @@ def _fake_run(run_dir: Path, recipe: str, checkpoint: bool, overrides: list[str]
     [
         (lambda d: d.mkdir(), r"'.*/run' has no run\.json: not a run directory; pass one that `lightning-accel run` made"),
         (lambda d: _fake_run(d, "llama-tiny_lora_cpu", checkpoint=False),
-         r"'.*/run' has no checkpoint \(its run killed before saving one\); export a run that saved one"),
+         r"'.*/run' has no checkpoint: run.json names none, and .*/run/checkpoints holds no .ckpt; export a run whose checkpoint is there"),
         (lambda d: _fake_run(d, "llama-tiny_cpu", checkpoint=True),
          r"'.*/run' trained without an adapter \(model\.adapter is null\): its checkpoint holds the whole model, no adapters to export"),
         (lambda d: _fake_run(d, "llama-tiny_lora_cpu", checkpoint=True),

@@ -101,3 +101,29 @@ def test_summary_of_a_resumed_run_without_a_new_checkpoint() -> None:
     assert "checkpoint: (none new; resumed from /x/last.ckpt)" in summary(status | {"resumed_from": "/x/last.ckpt"})
     assert "callbacks=none" in summary(status)
     assert "interrupted (Ctrl-C) after 8 steps" in summary(status | {"status": "interrupted"})
+
+
+def test_a_failed_run_ends_the_ranks_it_started_before_removing_their_directory(tmp_path) -> None:
+    """Rank 0 removes a failed run's directory only once the ranks it launched are gone: a rank still starting (here, one
+    that makes the directory and writes its log 0.3 s later, then hangs in a collective) would leave its log in a
+    directory that was removed. One that ends on its own is only waited for."""
+    import subprocess
+    import time
+    from types import SimpleNamespace
+
+    from lightning_accel.run_dir import remove_run_dir
+    from lightning_accel.runner import end_ranks
+
+    run_dir = tmp_path / "outputs" / "recipe" / "run"
+    run_dir.mkdir(parents=True)
+    late = subprocess.Popen(["sh", "-c", f"sleep 0.3; mkdir -p {run_dir}; echo rank1 > {run_dir}/rank_1.log; sleep 60"])
+    done = subprocess.Popen(["sh", "-c", "exit 3"])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[late, done])))
+    started = time.monotonic()
+    end_ranks(trainer, grace_s=0.6)  # type: ignore[arg-type]
+    remove_run_dir(run_dir)
+    assert late.poll() is not None and done.returncode == 3
+    assert time.monotonic() - started < 5  # the hanging rank was terminated after its grace, not waited for
+    time.sleep(0.5)
+    assert not run_dir.exists() and not run_dir.parent.exists()
+    end_ranks(None)  # a run that failed before its Trainer existed started no rank

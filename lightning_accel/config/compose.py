@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from lightning_accel.config.errors import UserError, close_matches
+from lightning_accel.config.errors import UserError, close_matches, missing_file_line
 from lightning_accel.config.locate import conf_dir, recipes_dir
 from lightning_accel.config.schema import register_schemas
 
@@ -31,7 +31,7 @@ def resolve_recipe(recipe: str) -> Path:
     as_path = Path(recipe).expanduser()
     if recipe.endswith((".yaml", ".yml")) or as_path.parent != Path("."):
         if not as_path.is_file():
-            raise UserError(f"recipe file '{recipe}' does not exist; pass a recipe name (see `lightning-accel ls`) or an existing YAML path")
+            raise UserError(missing_file_line("recipe file", recipe, "pass a recipe name (see `lightning-accel ls`) or an existing YAML path"))
         return as_path.resolve()
     shipped = recipes_dir() / f"{recipe}.yaml"
     if shipped.is_file():

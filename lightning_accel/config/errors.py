@@ -16,9 +16,21 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationKeyError,
+    InterpolationResolutionError,
+    InterpolationToMissingValueError,
+    InterpolationValidationError,
+    MissingMandatoryValue,
+    UnsupportedInterpolationType,
+    ValidationError,
+)
 
 _KEY_ERRORS = (ConfigKeyError, ConfigAttributeError)
 _KINDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}
@@ -37,6 +49,14 @@ def one_line(message: str) -> str:
     text = message.strip()
     first = text.splitlines()[0] if text else ""
     return _HINT.sub("; ", first, count=1)
+
+
+def missing_file_line(key: str, path: str | Path, fix: str) -> str:
+    """``key='path' does not exist`` only when it does not: ``is a directory, not a file`` when it is one (so the line
+    says what is true), then ``; fix``."""
+    where = Path(str(path)).expanduser()
+    what = "is a directory, not a file" if where.is_dir() else "is not a regular file" if where.exists() else "does not exist"
+    return f"{key} '{path}' {what}; {fix}" if " " in key else f"{key}='{path}' {what}; {fix}"
 
 
 def close_matches(word: str, choices: Iterable[str]) -> str:
@@ -88,6 +108,48 @@ def _explain_omegaconf(err: Exception) -> str | None:
     return None
 
 
+def _dotted_keys(node: Any, prefix: str = "") -> Iterable[str]:
+    from omegaconf import DictConfig
+
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            yield path
+            yield from _dotted_keys(node._get_node(key), path)
+
+
+def _explain_interpolation(err: InterpolationResolutionError) -> str:
+    """``key=${...}`` that does not resolve: the key it names does not exist, its resolver is unknown, or it reads a
+    value that was never set."""
+    key = getattr(err, "full_key", None) or "a value"
+    child = getattr(err, "child_node", None)
+    raw = child._value() if child is not None else None
+    shown = f"{key}={raw}" if isinstance(raw, str) else str(key)
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, InterpolationKeyError):
+        match = re.search(r"key '([^']+)'", message)
+        missing = match.group(1) if match else "?"
+        parent = getattr(err, "parent_node", None)
+        root = parent._get_root() if parent is not None and hasattr(parent, "_get_root") else None
+        hint = close_matches(missing, _dotted_keys(root)) if root is not None else ""
+        return f"{shown}: the interpolation reads '{missing}', which does not exist{hint}; point it at an existing key (e.g. ${{trainer.max_steps}}) or give a plain value"
+    if isinstance(err, UnsupportedInterpolationType):
+        match = re.search(r"type (\S+)", message)
+        return (f"{shown}: there is no resolver '{match.group(1) if match else '?'}'; write ${{a.key}} for another key's value, "
+                "a resolver Hydra knows (now, oc.env, oc.select, ...), or a plain value")
+    if isinstance(err, InterpolationToMissingValueError):
+        match = re.search(r"Missing mandatory value: (\S+)", message)
+        unset = match.group(1) if match else "KEY"
+        return f"{shown}: it reads {unset}, which has no value (???); set it on the command line: {unset}=VALUE"
+    if isinstance(err, InterpolationValidationError):  # the value it reads is not of this key's type
+        source = re.fullmatch(r"\$\{([\w.]+)\}", raw) if isinstance(raw, str) else None
+        problem = re.sub(r"^While dereferencing interpolation '[^']*': ", "", message)
+        if source is not None:
+            return (f"{shown}: {problem} (it reads {source.group(1)}); set {key} to a value of its own, or "
+                    f"{source.group(1)} to one {key} takes")
+    return f"{shown}: {message}; fix the interpolation or give a plain value"
+
+
 def explain(err: BaseException) -> str | None:
     """The one-line explanation of a composition error, or None for unknown errors."""
     if isinstance(err, UserError):
@@ -96,6 +158,8 @@ def explain(err: BaseException) -> str | None:
         return _explain_missing_config(err)
     if isinstance(err, OverrideParseException):
         return f"cannot parse override: {str(err).splitlines()[0]}; overrides look like key=value or group=option"
+    if isinstance(err, InterpolationResolutionError):
+        return _explain_interpolation(err)
     if isinstance(err, (*_KEY_ERRORS, ValidationError, MissingMandatoryValue)):
         return _explain_omegaconf(err)
     if isinstance(err, ConfigCompositionException):

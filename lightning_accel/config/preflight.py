@@ -10,18 +10,22 @@ bad input ends in one line and exit status 2 before Hydra makes a run directory:
    (:mod:`lightning_accel.config.pretrained`);
 2. binding: every ``_target_`` imports and takes the keys given (:func:`validate`);
 3. sweeps: search space keys exist, each listed value composes, the direction and the
-   SLURM allocation can be derived (:func:`lightning_accel.sweep.check_sweep`);
-4. construction: the objects whose constructors check their arguments are built once,
-   cheaply (the network on the meta device, the Trainer's loop settings on the CPU), so
-   their own validation runs and no second copy of it exists here (a transformers
-   ``pretrained_path`` is checked there too, without reading a weight); then the strategy's
-   set-up checks, the same functions it calls at set-up, on that network, the configured batch
-   size and world size (:func:`lightning_accel.config.setup_checks.check_strategy_setup`): block
-   policy, balance, micro-batches vs batch, world size vs pipeline layout, host optimizers;
-5. the run on this machine (``launch=True``): the hardware the recipe needs, the data
-   files, a writable outputs directory;
-6. checkpoints: ``ckpt_path`` (``last`` resolved to a file) is readable and its weights
-   fit the network about to be built.
+   SLURM allocation can be derived (:func:`lightning_accel.sweep.check_sweep`); every job of
+   a multirun gets step 5 too, before the first starts (:func:`lightning_accel.sweep.sweep_jobs`);
+4. the run on this machine (``launch=True``): the hardware the recipe needs, the data
+   files, a writable outputs directory, a run (or sweep) directory Hydra can make;
+5. one job (:func:`check_job`): the Trainer's loop values and the seed
+   (:mod:`~lightning_accel.config.loop_checks`), every interpolation, then the objects whose
+   constructors check their arguments, built once, cheaply (the network on the meta device),
+   so their own validation runs and no second copy of it exists here (a transformers
+   ``pretrained_path`` is checked there too, without reading a weight); the optimizer and
+   scheduler built and stepped once (:mod:`~lightning_accel.config.optim_checks`); the
+   strategy's set-up checks, the same functions it calls at set-up, on that network, the
+   configured batch size and world size (:func:`lightning_accel.config.setup_checks.check_strategy_setup`);
+   and the network against the data's shapes (:mod:`~lightning_accel.config.data_fit`);
+6. checkpoints: ``ckpt_path`` (``last`` resolved to a file) is readable, its weights fit the
+   network about to be built, and its optimizer and scheduler states are the config's
+   (:mod:`~lightning_accel.config.resume_checks`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
-from lightning_accel.config.errors import UserError, explain, one_line
+from lightning_accel.config.data_fit import check_data_fits
+from lightning_accel.config.errors import UserError, explain, missing_file_line, one_line
+from lightning_accel.config.loop_checks import check_seed, check_trainer
+from lightning_accel.config.optim_checks import Configured, check_optimization
+from lightning_accel.config.resume_checks import check_checkpoint
 from lightning_accel.config.setup_checks import check_offload_precision, check_strategy_setup
 from lightning_accel.config.validate import check_launchable, validate
 
@@ -105,21 +113,39 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _reason(err: BaseException) -> str:
-    """The one line of a constructor's error, seen through Hydra's InstantiationException."""
+def _cause(err: BaseException) -> BaseException:
+    """The constructor's error, seen through Hydra's InstantiationException."""
     while err.__cause__ is not None and type(err).__name__ == "InstantiationException":
         err = err.__cause__
+    return err
+
+
+def _reason(err: BaseException) -> str:
+    """The one line of a constructor's error."""
+    err = _cause(err)
     return explain(err) or _first_line(err)
 
 
 def _built(where: str, node: Any, **kwargs: Any) -> Any:
-    """``instantiate(node)``, its error as one line naming ``where``."""
+    """``instantiate(node)``, its error as one line naming ``where`` (and the argument, where the constructor's
+    error names one: :mod:`lightning_accel.strategies.options_check`'s ``where.name=value: ...``)."""
     try:
         return instantiate(node, **kwargs)
     except UserError:
         raise
     except Exception as err:
-        raise UserError(f"{where}: {_reason(err)}") from None
+        keyed = getattr(_cause(err), "keyed", None)
+        raise UserError(keyed(where) if callable(keyed) else _with_fix(where, node, _reason(err))) from None
+
+
+def _with_fix(where: str, node: Any, line: str) -> str:
+    """``where: line``; a constructor's line that says no fix (no ``;``) gets one: the argument it names, to change."""
+    if ";" in line or not OmegaConf.is_dict(node):
+        return f"{where}: {line}"
+    named = [str(k) for k in node.keys() if not str(k).startswith("_") and re.search(rf"\b{re.escape(str(k))}\b", line)]
+    if not named:
+        return f"{where}: {line}; fix the {where} arguments ({', '.join(str(k) for k in node.keys() if not str(k).startswith('_'))})"
+    return f"{where}.{named[0]}={OmegaConf.select(node, named[0])}: {line}; set {where}.{named[0]} to a value it allows"
 
 
 def check_comm_strategy(strategy: Mapping[str, Any] | None, accelerator: str) -> None:
@@ -190,9 +216,9 @@ def _strategy_node(cfg: DictConfig, launch: bool) -> Any:
     return node
 
 
-def _check_objects(cfg: DictConfig, launch: bool) -> Any:
-    """Build what checks its own arguments; returns the network (on the meta device)."""
-    import lightning.pytorch as pl
+def _check_objects(cfg: DictConfig, launch: bool) -> tuple[Any, Configured]:
+    """Build what checks its own arguments; returns the network (on the meta device) and what its
+    ``configure_optimizers`` built there (stepped once)."""
     import torch
 
     from lightning_accel.runner import build_model
@@ -205,18 +231,6 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
                 _built(f"callbacks.{name}", node)
         plugins = [_built(f"plugins[{i}]", node) for i, node in enumerate(cfg.get("plugins") or [])]
         check_offload_precision(strategy, plugins, cfg.trainer.get("precision"))
-        loop = {k: v for k, v in OmegaConf.to_container(cfg.trainer, resolve=True).items() if k != "_target_"}
-        # The loop settings on the CPU: the hardware is check_launchable's question.
-        loop.update(accelerator="cpu", devices=1, precision="32-true", logger=False, enable_checkpointing=False, default_root_dir=os.devnull)
-        try:
-            pl.Trainer(**loop)
-        except Exception as err:
-            raise UserError(f"trainer: {_first_line(err)}") from None
-        # Lightning takes this one unchecked and divides by it at the first step (ZeroDivisionError, after set-up)
-        accumulate = loop.get("accumulate_grad_batches", 1)
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise UserError(f"trainer.accumulate_grad_batches={accumulate!r} is not a positive integer; "
-                            "pass trainer.accumulate_grad_batches=<an integer >= 1> (1: no accumulation)")
         with torch.device("meta"):
             try:
                 module = build_model(cfg)
@@ -224,39 +238,9 @@ def _check_objects(cfg: DictConfig, launch: bool) -> Any:
                 raise
             except Exception as err:
                 raise UserError(f"model: {_reason(err)}") from None
-    check_strategy_setup(strategy, module, cfg)
-    return module
-
-
-def check_checkpoint(path: str, module: Any) -> None:
-    """``path`` loads as a Lightning checkpoint whose weights fit ``module`` (names and shapes); a
-    fine-tune's checkpoint leaves out the frozen base's tensors, and says which (``base_keys``)."""
-    import torch
-
-    from lightning_accel.models.finetune_checkpoint import adapter_option, base_keys
-
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:
-        raise UserError(f"ckpt_path='{path}' is not a readable checkpoint ({_first_line(err)[:120]}); pass a .ckpt written by a run, or start without ckpt_path") from None
-    weights = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
-    if not isinstance(weights, dict):
-        raise UserError(f"ckpt_path='{path}' has no 'state_dict' (not a Lightning checkpoint); pass a .ckpt written by a run")
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    frozen = base_keys(checkpoint)
-    missing = [k for k in expected if k not in weights and k not in frozen]
-    unexpected = [k for k in weights if k not in expected]
-    wrong = [k for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
-    if wrong:
-        k = wrong[0]
-        raise UserError(
-            f"ckpt_path='{path}' does not fit this model: {k} is {tuple(weights[k].shape)} there, {expected[k]} here "
-            f"({len(wrong)} tensors differ); resume with the model overrides of the run that wrote it"
-        )
-    if missing or unexpected:
-        what = f"{len(missing)} of the model's tensors missing (e.g. {missing[0]})" if missing else f"{len(unexpected)} unknown tensors (e.g. {unexpected[0]})"
-        fix = f"it is a fine-tune's ({adapter_option(checkpoint)}): resume with that model/adapter and its keys" if frozen else "it was written for another model"
-        raise UserError(f"ckpt_path='{path}' does not fit this model: {what}; {fix}")
+        optimization = check_optimization(module, cfg)
+    check_strategy_setup(strategy, module, cfg, optimization.optimizers)
+    return module, optimization
 
 
 def _check_writable(root: Path) -> None:
@@ -292,7 +276,7 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     config it returns: ``estimate`` measures that one instead of building it again (a 70B
     LoRA's build, peft's injection on meta, takes seconds)."""
     from lightning_accel.run_dir import find_last_checkpoint, reap
-    from lightning_accel.sweep import check_sweep
+    from lightning_accel.sweep import check_sweep, sweep_jobs
 
     path = resolve_recipe(recipe)
     flags = [o for o in overrides if o.startswith("-")]
@@ -304,13 +288,18 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     run_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     validate(run_cfg)
     remote = check_sweep(path, [*flags, *[o for o in overrides if not o.startswith("-")]], cfg)
+    # a rank that rank 0 started runs one job: rank 0 checked the others
+    jobs = None if relaunched else sweep_jobs(cfg, [o for o in overrides if not o.startswith("-")], multirun=any(f in ("-m", "--multirun") for f in flags))
     if launch and not remote:  # jobs sent to SLURM run on its nodes, not on this machine
         check_launchable(cfg, path.stem)
         _check_writable(recipe_root(cfg, path))
-    check_data(cfg)
-    check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
-    with _hydra_runtime(cfg, recipe_root(cfg, path) / "(preflight)"):
-        module = _check_objects(cfg, launch)
+        check_run_dir(cfg, multirun=jobs is not None)
+    module, optimization = check_job(cfg, path, launch)
+    for number, job in enumerate(jobs or [], start=1):  # every job of a multirun, before the first starts
+        try:
+            check_job(_compose(path, [*plain, *job]), path, launch)
+        except UserError as err:
+            raise UserError(f"multirun job {number} of {len(jobs or [])} ({' '.join(job)}): {err}") from None
     ckpt_path = cfg.get("ckpt_path")
     if launch and not relaunched and recipe_root(cfg, path).is_dir():
         reap(recipe_root(cfg, path))  # earlier runs that died: marked killed, their last.ckpt made true
@@ -320,15 +309,61 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
             cfg.ckpt_path = ckpt_path
     if ckpt_path is not None:
         if not Path(str(ckpt_path)).is_file():
-            raise UserError(f"ckpt_path='{ckpt_path}' does not exist; pass an existing .ckpt file, ckpt_path=last, or leave it unset")
-        check_checkpoint(str(ckpt_path), module)
+            raise UserError(missing_file_line("ckpt_path", ckpt_path, "pass an existing .ckpt file, ckpt_path=last, or leave it unset"))
+        check_checkpoint(str(ckpt_path), module, optimization, cfg)
     return cfg, module
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_job(cfg: DictConfig, path: Path, launch: bool) -> tuple[Any, Configured]:
+    """Every check of one job's composed config that builds something: the data module, the strategy and the other
+    constructors, the loop, the network on meta and its optimization, the network against the data."""
+    with _hydra_runtime(cfg, recipe_root(cfg, path) / "(preflight)"):
+        # the loop first: other nodes read its values by interpolation (every_n_train_steps: ${trainer.val_check_interval})
+        with _quiet():
+            check_trainer(_resolved(cfg.trainer))
+        check_seed(cfg.get("seed"))
+        _resolved(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]))  # every interpolation, its key named
+        data = check_data(cfg)
+        check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
+        module, optimization = _check_objects(cfg, launch)
+    check_data_fits(data, module, cfg)
+    return module, optimization
+
+
+def _resolved(node: DictConfig) -> Any:
+    """``node`` as plain data, every interpolation resolved; one that does not resolve is refused naming its key."""
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except Exception as err:
+        line = explain(err)
+        if line is None:
+            raise
+        raise UserError(line) from None
+
+
+def check_run_dir(cfg: DictConfig, multirun: bool) -> None:
+    """The directory Hydra will make for the run (``hydra.run.dir``, or ``hydra.sweep.dir`` for a multirun): a path
+    that is a file, or under one, or under a directory this user cannot write, is refused before Hydra tries."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        where = Path(str(OmegaConf.select(cfg, key))).expanduser()
+    except Exception:  # an interpolation only Hydra's run resolves: Hydra makes it and says so
+        return
+    if where.exists() and not where.is_dir():
+        raise UserError(f"{key}='{where}' is a file, not a directory; point {key} at a directory (made if missing), or leave it unset")
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "a file" if existing.exists() and not existing.is_dir() else "not writable"
+        raise UserError(f"{key}='{where}' cannot be made: '{existing}' is {what}; point {key} at a writable directory, or leave it unset")
+
+
+def check_data(cfg: DictConfig) -> Any:
     """Build the data module: cheap (no data is read before ``setup``) and where a bad
-    argument or a missing user file is reported."""
-    _built("data", cfg.data)
+    argument or a missing user file is reported; returned for the checks against the model."""
+    return _built("data", cfg.data)
 
 
-__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "check_offload_precision", "is_sweep", "preflight", "preflight_built", "recipe_root"]
+__all__ = ["check_checkpoint", "check_comm_strategy", "check_data", "check_job", "check_offload_precision", "check_run_dir", "is_sweep", "preflight",
+           "preflight_built", "recipe_root"]

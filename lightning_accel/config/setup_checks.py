@@ -6,8 +6,10 @@ checks live beside the mechanism they protect, as functions of plain data (``fin
 ``pipeline.microbatch.check_chunks``, ``PipelineOptions.check_batch_size``, ``DistributedGPipeStrategy.check_layout``,
 ``offload.host_optimizer``); the strategy calls them at set-up, and preflight calls the same ones here, on the strategy
 built from the composed config, the network built on the meta device, the configured batch size and world size, so bad
-input is refused in one line, exit 2, before a run directory exists. Nothing is checked here in words of its own except
-:func:`check_offload_precision`, whose input (a Trainer flag beside a plugin option) no strategy sees.
+input is refused in one line, exit 2, before a run directory exists. Checked here in words of their own: what the
+strategies take without a check at set-up (``prefetch_blocks`` beyond the blocks, more stages than blocks: they clamp it and
+train with devices idle), and :func:`check_offload_precision`, whose input (a Trainer flag beside a plugin option) no
+strategy sees.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.config.errors import UserError, one_line
 
@@ -26,18 +28,20 @@ def _line(err: BaseException) -> str:
     return one_line(str(err)) or type(err).__name__
 
 
-def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
+def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig, optimizers: Sequence[Any] | None = None) -> None:
     """Ask ``strategy`` (built from ``cfg.strategy``) its set-up questions about ``module`` (built on the meta device),
-    the configured ``data.batch_size`` and the world size ``trainer.devices x trainer.num_nodes``; under any strategy,
-    the optimizers ``configure_optimizers`` builds (their own argument checks)."""
+    the configured ``data.batch_size``, accelerator and world size ``trainer.devices x trainer.num_nodes``; under any
+    strategy, the optimizers ``configure_optimizers`` builds (their own argument checks; ``optimizers``: those already
+    built by :func:`lightning_accel.config.optim_checks.check_optimization`)."""
     import torch
 
+    from lightning_accel.config.optim_checks import configured
     from lightning_accel.pipeline.microbatch import check_chunks
     from lightning_accel.strategies.gpipe import GPipeStrategy
     from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
-    optimizers = _configured_optimizers(module, cfg)  # under every strategy
+    optimizers = list(optimizers) if optimizers is not None else configured(module, cfg).optimizers  # under every strategy
     if not isinstance(strategy, (GPipeStrategy, DistributedGPipeStrategy, L2LOffloadHooks)):
         return
     net = getattr(module, "net", None)
@@ -51,10 +55,48 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig) -> None:
         if batch_size is not None:
             _as_user_error(f"data.batch_size={batch_size}", check_chunks, strategy.chunks, batch_size)
     if isinstance(strategy, DistributedGPipeStrategy):
-        _check_pipeline(strategy, cfg, batch_size)
+        _check_pipeline(strategy, cfg, batch_size, len(blocks))
     if isinstance(strategy, L2LOffloadHooks):
+        _check_prefetch(strategy, blocks)
         _check_host_optimizers(strategy, optimizers)
+    _check_placement(strategy, cfg)
     _check_fit(strategy, module, cfg)
+
+
+def _check_prefetch(strategy: Any, blocks: Sequence[Any]) -> None:
+    """At most every block but the one computing can be on its way: more asks for blocks the model does not have."""
+    ahead = strategy.prefetch_blocks
+    if ahead >= len(blocks) and ahead > 0:
+        raise UserError(f"strategy.prefetch_blocks={ahead}: the model has {len(blocks)} blocks ({type(blocks[0].module).__name__}), "
+                        f"so at most {len(blocks) - 1} can be copied ahead of the one computing; set strategy.prefetch_blocks="
+                        f"{min(1, len(blocks) - 1)} (hides the copy) to {len(blocks) - 1}")
+
+
+def _check_placement(strategy: Any, cfg: DictConfig) -> None:
+    """What the Trainer asks of where a strategy runs, asked as the Trainer will: a one-process strategy against more
+    devices or nodes (its ``_configure_launcher``), a ``device=`` against the accelerator."""
+    import torch
+
+    from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
+    from lightning_accel.strategies.options_check import check_device_accelerator
+
+    if not isinstance(strategy, L2LOffloadStrategy):
+        return
+    trainer = cfg.get("trainer") or {}
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes", 1)
+    count = len(devices) if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices) else devices if isinstance(devices, int) else 1
+    where = f"trainer.devices={devices}" + (f" x num_nodes={nodes}" if nodes not in (None, 1) else "")
+    if (isinstance(count, int) and count > 1) or (isinstance(nodes, int) and nodes > 1):
+        probe = L2LOffloadStrategy()
+        probe.parallel_devices = [torch.device("cpu")] * max(count, 1)
+        probe.num_nodes = nodes if isinstance(nodes, int) else 1
+        _as_user_error(where, probe._configure_launcher)
+    device = strategy._root_device if strategy._device_given else None
+    try:
+        check_device_accelerator(type(strategy).__name__, device, str(trainer.get("accelerator")))
+    except ValueError as err:
+        keyed = getattr(err, "keyed", None)
+        raise UserError(keyed("strategy") if callable(keyed) else _line(err)) from None
 
 
 def _check_fit(strategy: Any, module: Any, cfg: DictConfig) -> None:
@@ -91,16 +133,22 @@ def _check_blocks(strategy: Any, model: Any) -> list[Any]:
     where = f"strategy.blocks={shown}" if isinstance(shown, (str, list)) else "strategy.blocks"
     try:
         return find_blocks(model, policy, stacks="all")
-    except (ValueError, ImportError, AttributeError) as err:
-        raise UserError(f"{where}: {_line(err)}") from None
+    except (ValueError, ImportError, AttributeError, TypeError) as err:
+        raise UserError(f"{where}: {_line(err)}; pass the repeated block's class, e.g. strategy.blocks=[GPTBlock], or "
+                        "strategy.blocks=auto" if isinstance(err, TypeError) else f"{where}: {_line(err)}") from None
 
 
 def _check_balance(strategy: Any, blocks: int) -> None:
-    """An explicit GPipe balance must cover the network's blocks (the strategy's own check)."""
+    """An explicit GPipe balance must cover the network's blocks (the strategy's own check); without one, each device
+    is a stage, and a device without a block would sit idle."""
     from lightning_accel.pipeline.partition import check_balance
 
     if isinstance(strategy.balance, (list, tuple)):
         _as_user_error(f"strategy.balance={list(strategy.balance)}", check_balance, strategy.balance, blocks, len(strategy.devices))
+    elif len(strategy.devices) > blocks:
+        shown = [str(d) for d in strategy.devices]
+        raise UserError(f"strategy.devices={shown}: {len(shown)} stages (one per device) for the model's {blocks} blocks would leave "
+                        f"{len(shown) - blocks} device(s) idle; list at most {blocks} devices (strategy.devices=[...])")
 
 
 def _world_size(cfg: DictConfig) -> int | None:
@@ -111,39 +159,28 @@ def _world_size(cfg: DictConfig) -> int | None:
     return devices * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
 
 
-def _check_pipeline(strategy: Any, cfg: DictConfig, batch_size: int | None) -> None:
-    """A multi-process pipeline: the world size its layout divides, and a batch size that some micro-batch count its
-    schedule runs divides; refused now with the strategy's own checks, instead of after the processes start."""
+def _check_pipeline(strategy: Any, cfg: DictConfig, batch_size: int | None, blocks: int) -> None:
+    """A multi-process pipeline: a balance that covers the blocks, at most one stage per block, the world size its layout
+    divides, and a batch size that some micro-batch count its schedule runs divides; refused now with the strategy's own
+    checks, instead of after the processes start."""
     from lightning_accel.pipeline.distributed import stage_indices
+    from lightning_accel.pipeline.partition import check_balance
 
+    if isinstance(strategy.balance, (list, tuple)):
+        _as_user_error(f"strategy.balance={list(strategy.balance)}", check_balance, strategy.balance, blocks, len(strategy.balance))
     world = _world_size(cfg)
     if world is None:
         return
     nodes = (cfg.get("trainer") or {}).get("num_nodes", 1)
     where = f"trainer.devices={cfg.trainer.devices}" + (f" x num_nodes={nodes}" if nodes not in (None, 1) else "")
     ranks = _as_user_error(where, strategy.check_layout, world)
+    stages = len(stage_indices(0, ranks, strategy.schedule)) * ranks
+    if stages > blocks:
+        raise UserError(f"{where}: {ranks} ranks per pipeline run {stages} stages with schedule {strategy.schedule!r}, more than the "
+                        f"model's {blocks} blocks (a stage holds at least one); run at most {blocks} ranks per pipeline "
+                        "(trainer.devices, or strategy.pipeline_parallel_size for data parallel replicas)")
     if batch_size is not None:
-        stages = len(stage_indices(0, ranks, strategy.schedule)) * ranks
         _as_user_error(f"data.batch_size={batch_size}", strategy.options.check_batch_size, batch_size, strategy.schedule, stages)
-
-
-def _configured_optimizers(module: Any, cfg: DictConfig) -> list[Any]:
-    """The optimizers ``configure_optimizers`` returns for the meta network, as Lightning collects them at set-up. An
-    optimizer's own check of its arguments (torch's ``ValueError``: a negative learning rate, betas outside [0, 1)) is
-    refused here, in one line; a ``configure_optimizers`` that needs a Trainer (``self.trainer.estimated_stepping_batches``)
-    cannot be asked here (no optimizers: the strategy still asks at set-up)."""
-    from lightning.pytorch.core.optimizer import _configure_optimizers
-
-    configure = getattr(module, "configure_optimizers", None)
-    if configure is None:
-        return []
-    try:
-        return list(_configure_optimizers(configure())[0])
-    except ValueError as err:
-        where = "model.optimizer" if (cfg.get("model") or {}).get("optimizer") is not None else "model: configure_optimizers"
-        raise UserError(f"{where}: {_line(err)}") from None
-    except Exception:  # needs a Trainer, or returns nothing Lightning knows: asked at set-up
-        return []
 
 
 def _check_host_optimizers(strategy: Any, optimizers: Sequence[Any]) -> None:

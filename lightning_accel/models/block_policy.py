@@ -65,7 +65,11 @@ def _resolve_classes(model: nn.Module, policy: Iterable[type | str]) -> tuple[ty
             classes.append(entry)
         elif "." in entry:
             module_name, _, attr = entry.rpartition(".")
-            classes.append(getattr(importlib.import_module(module_name), attr))
+            found = getattr(importlib.import_module(module_name), attr)
+            if not (isinstance(found, type) and issubclass(found, nn.Module)):
+                what = "a function" if callable(found) and not isinstance(found, type) else f"a {type(found).__name__}"
+                raise ValueError(f"block class {entry!r} is {what}, not an nn.Module class; name the repeated block's class, or pass blocks='auto'")
+            classes.append(found)
         elif entry in present:
             classes.append(present[entry])
         else:

@@ -30,9 +30,11 @@ def run_checkpoint(run_dir: Path) -> tuple[Path, Any]:
     status = json.loads((run_dir / "run.json").read_text())
     named = status.get("checkpoint")
     checkpoint = Path(named) if named and Path(named).is_file() else newest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise UserError(f"'{run_dir}' has no checkpoint (its run {status.get('status', 'ended')} before saving one); "
-                        "export a run that saved one (callbacks=default saves every trainer.val_check_interval steps)")
+    if checkpoint is None:  # say what is true: a checkpoint run.json names may have been deleted since
+        why = (f"run.json names '{named}', which no longer exists" if named else "its run completed without saving one"
+               if status.get("status") == "completed" else "run.json names none")
+        raise UserError(f"'{run_dir}' has no checkpoint: {why}, and {run_dir / 'checkpoints'} holds no .ckpt; export a run whose "
+                        "checkpoint is there (callbacks=default saves every trainer.val_check_interval steps)")
     config = run_dir / ".hydra" / "config.yaml"
     if not config.is_file():
         raise UserError(f"'{run_dir}' has no .hydra/config.yaml to rebuild its model from; pass the run directory itself")

@@ -3,6 +3,10 @@
 The key names what the answer depends on: the dataset's type and length, the batch
 size, the machine's name and core count, and the ranks sharing it. A JSON file holds
 one entry per key; an unreadable file is treated as empty rather than stopping a run.
+Runs sharing the file (``LIGHTNING_ACCEL_CACHE``) store under a lock beside it
+(``<file>.lock``, :mod:`filelock`): each reads, adds its entry and writes while holding
+it, so two runs storing at once both keep their entry. Readers need no lock: a write
+replaces the file whole (rename).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from filelock import FileLock
 
 from lightning_accel.atomic import atomic_write_text
 from lightning_accel.prefetch.settings import LoaderSettings
@@ -34,14 +40,20 @@ def load(path: str | os.PathLike, key: str) -> LoaderSettings | None:
         return None
 
 
+# Seconds a store waits for another run's store (a read and a write of a small file) before failing.
+LOCK_TIMEOUT_S = 60.0
+
+
 def store(path: str | os.PathLike, key: str, settings: LoaderSettings) -> None:
+    """Add (or replace) ``key``'s entry, keeping every other run's: the read-modify-write holds the file's lock."""
     file = Path(path)
-    try:
-        entries = json.loads(file.read_text())
-        if not isinstance(entries, dict):
-            entries = {}
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = settings.as_kwargs()
     file.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(file, json.dumps(entries, indent=1, sort_keys=True))  # two ranks at once leave one whole file
+    with FileLock(f"{file}.lock", timeout=LOCK_TIMEOUT_S):
+        try:
+            entries = json.loads(file.read_text())
+            if not isinstance(entries, dict):
+                entries = {}
+        except (OSError, ValueError):
+            entries = {}
+        entries[key] = settings.as_kwargs()
+        atomic_write_text(file, json.dumps(entries, indent=1, sort_keys=True))  # a reader sees one whole file

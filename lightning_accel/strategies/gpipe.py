@@ -53,6 +53,7 @@ from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.microbatch import call_batch_size, check_chunks, scatter_call
 from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptions
 from lightning_accel.pipeline.partition import balance_by_cost, block_bytes, check_balance, profile_block_times
+from lightning_accel.strategies.options_check import check_options
 
 DeviceSpec = Union[int, Sequence[Union[str, torch.device]], None]
 
@@ -126,6 +127,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         self.options = PipelineOptions(chunks, balance, checkpoint)  # validated once, shared with gpipe_distributed
         self.devices = _devices(devices)
         if not isinstance(balance, str) and len(list(balance)) > len(self.devices):

@@ -114,6 +114,7 @@ from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
 from lightning_accel.strategies.gpipe_split_state import SplitModuleState
+from lightning_accel.strategies.options_check import check_options
 from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
@@ -202,6 +203,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         deferred_batch_norm: bool = True,
         **kwargs: Any,
     ) -> None:
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         self.options = PipelineOptions(chunks, balance, checkpoint, loss_reduction)  # validated once, shared with GPipeStrategy
         self._auto = AutoSchedule() if schedule == "auto" else schedule if isinstance(schedule, AutoSchedule) else None
         self._tuner: ScheduleTuner | None = None

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+from lightning_accel.strategies.options_check import check_device_accelerator, check_options
 
 __all__ = ["L2LOffloadHooks", "L2LOffloadStrategy"]
 
@@ -98,6 +99,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
                            delayed_update_warmup, offload_activations, nvme_path, host_budget)
@@ -146,4 +148,5 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
                 "use strategy='l2l_offload_ddp' (data parallel, the host optimizer partitioned across ranks), "
                 "or devices=1"
             )
+        check_device_accelerator(type(self).__name__, self._root_device if self._device_given else None, self.accelerator)
         super()._configure_launcher()

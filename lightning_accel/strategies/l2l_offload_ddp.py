@@ -92,6 +92,7 @@ from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+from lightning_accel.strategies.options_check import check_options
 
 HostStep = Literal["partitioned", "replicated"]
 
@@ -139,6 +140,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
                 "L2LOffloadDDPStrategy does not take nvme_path / host_budget yet (the NVMe tier runs on one device: "
                 "strategy=l2l_offload); drop them, or train on one device with strategy=l2l_offload"
             )
+        check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         if host_step not in ("partitioned", "replicated"):
             raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
         if overlap_step:
