@@ -13,20 +13,22 @@ do not, nothing moves and each rank learns how many bytes it would have needed. 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_accel.pipeline.placement import RankLayout
+from lightning_accel.stored import is_plain, plain_parts, stored_nbytes
 
 __all__ = ["fits_every_host", "gather_whole_module", "placeholder_bytes"]
 
 
 def placeholder_bytes(tensors: Sequence[Tensor]) -> int:
-    """The bytes the ``meta`` placeholders among ``tensors`` take once filled."""
-    return sum(t.numel() * t.element_size() for t in tensors if t.is_meta)
+    """The bytes the ``meta`` placeholders among ``tensors`` take once filled (as stored: an NF4 weight's codes and
+    scalers)."""
+    return sum(stored_nbytes(t) for t in tensors if t.is_meta)
 
 
 def fits_every_host(needed: int, available: int | None) -> bool:
@@ -54,14 +56,27 @@ def gather_whole_module(
     for t, owner, everywhere in zip(tensors, owners, shared):
         if everywhere:
             continue
-        if layout.pp_rank == owner:
-            buf = t.detach().to(layout.device)
-        else:
-            buf = torch.empty(t.shape, dtype=t.dtype, device=layout.device)
-        dist.broadcast(buf, src=layout.pp_global(owner), group=layout.pp_group)
+        received = []
+        for part in plain_parts(t.detach()):  # a tensor subclass (a frozen NF4 weight) as its plain codes and scalers
+            if layout.pp_rank == owner:
+                buf = part.to(layout.device)
+            else:
+                buf = torch.empty(part.shape, dtype=part.dtype, device=layout.device)
+            dist.broadcast(buf, src=layout.pp_global(owner), group=layout.pp_group)
+            received.append(buf.cpu())
         if t.is_meta:
-            values[id(t)] = buf.cpu()
+            values[id(t)] = _rebuilt(t.detach(), iter(received))
     _fill(module, values)
+
+
+def _rebuilt(placeholder: Tensor, parts: Iterator[Tensor]) -> Tensor:
+    """The tensor ``placeholder`` stands for, from its plain parts in :func:`~lightning_accel.stored.plain_parts`'s
+    order (a wrapper subclass rebuilt through its ``__tensor_unflatten__``, the protocol its flattening follows)."""
+    if is_plain(placeholder):
+        return next(parts)
+    names, context = placeholder.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = {name: _rebuilt(getattr(placeholder, name), parts) for name in names}
+    return type(placeholder).__tensor_unflatten__(inner, context, placeholder.size(), placeholder.stride())  # type: ignore[attr-defined]
 
 
 def _fill(module: nn.Module, values: dict[int, Tensor]) -> None:

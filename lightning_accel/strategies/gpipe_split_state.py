@@ -52,7 +52,8 @@ class SplitModuleState(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part);
+        """Every stage's tensors under the user's names, gathered on rank 0 from its pipeline (other ranks get their own part)
+        while the module is split;
         a fine-tune's frozen base is left out (:func:`~lightning_accel.models.finetune_checkpoint.left_out_of_checkpoint`):
         its checkpoint does not hold it, so it is not gathered."""
         assert self.lightning_module is not None
@@ -61,7 +62,10 @@ class SplitModuleState(DDPStrategy):
         if self._split_state is None or not dist.is_initialized():
             return state
         left_out = left_out_of_checkpoint(self.lightning_module)
-        return gather_model_state({n: t for n, t in state.items() if n not in left_out}, self._layout, self.global_rank)
+        state = {n: t for n, t in state.items() if n not in left_out}
+        if not any(t.is_meta for t in state.values()):
+            return state  # whole on every rank (after fit, as every rank's module is then): nothing to gather
+        return gather_model_state(state, self._layout, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -234,6 +234,14 @@ def test_gpipe_distributed_trains_adapters_like_plain_lightning(two_ranks: Path,
     state = state_entries(torch.load(two_ranks / f"{kind}.ckpt", weights_only=False)["state_dict"])
     gathered = {type(state[n]).__name__ for n in base}  # as stored: an NF4 weight is not dequantized on the way
     assert gathered == ({"Tensor", "NF4Tensor"} if kind == "nf4" else {"Tensor"})
+    from lightning_accel.stored import plain_parts
+
+    for rank in range(2):  # after fit every rank's module is whole, as after DDP, an NF4 weight still NF4
+        after = torch.load(two_ranks / f"{kind}-rank{rank}.pt", weights_only=False)
+        held = state_entries(after["held"])
+        assert set(held) == set(state) and {after["types"][f"net.{n}"] for n in base} == gathered, rank
+        for name, value in state.items():
+            assert all(torch.equal(a, b) for a, b in zip(held[name], plain_parts(value))), (rank, name)
 
 
 @pytest.mark.slow

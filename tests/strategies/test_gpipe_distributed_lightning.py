@@ -1,7 +1,8 @@
 """Lightning's features that touch every parameter or every rank's outputs, under ``gpipe_distributed`` on 2 CPU ranks
 in float64 (:mod:`tests.support.lightning_features`), against plain one-process Lightning on the same data order (the
-pipeline's ranks see the whole batch, as plain training does; DDP's ranks would see shards). One launch runs every case,
-each a fit and what a script does with the trained module after it, on every rank."""
+pipeline's ranks see the whole batch, as plain training does; DDP's ranks would see shards). The 2-rank launch the
+semantics tests use runs every case (its section ``features``), each a fit and what a script does with the trained
+module after it, on every rank."""
 
 from __future__ import annotations
 
@@ -11,21 +12,14 @@ import pytest
 import torch
 
 from tests.support.lightning_features import fit_case, probe, run_case, state_of
-from tests.support.user_script import run_user_script
-from tests.support.workers import WORKERS
 
 TRAINED = ("finetune", "swa")
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("features")
-    result = run_user_script(
-        WORKERS / "lightning_features_worker.py", [str(out), ",".join([*TRAINED, "pruning", "no_room"])], 300,
-        "2-process Lightning features",
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
-    return out
+@pytest.fixture
+def two_ranks(semantics_ranks):
+    """The 2-rank run's outputs: its section ``features`` (tests/strategies/conftest.py)."""
+    return semantics_ranks
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def _load(two_ranks, case: str, rank: int) -> dict:
 @pytest.mark.parametrize("case", TRAINED)
 def test_every_rank_holds_the_trained_module_after_fit_and_evaluates_it_like_plain_lightning(two_ranks, plain, case):
     """BaseFinetuning (net.0 frozen, unfrozen at epoch 1 as a new param group; before: ``aten::equal`` on meta tensors)
-    with a StepLR, clipping by norm, EarlyStopping on an epoch-end value and EMAWeightAveraging; SWA from epoch 2 with
+    with a StepLR, clipping by norm, EarlyStopping on an epoch-end value and EMAWeightAveraging; SWA from epoch 1 with
     a BatchNorm (before, both averaging callbacks: "Cannot copy out of meta tensor"). On both ranks after fit: the whole trained module, no placeholder, equal to plain
     Lightning's, ``model(x)`` computing plain's output (before: rank 1 held meta tensors and ``model(x)`` raised); then
     ``trainer.validate``, ``test`` and ``predict`` give plain's results and leave the module whole."""
@@ -88,7 +82,7 @@ def test_logged_values_and_epoch_end_outputs_equal_plain_lightning(two_ranks, pl
         for key, value in want.items():
             assert got[key] == pytest.approx(value, rel=1e-10, abs=1e-12), (case, key)
     if case == "finetune":
-        assert expected["metrics"]["train_outputs"] == 4.0 and "lr-SGD/pg2" in expected["metrics"]
+        assert expected["metrics"]["train_outputs"] == 2.0 and "lr-SGD/pg2" in expected["metrics"]
 
 
 @pytest.mark.parametrize("case", TRAINED)

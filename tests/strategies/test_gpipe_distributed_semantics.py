@@ -4,7 +4,6 @@ BatchNorm statistics, ragged batches, a stage's exception, tuples between stages
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 
 import lightning.pytorch as pl
@@ -13,19 +12,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_accel.strategies.gpipe import GPipeStrategy
-from tests.support.user_script import run_user_script
-from tests.support.workers import WORKERS
 from tests.support.workers.semantics_worker import SECTIONS, data, fit, moe_loader, tiny_mixtral
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("semantics")
-    moe = ["moe"] if importlib.util.find_spec("transformers") else []
-    sections = ",".join([*SECTIONS, *moe, "raising"])
-    result = run_user_script(WORKERS / "semantics_worker.py", [str(out), sections], 300, "2-process semantics")
-    assert result.returncode == 0, result.stdout[-6000:]
-    return out
+@pytest.fixture
+def two_ranks(semantics_ranks):
+    """The 2-rank run's outputs (tests/strategies/conftest.py)."""
+    return semantics_ranks
 
 
 def _reference(case: str) -> dict[str, torch.Tensor]:

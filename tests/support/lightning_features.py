@@ -1,5 +1,6 @@
 """Lightning features that touch every parameter or every rank's outputs, as cases a strategy runs and plain Lightning
-runs in one process for the reference (float64, the same data order).
+runs in one process for the reference (float64, the same data order); :func:`run_on_two_ranks` runs them all as one
+section of a 2-rank worker (``workers/semantics_worker.py``, one launch for both test files).
 
 Each case is one ``Trainer.fit`` of :class:`Features` (a 3-block MLP: blocks ``net.0``, ``net.2``, ``net.4``, and a
 BatchNorm in ``net.2`` for the SWA case) and, after it, what a user's script does with the trained module on every rank:
@@ -12,7 +13,7 @@ saw; :data:`CASES` says what each case turns on:
   validation, ``EarlyStopping`` on a value computed at epoch end from the last stage's outputs, the model summary,
   ``EMAWeightAveraging`` (validation and the end of fit on the averaged weights, which a checkpoint's ``state_dict``
   holds);
-- ``swa``: ``StochasticWeightAveraging(swa_epoch_start=2)`` with a BatchNorm (its recomputed statistics epoch included);
+- ``swa``: ``StochasticWeightAveraging(swa_epoch_start=1)`` with a BatchNorm (its recomputed statistics epoch included);
 - ``pruning``: ``ModelPruning``, which a pipeline strategy refuses before the first step;
 - ``no_room``: a plain fit, for a strategy told the host cannot hold the whole module after it.
 """
@@ -20,7 +21,9 @@ saw; :data:`CASES` says what each case turns on:
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
@@ -37,9 +40,11 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+
 CASES = {  # case: (strategy chunks, batch norm, max_epochs)
     "finetune": (4, False, 4),
-    "swa": (1, True, 4),  # one micro-batch: BatchNorm normalizes what plain training's does
+    "swa": (1, True, 2),  # one micro-batch: BatchNorm normalizes what plain training's does
     "pruning": (2, False, 1),
     "no_room": (2, False, 1),  # the strategy told the host has no room to gather the module after fit
 }
@@ -144,7 +149,7 @@ def _callbacks(case: str) -> list[pl.Callback]:
         early = EarlyStopping("val_epoch_mean", patience=1, mode="max", check_on_train_epoch_end=False)
         return [Unfreeze(), LearningRateMonitor(), early, EMAWeightAveraging(decay=0.5)]
     if case == "swa":
-        return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)]
+        return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
     if case == "pruning":
         return [ModelPruning("l1_unstructured", amount=0.3)]
     return []
@@ -159,7 +164,7 @@ def fit_case(case: str, strategy: Any, devices: int, out: str) -> tuple[pl.Train
         callbacks=_callbacks(case), gradient_clip_val=0.5 if case == "finetune" else None, enable_progress_bar=False,
         use_distributed_sampler=False, default_root_dir=os.path.join(out, f"{case}-{devices}"),
     )
-    trainer.fit(model, DataLoader(data(32), batch_size=8), DataLoader(data(16, seed=3), batch_size=8))
+    trainer.fit(model, DataLoader(data(16), batch_size=8), DataLoader(data(16, seed=3), batch_size=8))
     return trainer, model, logger
 
 
@@ -192,3 +197,28 @@ def run_case(case: str, strategy: Any, devices: int, out: str) -> dict[str, Any]
     seen["predict"] = torch.cat(trainer.predict(model, DataLoader(data(12, seed=5), batch_size=4)))
     seen["after_eval"] = state_of(model)
     return seen
+
+
+def _no_room(strategy: DistributedGPipeStrategy, out: str) -> dict[str, Any]:
+    """A fit whose strategy is told the host has 1 byte free: what each rank holds and was told after it, then after
+    ``trainer.strategy.gather_module()``."""
+    with mock.patch("lightning_accel.strategies.gpipe_split_state.available_host_bytes", lambda: 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer, model, _ = fit_case("no_room", strategy, 2, out)
+    said = [str(w.message) for w in caught if "gather_module" in str(w.message)]
+    placeholders = sorted(n for n, t in model.state_dict().items() if t.is_meta)
+    trainer.strategy.gather_module()
+    return {"said": said, "placeholders": placeholders, "state": state_of(model), "probe": model(probe()).detach()}
+
+
+def run_on_two_ranks(out: str) -> None:
+    """Every case under ``DistributedGPipeStrategy`` on this rank of 2 (a worker script's section): the three layers with
+    weights are the blocks, rank 0 holding the first; each rank saves what it saw as ``{case}-rank{r}.pt`` (rank 0 also
+    ``{case}-2.ckpt``); ``no_room`` runs with the host's free memory said to be 1 byte."""
+    for case, (chunks, _, _) in CASES.items():
+        strategy = DistributedGPipeStrategy(
+            chunks=chunks, balance=[1, 2], blocks=lambda net: [m for m in net if not isinstance(m, nn.Tanh)], timeout=60,
+        )
+        seen = _no_room(strategy, out) if case == "no_room" else run_case(case, strategy, 2, out)
+        torch.save(seen, os.path.join(out, f"{case}-rank{int(os.environ.get('LOCAL_RANK', '0'))}.pt"))

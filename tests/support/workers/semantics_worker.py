@@ -4,7 +4,8 @@ Run as ``python semantics_worker.py OUT_DIR SECTIONS``: Lightning's launcher sta
 it; SECTIONS is a comma-separated list of :data:`SECTIONS` names, every case of them one
 ``Trainer.fit`` in the same two processes (start-up paid once). After each fit rank 0 saves the
 trained module's state (the whole model, gathered) as ``{case}.pt``, and every rank
-``{case}-rank{r}.txt`` (``ok``). The section ``raising``, last, has rank 1's stage raise the user's
+``{case}-rank{r}.txt`` (``ok``). The section ``features`` runs :mod:`tests.support.lightning_features` (Lightning's
+callbacks, epoch-end outputs, the module after fit). The section ``raising``, last, has rank 1's stage raise the user's
 exception and saves what each rank got (``raising-rank{r}.txt``). The test computes the references
 (plain Lightning, or ``gpipe`` in one process) from the same models and data (:func:`fit`).
 """
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
+from tests.support.lightning_features import run_on_two_ranks
 
 STEPS = 3
 
@@ -360,6 +362,9 @@ def main() -> None:
         if section == "moe":
             run_moe(out)
             run_router_loss(out)
+            continue
+        if section == "features":  # Lightning's features (tests/support/lightning_features.py): one fit per case
+            run_on_two_ranks(out)
             continue
         run_cases(out, section)
 
