@@ -64,8 +64,7 @@ class HostStore:
     # Every entry is made and dropped in these methods, whatever the reason (planning, a parameter that starts or
     # stops training, a weight replaced or added by the user's code), so a tier that keeps masters elsewhere (files)
     # has one place to follow: ``master``, ``shadow``, ``frozen`` and ``thawed`` change nowhere else (``grads``
-    # also fills and empties every step: add_grad, clear_grads), except that the NVMe tier points a spilled unit's
-    # masters at its file views (tier.py's _point_at_rest). Under a host budget the strategy refuses these changes.
+    # also fills and empties every step: add_grad, clear_grads).
 
     def add(self, name: str, param: nn.Parameter) -> None:
         """Take ``param`` into the store as planning does: frozen, as stored; requiring grad, an fp32 master

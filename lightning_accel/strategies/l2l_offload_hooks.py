@@ -67,7 +67,7 @@ from typing import Any, Callable
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelPruning
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -224,24 +224,14 @@ class L2LOffloadHooks(Strategy):
             rank_zero_info(said)
         if self.delayed_update:
             self._check_delayed_update(trainer)
-        self._refuse_declared_changes(trainer)
+        self._refuse_declared_unfreezing(trainer)
 
-    def _refuse_declared_changes(self, trainer: Trainer) -> None:
+    def _refuse_declared_unfreezing(self, trainer: Trainer) -> None:
         """Before the first step: a callback that declares what it will unfreeze (``BackboneFinetuning``: the
         LightningModule's ``backbone``, at its epoch) must not find a quantized weight there, which cannot train; a
-        weight unfrozen by other code is refused at the step it was unfrozen (:mod:`lightning_accel.offload.replan`).
-        Under a host budget (``nvme_path``/``host_budget``) a callback that changes the parameters during the fit is
-        refused: the budget was planned with the parameters of setup."""
+        weight unfrozen by other code is refused at the step it was unfrozen (:mod:`lightning_accel.offload.replan`)."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        changing = next((c for c in trainer.callbacks if isinstance(c, (BaseFinetuning, ModelPruning))), None)
-        if changing is not None and self._budgeted():
-            raise ValueError(
-                f"{type(self).__name__}: {type(changing).__name__} changes which parameters train (or their data) during the "
-                f"fit, but the host budget (nvme_path={self.nvme_path!r}, host_budget={self.host_budget!r}) is planned with the "
-                "parameters of setup; drop nvme_path and host_budget for this fit, or change the parameters between fits "
-                "(each fit plans again)"
-            )
         module = trainer.lightning_module
         backbone = getattr(module, "backbone", None)
         for callback in trainer.callbacks:
@@ -355,12 +345,6 @@ class L2LOffloadHooks(Strategy):
         executor = self._executor
         assert executor is not None
         changes = executor.find_changes()
-        if changes and self._budgeted() and (changes.thaw or changes.refreeze or changes.adopt or changes.units):
-            raise RuntimeError(
-                f"{type(self).__name__}: {changes.describe()}, after the host budget (nvme_path={self.nvme_path!r}, "
-                f"host_budget={self.host_budget!r}) was planned with the parameters of setup; change them between fits "
-                "(each fit plans again), or drop nvme_path and host_budget"
-            )
         if changes:  # (data parallel: the owners' updates sent before the masters change; every rank calls it)
             self._land_delayed_update()
         if executor.begin_step(changes):
@@ -372,10 +356,6 @@ class L2LOffloadHooks(Strategy):
         self._begin_step()
         self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
         return super().training_step(*args, **kwargs)
-
-    def _budgeted(self) -> bool:
-        """Whether host memory is planned against a budget (the NVMe tier), with the parameters that train at setup."""
-        return self.nvme_path is not None or self.host_budget is not None
 
     def _land_delayed_update(self) -> None:
         if self._executor is not None:
