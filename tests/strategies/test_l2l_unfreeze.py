@@ -3,8 +3,8 @@ in float64 (issue 50).
 
 Before, a parameter frozen when the offload was planned was refused at the step it was unfrozen (``BaseFinetuning``
 died at its unfreeze epoch), and ``ModelPruning``'s lottery-ticket reset, which replaces the pruned weights' ``.data``,
-left ``l2l_offload_ddp`` 0.08 away from DDP here in silence (and ``l2l_offload`` as far off wherever it copies weights:
-bf16, a GPU). One device is compared bit for bit (torch's per-tensor AdamW on both sides); two gloo ranks against one
+left ``l2l_offload_ddp`` 0.08 away from DDP here in silence (and ``l2l_offload`` 0.15 away from plain Lightning
+wherever it copies weights: bf16, a GPU). One device is compared bit for bit (torch's per-tensor AdamW on both sides); two gloo ranks against one
 process on the batches the ranks read together (DDP itself does not average a parameter unfrozen after it wrapped
 the model), to 1e-12, and in bf16 against one process accumulating the ranks' batches in turn.
 """
