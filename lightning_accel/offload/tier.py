@@ -289,8 +289,11 @@ class NVMeTier:
                 shadow = shadows.get(param)
                 if shadow is not None and id(param) not in written:
                     shadow.copy_(param.data)
-        finally:
-            self._point_at_rest(unit_file)
+        except BaseException:
+            self._point_at_rest(unit_file)  # the file still holds the unit as it was before this step
+            self._release(slot)
+            raise
+        self._point_at_rest(unit_file)
         write = self.io.write(unit_file.file, buffer, 0, unit_file.size)
         with self._lock:
             self._writes.append(write)

@@ -122,3 +122,21 @@ def test_a_freed_buffer_goes_to_the_unit_a_step_waits_for_not_to_the_read_ahead(
     assert taken == [5], "the read-ahead took the freed buffer; the step waiting for unit 5 would wait forever"
     tier.finish_step()
     tier.close()
+
+
+def test_a_step_that_raises_leaves_the_unit_as_it_was_and_frees_its_buffer(tmp_path: Path) -> None:
+    model, optimizer, tier, units = _tiered(tmp_path)
+    first = [p for _, p in units[0].params]
+    before = [p.detach().clone() for p in first]
+
+    def fails(params: list, shadows: dict, low: dict) -> list:
+        for p in params:
+            p.data.add_(1.0)  # half done when it raises
+        raise ValueError("the user's optimizer failed")
+
+    for _ in range(4):  # more times than there are buffers: each one came back
+        with pytest.raises(ValueError, match="the user's optimizer failed"):
+            tier.step_unit(0, first, {}, {}, fails)
+    assert all(s.unit is None for s in tier.slots)
+    assert all(torch.equal(a, b) for a, b in zip(first, before))  # the views read the file, which the step never reached
+    tier.close()
