@@ -235,15 +235,20 @@ class NVMeTier:
     def _take(self, index: int) -> _Slot:
         """The slot holding ``index``'s span, read now if it was not read ahead (waiting for a free slot first)."""
         with self._lock:
+            # first in line while it waits: a write's callback that frees a slot reads ahead, and must read this
+            # unit, not a later one (all slots holding later units, none ever released, was a deadlock)
             if index in self._expected:
                 self._expected.remove(index)
+            self._expected.insert(0, index)
             slot = next((s for s in self.slots if s.unit == index), None)
             while slot is None:
-                slot = self._free_slot()
-                if slot is None:
-                    self._lock.wait()
+                free = self._free_slot()
+                if free is not None:
+                    self._start_read(free, index)
                 else:
-                    self._start_read(slot, index)
+                    self._lock.wait()
+                slot = next((s for s in self.slots if s.unit == index), None)
+            self._expected.remove(index)
         assert slot.read is not None
         self.io.wait(slot.read)
         return slot
