@@ -27,6 +27,8 @@ measured in the same run (absolute times on shared machines are noise).
   the bf16 shadows written in the update's pass against a separate pass; and the time in
   ``AdamW.step`` inside a fit against plain training with ``AdamW(fused=True)``, in fp32
   and in bf16-mixed.
+- With ``--nvme``: the NVMe tier (:mod:`.offload_nvme`, its own options): step time with the
+  optimizer state and masters on disk against the same model in RAM and against the disk's I/O floor.
 """
 
 from __future__ import annotations
@@ -178,6 +180,10 @@ def _cuda_table(args: argparse.Namespace) -> str:
 
 @register_benchmark("offload", "L2L offload vs plain Lightning (CPU) and vs per-block FSDP2 and ZeRO-3 offload (GPU)")
 def main(argv: list[str]) -> int:
+    if "--nvme" in argv:  # its own options (lightning-accel bench offload --nvme --help)
+        from lightning_accel.benchmarks import offload_nvme
+
+        return offload_nvme.main([a for a in argv if a != "--nvme"])
     parser = argparse.ArgumentParser(prog="lightning-accel bench offload")
     parser.add_argument("--preset", default="tiny", help="GPT preset for the CPU table (width, heads)")
     parser.add_argument("--layers", type=int, default=8, help="GPT depth for the CPU table")
@@ -204,6 +210,8 @@ def main(argv: list[str]) -> int:
                         help="N > 1: l2l_offload_ddp (partitioned and replicated host step) against plain DDP on N gloo "
                              "processes on the CPU, instead of the one-device tables")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds before giving up on the N-process run")
+    parser.add_argument("--nvme", action="store_true", help="the NVMe tier against in-RAM L2L and the disk's I/O floor, "
+                        "instead of the other tables (its own options: bench offload --nvme --help)")
     args = parser.parse_args(argv)
     if args.devices < 1:
         parser.error(f"--devices must be >= 1, got {args.devices}; e.g. --devices 2")

@@ -10,6 +10,7 @@ add up every rank's device and host bytes by component:
 - :mod:`.activations`: a step's activations, per block and at peak;
 - :mod:`.params`: the model's tensors by unit, stored bytes (NF4) and optimizer state;
 - :mod:`.components`: the arithmetic per strategy;
+- :mod:`.tier`: the NVMe tier's plan (``host_budget`` / ``nvme_path``), the strategy's own;
 - :mod:`.report`: table, verdict and JSON;
 - :mod:`.recipe`: from a recipe to an estimate;
 - :mod:`.regenerate`: the figures README.md and the recipes quote, written from the estimate;

@@ -17,6 +17,9 @@ the strategies' own:
   resident unit (fp32 with its gradients and optimizer state, or streamed in the compute dtype
   with ``offload_resident``) and the activations; ``l2l_offload_ddp`` partitions the optimizer
   state by block over the ranks (:func:`~lightning_accel.offload.partition.partition_units`);
+  with ``host_budget`` / ``nvme_path`` the NVMe tier's plan (:mod:`.tier`: the strategy's own) moves
+  the spilled blocks' optimizer state and fp32 masters from the host to the disk, as laid out in its
+  files, and adds its reusable I/O buffers to the host;
 - GPipe, per stage: its blocks' parameters, gradients and optimizer state (the first stage
   also the embeddings, the last the head); activations per micro-batch times the micro-batches
   in flight (GPipe: all ``chunks``; 1F1B: ``stages - s`` on stage ``s``), a re-materialized one
@@ -38,6 +41,7 @@ from dataclasses import dataclass, field
 
 from lightning_accel.estimate.activations import StepActivations
 from lightning_accel.estimate.params import Inventory, Tensors
+from lightning_accel.offload.tier_plan import TierPlan
 from lightning_accel.pipeline.stack_carry import carried_into, carried_out_of
 
 FP32 = 4
@@ -72,6 +76,7 @@ class Plan:
     stages_per_rank: int = 1
     loader_bytes: int = 0  # bytes of the batches a rank's loader holds at once
     step_scratch: int = 0  # the most bytes the optimizer step creates and frees, all trainable parameters (measured)
+    tier: TierPlan | None = None  # l2l_offload with host_budget / nvme_path: the NVMe tier's plan (estimate/tier.py)
     notes: tuple[str, ...] = ()
 
 
@@ -83,6 +88,7 @@ class RankEstimate:
     count: int
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
+    disk: dict[str, int] = field(default_factory=dict)  # the NVMe tier's files
 
     @property
     def device_peak_bytes(self) -> int:
@@ -91,6 +97,10 @@ class RankEstimate:
     @property
     def host_bytes(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.disk.values())
 
 
 def _put(target: dict[str, int], name: str, value: int) -> None:
@@ -155,6 +165,27 @@ def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_by
     _put(host, "optimizer state", optimizer_bytes)
 
 
+def _tier(tier: TierPlan, blocks: list[Tensors], rank: RankEstimate) -> None:
+    """The spilled blocks' fp32 masters and optimizer state leave the host for the disk (there as laid out in the
+    tier's files, each tensor aligned); the tier's I/O buffers join the host."""
+    if len(tier.units) != len(blocks):
+        raise ValueError(f"the NVMe tier's plan has {len(tier.units)} units for {len(blocks)} blocks; both come from the "
+                         "strategy's block policy, so this is a bug in the estimate")
+    n = range(len(blocks))
+    for name, on_disk, host_bytes, disk_bytes in (
+        ("masters (fp32)", tier.masters_on_disk, [b.trainable * FP32 for b in blocks], [u.masters for u in tier.units]),
+        ("optimizer state", tier.state_on_disk, [b.optimizer_bytes for b in blocks], [u.state for u in tier.units]),
+    ):
+        left = rank.host.get(name, 0) - sum(host_bytes[i] for i in n if on_disk[i])
+        if left > 0:
+            rank.host[name] = left
+        else:
+            rank.host.pop(name, None)
+        _put(rank.disk, name, sum(disk_bytes[i] for i in n if on_disk[i]))
+    if tier.spills:
+        _put(rank.host, "NVMe tier I/O buffers", tier.buffer_bytes)
+
+
 def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
     from lightning_accel.offload.partition import partition_units
 
@@ -166,6 +197,8 @@ def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]
         state = max(sum(units[i].optimizer_bytes for i in owners.owned(r)) for r in range(plan.world))
     rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
     _l2l_host(offloaded, plan, rank.host, state)
+    if plan.tier is not None:
+        _tier(plan.tier, inv.blocks, rank)
     alias = plan.on_cpu and plan.compute_size == FP32  # blocks compute on their host masters: no copies
     if not alias:
         biggest = max(b.weight_bytes(FP32, plan.compute_size) for b in inv.blocks)

@@ -25,7 +25,8 @@ from lightning_accel.estimate.components import DDP, FP32, GPIPE, GPIPE_DIST, L2
 from lightning_accel.estimate.depth import measure_step_by_depth
 from lightning_accel.estimate.fake import fake_attributes, fake_parameters
 from lightning_accel.estimate.params import inventory, measure_optimizer, nf4_weights
-from lightning_accel.estimate.report import Estimate, named_device
+from lightning_accel.estimate.report import Estimate, gb, named_device
+from lightning_accel.estimate.tier import strategy_tier
 from lightning_accel.models.block_policy import Block, find_blocks
 from lightning_accel.pipeline.stack_carry import stack_ends
 
@@ -213,6 +214,12 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     # L2L's host step takes the fused CPU kernels and only the resident unit steps on the device
     optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters, scratch=not masters)
     inv = inventory(net, blocks, stored, optimizer.state)
+    # the NVMe tier's plan, from the fp32 masters as the strategy's host store holds them (refused as it would be)
+    tier = strategy_tier(strategy, module, net, low, cuda=not plan.on_cpu, stored=stored,
+                         trainer=cfg.get("trainer") or {}) if plan.strategy == L2L else None
+    if tier is not None and tier.budget is not None:
+        notes.append(f"host_budget {gb(tier.budget)} bounds what the offload keeps (the plan: {gb(tier.host_bytes)}); the host "
+                     "column also counts what no plan moves (activations on a CPU device, the loader's batches, the resident unit)")
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))
     micro = max(int(cfg.data.batch_size) // (plan.chunks * (plan.world if plan.strategy == XLA_SPMD else 1)), 1)
@@ -221,7 +228,7 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     checkpoint = plan.strategy in (L2L, L2L_DDP) and plan.checkpoint_blocks
     with mode:  # tensors the step makes from Python values are fake too
         acts = measure_step_by_depth(lambda: module.training_step(batch, 0), net, [(b.name, b.module) for b in blocks], trainable, autocast, checkpoint)
-    ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch))
+    ranks = estimate_ranks(inv, acts, replace(plan, step_scratch=optimizer.scratch, tier=tier))
     if plan.on_cpu:
         notes.append("these are tensor bytes; by default glibc keeps much of what a CPU step frees, and a run's peak RSS was "
                      "1.2x-2.5x them on the CPU recipes; MALLOC_MMAP_THRESHOLD_=32768 gives it back (docs/estimate.md)")
@@ -232,5 +239,5 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
         recipe=str(recipe), strategy=plan.strategy, ranks=ranks,
         device_memory=device[0] if device and not plan.on_cpu else None,
         host_memory=host_memory if host_memory is not None else available_host_bytes(),
-        on_cpu=plan.on_cpu, notes=notes, device_memory_from=device[1] if device and not plan.on_cpu else None,
+        on_cpu=plan.on_cpu, notes=notes, device_memory_from=device[1] if device and not plan.on_cpu else None, tier=tier,
     )

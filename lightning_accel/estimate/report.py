@@ -2,7 +2,9 @@
 
 The verdict compares each rank's device peak with the device size (``--device-memory``, or
 the size the recipe states) and the host bytes of every rank of one machine together with
-the host size (``--host-memory``, or this machine's available memory).
+the host size (``--host-memory``, or this machine's available memory). With the NVMe tier
+(``host_budget`` / ``nvme_path``) the tables gain a disk column and a line says what lives in each
+tier and what crosses the disk per step, with the strategy's own plan line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_accel.estimate.components import RankEstimate
+from lightning_accel.offload.tier_plan import TierPlan
 from lightning_accel.table import format_table
 
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12,
@@ -88,6 +91,7 @@ class Estimate:
     on_cpu: bool
     notes: list[str] = field(default_factory=list)
     device_memory_from: str | None = None  # where the device size came from, said in the verdict
+    tier: TierPlan | None = None  # the NVMe tier's plan (l2l_offload with host_budget / nvme_path)
 
     @property
     def host_total(self) -> int:
@@ -119,9 +123,12 @@ class Estimate:
             "strategy": self.strategy,
             "ranks": [
                 {"kind": r.kind, "count": r.count, "device_peak_bytes": r.device_peak_bytes, "host_bytes": r.host_bytes,
-                 "components": {"device": dict(r.device), "host": dict(r.host)}}
+                 "components": {"device": dict(r.device), "host": dict(r.host),
+                                **({"disk": dict(r.disk)} if self.tier is not None else {})},
+                 **({"disk_bytes": r.disk_bytes} if self.tier is not None else {})}
                 for r in self.ranks
             ],
+            **({"tier": self._tier_json()} if self.tier is not None else {}),
             "device_memory_bytes": self.device_memory,
             "device_memory_from": self.device_memory_from,
             "host_memory_bytes": self.host_memory,
@@ -130,17 +137,38 @@ class Estimate:
             "notes": list(self.notes),
         }
 
+    def _tier_json(self) -> dict[str, Any]:
+        assert self.tier is not None
+        return {"plan": f"NVMe tier: {self.tier.describe()}", "budget_bytes": self.tier.budget,
+                "offload_host_bytes": self.tier.host_bytes, "disk_bytes": self.tier.disk_bytes,
+                "read_bytes_per_step": self.tier.step_read_bytes, "write_bytes_per_step": self.tier.step_write_bytes}
+
     def format(self) -> str:
         lines = []
+        disk = self.tier is not None
         for r in self.ranks:
-            names = list(dict.fromkeys([*r.device, *r.host]))
-            rows = [(n, gb(r.device[n]) if n in r.device else "", gb(r.host[n]) if n in r.host else "") for n in names]
-            rows.append(("total", gb(r.device_peak_bytes) if not self.on_cpu else "", gb(r.host_bytes)))
+            names = list(dict.fromkeys([*r.device, *r.host, *r.disk]))
+            rows = [(n, gb(r.device[n]) if n in r.device else "", gb(r.host[n]) if n in r.host else "",
+                     *([gb(r.disk[n]) if n in r.disk else ""] if disk else [])) for n in names]
+            rows.append(("total", gb(r.device_peak_bytes) if not self.on_cpu else "", gb(r.host_bytes),
+                         *([gb(r.disk_bytes)] if disk else [])))
             where = "host (the CPU is the device)" if self.on_cpu else "host"
-            lines += [f"{r.kind} (x{r.count}):", format_table(("component", "device peak", where), rows), ""]
+            header = ("component", "device peak", where, *(["disk (NVMe tier)"] if disk else []))
+            lines += [f"{r.kind} (x{r.count}):", format_table(header, rows), ""]
+        if self.tier is not None:
+            lines.append(self.tiers())
         lines.append(self.verdict())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def tiers(self) -> str:
+        """What lives in each tier and what crosses the disk per step; the strategy's own plan line."""
+        assert self.tier is not None
+        device = "the CPU (its bytes are host bytes)" if self.on_cpu else f"{gb(self.device_peak)} peak"
+        disk = sum(r.disk_bytes * r.count for r in self.ranks)
+        return (f"tiers: device {device}, host {gb(self.host_total)}, disk {gb(disk)}; per optimizer step the disk "
+                f"reads {gb(self.tier.step_read_bytes)} and writes {gb(self.tier.step_write_bytes)}; "
+                f"the strategy's plan: NVMe tier: {self.tier.describe()}")
 
     def verdict(self) -> str:
         if self.on_cpu:

@@ -149,6 +149,7 @@ class L2LExecutor:
         block steps during the backward); the host bytes no longer count what went to disk."""
         self.tier = tier
         self._watch.settle(self.model, self.store)  # the parameters now hold the tier's views: the baseline
+        self.stats.peak_host_bytes = 0  # what the store held before its bytes went to disk is no peak of the tier's
         self.update_host_bytes()
 
     # -- installation -----------------------------------------------------------------

@@ -239,6 +239,8 @@ class NVMeTier:
     def _take(self, index: int) -> _Slot:
         """The slot holding ``index``'s span, read now if it was not read ahead (waiting for a free slot first)."""
         with self._lock:
+            # first in line while it waits (_waiting): a write's callback that frees a slot reads ahead, and must read
+            # this unit, not a later one (all slots holding later units, none ever released, was a deadlock)
             if index in self._expected:
                 self._expected.remove(index)
             self._waiting.append(index)

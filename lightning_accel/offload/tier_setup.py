@@ -51,14 +51,30 @@ def check_tier_optimizers(optimizers: list[Optimizer], owner: str) -> None:
             f"{type(optimizer).__name__}; use one of {', '.join(c.__name__ for c in PER_PARAMETER)}, or drop nvme_path")
 
 
-def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
-              pin: bool, fixed: int = 0, grads_in_flight: int | None = None, held: int = 0) -> tuple[TierPlan, NVMeTier | None]:
-    """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
-    tier itself when the plan spills (else None)."""
+# With the host step during the backward: the blocks whose gradients may be held at once (one arriving, one stepping,
+# two waiting); the executor holds the backward back beyond that (L2LExecutor.max_unstepped)
+BLOCKS_IN_FLIGHT = 4
+
+
+def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None,
+                cuda: bool) -> tuple[list[UnitBytes], int, dict[nn.Parameter, StateKeys]]:
+    """What the plan is made from, for the strategy and ``estimate`` alike: each unit's bytes, the host bytes outside
+    the units that no plan moves (on CUDA the pinned staging each trainable parameter's gradient lands in, in its
+    device dtype: a shadow's, or fp32), and the per-element state keys."""
     trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
     keys = per_element_state(optimizer, trainable, {p: store.master[p].dtype for p in trainable}) if optimizer else {}
-    tier_plan = plan_tier([unit_bytes(u, store, keys) for u in units], budget, nvme=nvme_path is not None, fixed=fixed,
-                          grads_in_flight=grads_in_flight, held=held)
+    fixed = sum(stored_nbytes(store.shadow[p]) for p in trainable) if cuda else 0
+    return [unit_bytes(u, store, keys) for u in units], fixed, keys
+
+
+def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
+              pin: bool, steps_in_backward: bool = False, held: int = 0) -> tuple[TierPlan, NVMeTier | None]:
+    """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
+    tier itself when the plan spills (else None). ``steps_in_backward``: every step runs block by block during the
+    backward (gradients held at once: :data:`BLOCKS_IN_FLIGHT` blocks'); ``held``: the last units keep theirs."""
+    sizes, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin)
+    tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, fixed=fixed,
+                          grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=held)
     if not tier_plan.spills:
         return tier_plan, None
     assert optimizer is not None and nvme_path is not None

@@ -87,16 +87,11 @@ from lightning_accel.offload.host_store import KEEP_IT_FROZEN, cannot_train
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
-from lightning_accel.offload.tier_setup import check_tier_optimizers, make_tier
+from lightning_accel.offload.tier_setup import BLOCKS_IN_FLIGHT, check_tier_optimizers, make_tier
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.user_hooks import overrides
-
-
-# With the NVMe tier and the host step during the backward: the blocks whose gradients may be held at once (one
-# arriving, one stepping, two waiting); the backward waits for the host step beyond that
-_BLOCKS_IN_FLIGHT = 4
 
 
 class L2LOffloadHooks(Strategy):
@@ -262,20 +257,17 @@ class L2LOffloadHooks(Strategy):
         if self.nvme_path is not None and self.optimizers:
             check_tier_optimizers(self.optimizers, type(self).__name__)
         store, plan = executor.store, executor.plan
-        units = executor.tier_units()
-        # pinned staging for the gradients' copies off the device, one per trainable parameter in its dtype (<= 2 B)
-        fixed = sum(p.numel() * 2 for u in units for _, p in u.params if p.requires_grad) if self.root_device.type == "cuda" else 0
         optimizer = self.optimizers[0] if self.optimizers else None
-        in_flight = _BLOCKS_IN_FLIGHT if optimizer is not None and self._steps_in_backward(optimizer) else None
+        in_backward = optimizer is not None and self._steps_in_backward(optimizer)
         try:
-            tier_plan, tier = make_tier(units, store, optimizer, self.host_budget, self.nvme_path if optimizer else None,
-                                        pin=self.root_device.type == "cuda", fixed=fixed, grads_in_flight=in_flight,
-                                        held=1 if plan.offload_resident else 0)
+            tier_plan, tier = make_tier(executor.tier_units(), store, optimizer, self.host_budget,
+                                        self.nvme_path if optimizer else None, pin=self.root_device.type == "cuda",
+                                        steps_in_backward=in_backward, held=1 if plan.offload_resident else 0)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan
         # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
-        executor.max_unstepped = None if in_flight is None else in_flight - 2
+        executor.max_unstepped = BLOCKS_IN_FLIGHT - 2 if in_backward else None
         executor.retier = self._retier
         if tier is not None:
             executor.attach_tier(tier)

@@ -1,0 +1,94 @@
+"""The NVMe tier's plan for a model before it runs: what ``estimate`` and ``bench offload --nvme`` read.
+
+The strategy decides its tier at set-up (:meth:`L2LOffloadHooks._setup_tier`) from the host store it
+built (fp32 masters, low-precision shadows, frozen weights as stored) and the optimizer's
+per-element state. Rather than a second copy of that arithmetic, the same store is built here over
+the model as it is (the estimate's fake tensors: nothing allocated; the bench's fp32 CPU model: the
+masters are its own tensors, nothing copied) and sized by the same functions
+(:func:`~lightning_accel.offload.tier_setup.unit_bytes`,
+:func:`~lightning_accel.offload.tier_plan.plan_tier`): the figures, the plan line and a budget's
+refusal are the strategy's own. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_accel.config.errors import UserError
+from lightning_accel.models.block_policy import BlockPolicy
+from lightning_accel.offload.host_store import HostStore
+from lightning_accel.offload.plan import make_plan
+from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
+from lightning_accel.offload.tier_setup import BLOCKS_IN_FLIGHT, check_tier_optimizers, tier_inputs
+from lightning_accel.stored import stored_nbytes
+
+
+class TierRefused(UserError, ValueError):
+    """The strategy would refuse this budget at set-up: its own one-line message (a ValueError too, as the
+    strategy raises it, so callers that report an estimate's ValueError as a line report this one)."""
+
+
+def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockPolicy = "auto", offload_resident: bool = False,
+              compute_dtype: torch.dtype = torch.float32, host_budget: int | None = None, nvme_path: str | None = None,
+              cuda: bool = False, stored: Mapping[str, int] | None = None, owner: str = "L2LOffloadStrategy",
+              steps_in_backward: bool = False) -> TierPlan:
+    """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
+    spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
+    budget); ``steps_in_backward``: every step runs block by block during the backward (the strategy then counts
+    :data:`~lightning_accel.offload.tier_setup.BLOCKS_IN_FLIGHT` blocks' gradients at once); ``stored``: stored bytes of
+    frozen weights that differ from their tensors (a QLoRA base left unquantized
+    on meta: :func:`~lightning_accel.estimate.params.nf4_weights`), by name in ``net``.
+
+    Builds a :class:`~lightning_accel.offload.host_store.HostStore` over ``net``'s blocks, which points each
+    trainable parameter's ``data`` at its fp32 master (the tensor itself where it already is one). Raises
+    :class:`TierRefused` with the strategy's message where it would refuse the budget or the optimizer."""
+    if nvme_path is not None:
+        try:
+            check_tier_optimizers(list(optimizers), owner)
+        except ValueError as err:
+            raise TierRefused(str(err)) from None
+    optimizer = optimizers[0]
+    plan = make_plan(net, blocks, offload_resident=offload_resident)
+    units = plan.blocks + ([plan.resident] if offload_resident else [])  # the executor's tier_units
+    store = HostStore(units, compute_dtype, pin=False)  # pinned: same bytes
+    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda)  # what the strategy's _setup_tier plans from
+    sizes = [_as_stored(size, u.params, store, stored or {}) for size, u in zip(sizes, units)]
+    try:
+        return plan_tier(sizes, host_budget, nvme=nvme_path is not None, fixed=fixed,
+                         grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=1 if offload_resident else 0)
+    except ValueError as err:
+        raise TierRefused(f"{owner}: {err}") from None
+
+
+def _as_stored(unit: UnitBytes, params: list[tuple[str, nn.Parameter]], store: HostStore, stored: Mapping[str, int]) -> UnitBytes:
+    """``unit`` with its frozen weights at the bytes they are stored in (``stored``), where that differs from the
+    tensor the store holds."""
+    change = sum(stored[name] - stored_nbytes(store.master[p]) for name, p in params if name in stored and p in store.frozen)
+    return UnitBytes(unit.name, unit.state, unit.masters, unit.weights + change, unit.grads) if change else unit
+
+
+def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: torch.dtype, cuda: bool,
+                  stored: Mapping[str, int], trainer: Mapping[str, Any] | None = None) -> TierPlan | None:
+    """The plan an ``L2LOffloadStrategy`` with ``host_budget`` or ``nvme_path`` makes for ``module`` at set-up, ``net``'s
+    parameters standing for the fp32 masters (fake tensors: nothing allocated); None without either option, or
+    without an optimizer (nothing steps: the strategy makes no tier either)."""
+    from lightning_accel.estimate.params import _optimizers
+
+    nvme_path, budget = getattr(strategy, "nvme_path", None), getattr(strategy, "host_budget", None)
+    if nvme_path is None and budget is None:
+        return None
+    optimizers = _optimizers(module.configure_optimizers())
+    if not optimizers:
+        return None
+    # as the strategy decides it (_steps_in_backward): the overlap wanted, no clipping, no accumulation
+    trainer = trainer or {}
+    wanted = cuda if getattr(strategy, "overlap_step", None) is None else bool(strategy.overlap_step)
+    in_backward = wanted and not trainer.get("gradient_clip_val") and int(trainer.get("accumulate_grad_batches") or 1) == 1
+    return tier_plan(net, optimizers, blocks=strategy.blocks, offload_resident=strategy.offload_resident,
+                     compute_dtype=compute_dtype, host_budget=budget, nvme_path=nvme_path, cuda=cuda, stored=stored,
+                     owner=type(strategy).__name__, steps_in_backward=in_backward)
