@@ -167,10 +167,14 @@ def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_by
 
 def _tier(tier: TierPlan, blocks: list[Tensors], rank: RankEstimate) -> None:
     """The spilled blocks' fp32 masters and optimizer state leave the host for the disk (there as laid out in the
-    tier's files, each tensor aligned); the tier's I/O buffers join the host."""
+    tier's files, each tensor aligned); the tier's I/O buffers join the host; where every step runs during the backward
+    the gradients held at once are the plan's (a few blocks', the backward held back beyond them). ``blocks``: the
+    tier's units, the blocks then a streamed resident unit."""
     if len(tier.units) != len(blocks):
         raise ValueError(f"the NVMe tier's plan has {len(tier.units)} units for {len(blocks)} blocks; both come from the "
                          "strategy's block policy, so this is a bug in the estimate")
+    if tier.grads_in_flight is not None and "gradients (fp32)" in rank.host:
+        rank.host["gradients (fp32)"] = tier.grad_bytes
     n = range(len(blocks))
     for name, on_disk, host_bytes, disk_bytes in (
         ("masters (fp32)", tier.masters_on_disk, [b.trainable * FP32 for b in blocks], [u.masters for u in tier.units]),
@@ -198,7 +202,7 @@ def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]
     rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
     _l2l_host(offloaded, plan, rank.host, state)
     if plan.tier is not None:
-        _tier(plan.tier, inv.blocks, rank)
+        _tier(plan.tier, units, rank)
     alias = plan.on_cpu and plan.compute_size == FP32  # blocks compute on their host masters: no copies
     if not alias:
         biggest = max(b.weight_bytes(FP32, plan.compute_size) for b in inv.blocks)
