@@ -59,7 +59,12 @@ def test_l2l_nf4_host_side_matches_offload_stats(seed: int) -> None:
 
 
 def _cpu_recipes() -> list[str]:
-    return [name for name in recipe_names() if str(compose_recipe(name, []).trainer.accelerator) == "cpu"]
+    """The CPU recipes whose host bytes RSS measures. Not those with the NVMe tier: their masters and state are read
+    through file maps (clean page cache, which RSS counts and the kernel drops under pressure): 0.80x the peak RSS
+    for gpt-tiny_l2l-nvme_cpu, where gpt-tiny_l2l_cpu reads 0.93x. The tier's memory bound is tested under a real
+    limit instead (tests/strategies/test_l2l_tier_cgroup.py)."""
+    cpu = [(name, compose_recipe(name, [])) for name in recipe_names()]
+    return [name for name, cfg in cpu if str(cfg.trainer.accelerator) == "cpu" and not (cfg.get("strategy") or {}).get("nvme_path")]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is Linux's VmHWM, reset through /proc/self/clear_refs")
