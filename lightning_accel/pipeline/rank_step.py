@@ -89,11 +89,11 @@ def eval_step(
     step: Callable[[Any], Any],
     src: int,
     device: torch.device,
-    output_to_cpu: Callable[[Any], Any] | None = None,
 ) -> Any:
     """``step`` (the module's ``hook``) on ``batch`` streamed through the stages; on the last stage's rank (global rank
-    ``src``) once on the whole batch, its logs replayed on every other rank. Returns the step's output there; elsewhere
-    ``output_to_cpu`` of it as sent (None without ``output_to_cpu``)."""
+    ``src``) once on the whole batch, its logs replayed on every other rank. Returns the step's output on every rank (as
+    Lightning hands it to ``on_validation_batch_end`` and the like there): the last rank's, elsewhere a copy of it, its
+    tensors on ``device``."""
     size = batch_size(batch)
     parts = scatter(batch, pipe.eval_chunks(size))
     logs = EvalLogs(module, hook)
@@ -108,11 +108,11 @@ def eval_step(
             return step(parts[i])
 
     out = pipe.evaluate(size, run)
-    sent = output_to_cpu(out) if pipe.holds_last and output_to_cpu is not None else None
+    sent = map_tensors(out, lambda t: t.detach().cpu()) if pipe.holds_last else None
     appended = kept.merged([size], "mean") if pipe.holds_last else {}
     records, output, appended = logs.exchange(sent, src, pipe.group, kept_on_cpu(appended))
     kept.settle(appended, device)
     if pipe.holds_last:
         return out
     EvalLogs.replay(module, records, device)
-    return output
+    return map_tensors(output, lambda t: t.to(device))

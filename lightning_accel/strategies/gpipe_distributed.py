@@ -528,9 +528,10 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
 
     # -- evaluation ---------------------------------------------------------------------------
 
-    def _eval_step(self, hook: str, args: tuple, kwargs: dict, return_output: bool = False) -> Any:
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         """The batch through the stages in micro-batches; the user's ``hook`` on the whole batch at the last stage (its
-        logs replayed on every rank). Every rank runs ``hook`` up to its stages' ends, its logging silenced."""
+        logs replayed and its output returned on every rank). Every rank runs ``hook`` up to its stages' ends, its
+        logging silenced."""
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
@@ -538,7 +539,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         return eval_step(
             pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
             layout.pp_global(self._last_rank()), self.root_device,
-            (lambda out: apply_to_collection(out, Tensor, lambda t: t.detach().cpu())) if return_output else None,
         )
 
     @override
@@ -554,7 +554,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._eval_step("predict_step", args, kwargs, return_output=True)
+            return self._eval_step("predict_step", args, kwargs)
 
     @override
     def on_validation_start(self) -> None:
@@ -578,6 +578,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
 
     @override
     def teardown(self) -> None:
+        self._whole_after_run()  # every rank's module whole, as after DDP (gpipe_split_state)
         self._unpatch()
         # _split_state stays: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
         # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -34,6 +34,8 @@ from lightning_accel.pipeline.state_gather import gather_model_state, load_own_s
 from lightning_accel.strategies.gpipe_callbacks import averaged_copies
 
 __all__ = ["SplitModuleState"]
+
+_STAGES = {TrainerFn.FITTING: "fit", TrainerFn.VALIDATING: "validate", TrainerFn.TESTING: "test", TrainerFn.PREDICTING: "predict"}
 
 
 class SplitModuleState(DDPStrategy):
@@ -98,24 +100,17 @@ class SplitModuleState(DDPStrategy):
             optimizer.load_state_dict(self._split_state.local_optimizer_state(index, whole))
             _optimizers_to_device([optimizer], self.root_device)
 
-    @override
-    def on_train_end(self) -> None:
-        self.sync_weights()  # after fit, each rank holds its stages and current values of everything else
-        self._whole_after("fit")
-
-    @override
-    def on_validation_end(self) -> None:
-        assert self.lightning_module is not None
-        if self.lightning_module.trainer.state.fn == TrainerFn.VALIDATING:  # not fit's own validation
-            self._whole_after("validate")
-
-    @override
-    def on_test_end(self) -> None:
-        self._whole_after("test")
-
-    @override
-    def on_predict_end(self) -> None:
-        self._whole_after("predict")
+    def _whole_after_run(self) -> None:
+        """At teardown after a run that ended normally (on every rank; after an exception the ranks may not all be
+        here): every rank's module whole again, as after DDP. After ``fit``, also one that stopped before training began
+        (``Timer(duration=0)``, ``should_stop`` at fit start: no ``on_train_end``), when it fits the hosts' free memory
+        (one warning on each rank otherwise); after an evaluation, where it split a module that was whole."""
+        module = self.lightning_module
+        if module is None or module._trainer is None or module.trainer.state.status != TrainerStatus.RUNNING:
+            return
+        stage = _STAGES.get(module.trainer.state.fn)
+        if stage is not None:
+            self._whole_after(stage)
 
     def _whole_after(self, stage: str) -> None:
         """Every rank's module whole again, as after DDP: after ``fit`` (when it fits the hosts' free memory; one warning on
@@ -125,6 +120,8 @@ class SplitModuleState(DDPStrategy):
             return
         if stage != "fit" and not self._whole_at_setup:
             return
+        if stage == "fit":
+            self.sync_weights()  # what is outside the blocks: each rank's copy from a rank that steps it
         needed = self._split_state.gather_whole(module, self._layout, available_host_bytes(), copies=self._copies())
         if needed is not None:
             warnings.warn(

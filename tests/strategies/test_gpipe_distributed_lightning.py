@@ -13,7 +13,7 @@ import torch
 
 from tests.support.lightning_features import fit_case, probe, run_case, state_of
 
-TRAINED = ("finetune", "swa")
+TRAINED = ("finetune", "swa", "stopped")
 
 
 @pytest.fixture
@@ -45,7 +45,8 @@ def _load(two_ranks, case: str, rank: int) -> dict:
 def test_every_rank_holds_the_trained_module_after_fit_and_evaluates_it_like_plain_lightning(two_ranks, plain, case):
     """BaseFinetuning (net.0 frozen, unfrozen at epoch 1 as a new param group; before: ``aten::equal`` on meta tensors)
     with a StepLR, clipping by norm, EarlyStopping on an epoch-end value and EMAWeightAveraging; SWA from epoch 1 with
-    a BatchNorm (before, both averaging callbacks: "Cannot copy out of meta tensor"). On both ranks after fit: the whole trained module, no placeholder, equal to plain
+    a BatchNorm (before, both averaging callbacks: "Cannot copy out of meta tensor"); a Timer with no time left, which
+    stops fit before training begins (before: the module stayed split, no on_train_end ran). On both ranks after fit: the whole trained module, no placeholder, equal to plain
     Lightning's, ``model(x)`` computing plain's output (before: rank 1 held meta tensors and ``model(x)`` raised); then
     ``trainer.validate``, ``test`` and ``predict`` give plain's results and leave the module whole."""
     expected = plain[1][case]
@@ -60,6 +61,9 @@ def test_every_rank_holds_the_trained_module_after_fit_and_evaluates_it_like_pla
             for key, value in expected[stage][0].items():
                 assert got[stage][0][key] == pytest.approx(value, rel=1e-10), (what, stage, key)
         torch.testing.assert_close(got["predict"], expected["predict"], rtol=1e-10, atol=1e-12, msg=what)
+        if expected["batch_outputs"] is not None:  # on_validation_batch_end's outputs (before: None on rank 0)
+            assert len(expected["batch_outputs"]) == 8, what  # the sanity check and 3 validations, 2 batches each
+            torch.testing.assert_close(got["batch_outputs"], expected["batch_outputs"], rtol=1e-10, atol=1e-12, msg=what)
         _close(got["after_eval"], expected["after_eval"], f"{what} after validate/test/predict")
 
 
@@ -85,7 +89,7 @@ def test_logged_values_and_epoch_end_outputs_equal_plain_lightning(two_ranks, pl
         assert expected["metrics"]["train_outputs"] == 2.0 and "lr-SGD/pg2" in expected["metrics"]
 
 
-@pytest.mark.parametrize("case", TRAINED)
+@pytest.mark.parametrize("case", ["finetune", "swa"])
 def test_a_checkpoint_after_fit_holds_the_whole_model_its_param_groups_and_callback_states(two_ranks, plain, case):
     """``trainer.save_checkpoint`` after fit: the module (EMA's averaged weights and the trained ones), the optimizer's
     state under plain training's indices in both param groups (BaseFinetuning's added group included), BaseFinetuning's

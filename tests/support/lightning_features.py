@@ -12,16 +12,18 @@ saw; :data:`CASES` says what each case turns on:
   per-sample predictions appended in ``training_step``, a dict in ``validation_step``), ``self.all_gather`` in
   validation, ``EarlyStopping`` on a value computed at epoch end from the last stage's outputs, the model summary,
   ``EMAWeightAveraging`` (validation and the end of fit on the averaged weights, which a checkpoint's ``state_dict``
-  holds);
+  holds), what ``on_validation_batch_end`` is handed;
 - ``swa``: ``StochasticWeightAveraging(swa_epoch_start=1)`` with a BatchNorm (its recomputed statistics epoch included);
 - ``pruning``: ``ModelPruning``, which a pipeline strategy refuses before the first step;
-- ``no_room``: a plain fit, for a strategy told the host cannot hold the whole module after it.
+- ``no_room``: a plain fit, for a strategy told the host cannot hold the whole module after it;
+- ``stopped``: ``Timer(duration=0)``, which stops fit before training begins (no ``on_train_end``).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from typing import Any
 from unittest import mock
 
@@ -35,6 +37,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelPruning,
     StochasticWeightAveraging,
+    Timer,
 )
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -47,6 +50,7 @@ CASES = {  # case: (strategy chunks, batch norm, max_epochs)
     "swa": (1, True, 2),  # one micro-batch: BatchNorm normalizes what plain training's does
     "pruning": (2, False, 1),
     "no_room": (2, False, 1),  # the strategy told the host has no room to gather the module after fit
+    "stopped": (2, False, 1),  # a Timer with no time left: fit stops before training begins
 }
 
 
@@ -85,6 +89,7 @@ class Features(pl.LightningModule):
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_gathered", self.all_gather(loss).mean())
         self.val_outputs.append({"loss": loss, "count": torch.tensor(len(x))})
+        return {"loss": loss}  # what on_validation_batch_end is handed, on every rank
 
     def on_validation_epoch_end(self):
         if self.val_outputs:
@@ -144,14 +149,26 @@ def data(n: int, seed: int = 2) -> TensorDataset:
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g))
 
 
+class BatchOutputs(pl.Callback):
+    """What ``on_validation_batch_end`` is handed as the step's outputs."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.seen.append({k: v.detach().clone() for k, v in outputs.items()} if isinstance(outputs, dict) else outputs)
+
+
 def _callbacks(case: str) -> list[pl.Callback]:
     if case == "finetune":
         early = EarlyStopping("val_epoch_mean", patience=1, mode="max", check_on_train_epoch_end=False)
-        return [Unfreeze(), LearningRateMonitor(), early, EMAWeightAveraging(decay=0.5)]
+        return [Unfreeze(), LearningRateMonitor(), early, EMAWeightAveraging(decay=0.5), BatchOutputs()]
     if case == "swa":
         return [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
     if case == "pruning":
         return [ModelPruning("l1_unstructured", amount=0.3)]
+    if case == "stopped":
+        return [Timer(duration=timedelta(0))]
     return []
 
 
@@ -190,6 +207,7 @@ def run_case(case: str, strategy: Any, devices: int, out: str) -> dict[str, Any]
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "epoch": trainer.current_epoch,
         "logged": logger.metrics,
+        "batch_outputs": next((c.seen for c in trainer.callbacks if isinstance(c, BatchOutputs)), None),
     }
     trainer.save_checkpoint(os.path.join(out, f"{case}-{devices}.ckpt"))
     seen["validate"] = trainer.validate(model, DataLoader(data(16, seed=3), batch_size=8), verbose=False)
