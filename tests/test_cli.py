@@ -200,7 +200,7 @@ def test_validate_warns_when_the_estimate_exceeds_the_stated_device(capsys: pyte
 # Bad input caught by preflight, in process (no interpreter start-up per case): run and
 # validate alike end in one line and exit status 2, and no run directory is made.
 PREFLIGHT_BAD = [
-    (["strategy=gpipe", "strategy.chunks=0"], r"strategy: chunks must be a positive int"),
+    (["strategy=gpipe", "strategy.chunks=0"], r"strategy.chunks=0: chunks must be a positive int"),
     (["strategy=gpipe", "strategy.checkpoint=sometimes"], r"checkpoint must be one of always, except_last, never"),
     (["strategy=gpipe_distributed", "strategy.schedule=zigzag"], r"schedule must be one of"),
     (["strategy=gpipe_distributed", "trainer.devices=2", "data.batch_size=1"], r"data.batch_size=1: .*chunks=4, schedule='1f1b'.* cannot be split"),
@@ -215,8 +215,8 @@ PREFLIGHT_BAD = [
      r"trainer.sync_batchnorm=true: DistributedGPipeStrategy does not convert BatchNorm layers"),
     (["strategy=l2l_offload", "strategy.delayed_update=true", "precision=offload-16-mixed"],
      r"strategy.delayed_update=true: .*cannot run with fp16 loss scaling"),
-    (["model.net.preset=huge"], r"model: unknown GPT preset 'huge'"),
-    (["callbacks=prefetch", "callbacks.prefetch_tuner.max_workers=0"], r"callbacks.prefetch_tuner: max_workers=0 must be a positive integer"),
+    (["model.net.preset=huge"], r"model.net.preset=huge: unknown GPT preset 'huge'"),
+    (["callbacks=prefetch", "callbacks.prefetch_tuner.max_workers=0"], r"callbacks.prefetch_tuner.max_workers=0: max_workers=0 must be a positive integer"),
     (["data=null"], r"data=null removes the data config"),
     (["ckpt_path=last"], r"ckpt_path=last but no earlier run of this recipe"),
     # a strategy's set-up checks, asked by preflight with the strategy's own functions (config/setup_checks.py)

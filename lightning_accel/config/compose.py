@@ -32,6 +32,9 @@ def resolve_recipe(recipe: str) -> Path:
     if recipe.endswith((".yaml", ".yml")) or as_path.parent != Path("."):
         if not as_path.is_file():
             raise UserError(missing_file_line("recipe file", recipe, "pass a recipe name (see `lightning-accel ls`) or an existing YAML path"))
+        if as_path.suffix not in (".yaml", ".yml"):
+            raise UserError(f"recipe file '{recipe}' is not a .yaml file (Hydra reads a recipe from NAME.yaml); pass a recipe name "
+                            f"(see `lightning-accel ls`) or a YAML path, e.g. lightning-accel cp gpt-tiny_cpu my.yaml to start one")
         return as_path.resolve()
     shipped = recipes_dir() / f"{recipe}.yaml"
     if shipped.is_file():

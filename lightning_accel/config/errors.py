@@ -33,7 +33,10 @@ from omegaconf.errors import (
 )
 
 _KEY_ERRORS = (ConfigKeyError, ConfigAttributeError)
-_KINDS = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+# the type OmegaConf names in a ValidationError ("... could not be converted to Integer", "is not a valid bool"):
+# what to pass, and an example
+_KINDS = {"Integer|int": ("a whole number", "1"), "Float": ("a number", "0.5"), "Boolean|bool": ("true or false", "true"),
+          "String|str": ("a string", "text")}
 
 
 class UserError(Exception):
@@ -101,8 +104,9 @@ def _explain_omegaconf(err: Exception) -> str | None:
         )
     if isinstance(err, ValidationError):
         value = getattr(err, "msg", str(err)).split("\n")[0]
-        wanted = next((v for k, v in _KINDS.items() if value.rstrip().endswith(k)), "a value of the right type")
-        return f"{full_key}: {value}; pass {wanted}, e.g. {full_key}=<value>"
+        wanted, example = next(((v, e) for k, (v, e) in _KINDS.items() if re.search(rf"\b(?:{k})\b", value.split(" (type ")[0], re.IGNORECASE)),
+                               ("a value of the right type", "<value>"))
+        return f"{full_key}: {value}; pass {wanted}, e.g. {full_key}={example}"
     if isinstance(err, MissingMandatoryValue):
         return f"{full_key} is required and has no value; set it on the command line: {full_key}=VALUE"
     return None
@@ -167,6 +171,10 @@ def explain(err: BaseException) -> str | None:
         if cause is not None and (line := explain(cause)) is not None:
             return line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        added = re.search(r"Could not append to config\. An item is already at '([^']+)'", first)
+        if added:  # +key=value for a key the config has
+            key = added.group(1)
+            return f"+{key}=... adds a key, but {key} is already in the config; set it without the +: {key}=VALUE (or ++{key}=VALUE)"
         return f"{first}; rerun with HYDRA_FULL_ERROR=1 for the traceback"
     cause = err.__cause__ or err.__context__
     return explain(cause) if cause is not None else None

@@ -62,11 +62,11 @@ def _devices(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class LoopKey:
-    """What one Trainer key allows, in words, with an example; ``ok`` is our own check (None: Lightning's is)."""
+    """What one Trainer key allows, in words, with an example, and ``ok``: whether a value is one of them."""
 
     allowed: str
     example: str
-    ok: Callable[[Any], bool] | None = None
+    ok: Callable[[Any], bool]
 
 
 LOOP_KEYS: dict[str, LoopKey] = {
@@ -90,16 +90,18 @@ LOOP_KEYS: dict[str, LoopKey] = {
                                     lambda v: v is None or _int(v) and v >= -1),
     "log_every_n_steps": LoopKey("a number of steps >= 1", "10", lambda v: v is None or _int(v) and v >= 1),
     "accumulate_grad_batches": LoopKey("a number of batches >= 1 (1: no accumulation)", "1", lambda v: _int(v) and v >= 1),
-    "gradient_clip_val": LoopKey("a gradient norm (or value) > 0 to clip to, or null (no clipping)", "1.0",
+    "gradient_clip_val": LoopKey("a gradient norm (or value) >= 0 to clip to (0 or null: no clipping)", "1.0",
                                  lambda v: v is None or _number(v) and v >= 0),
     "gradient_clip_algorithm": LoopKey("norm or value", "norm", lambda v: v is None or v in ("norm", "value")),
-    "reload_dataloaders_every_n_epochs": LoopKey("a number of epochs >= 0 (0: never)", "0"),
-    "fast_dev_run": LoopKey("true, false or a number of batches >= 0", "false"),
+    "reload_dataloaders_every_n_epochs": LoopKey("a number of epochs >= 0 (0: never)", "0", lambda v: _int(v) and v >= 0),
+    "fast_dev_run": LoopKey("true, false or a number of batches >= 0", "false", lambda v: isinstance(v, bool) or _int(v) and v >= 0),
     "devices": LoopKey("a number of devices >= 1, -1 (all), auto, or a list of device indices", "1", _devices),
     "num_nodes": LoopKey("a number of machines >= 1", "1", lambda v: _int(v) and v >= 1),
     "deterministic": LoopKey("true, false, warn or null", "null", lambda v: v is None or isinstance(v, bool) or v == "warn"),
     "benchmark": LoopKey("true, false or null", "null", lambda v: v is None or isinstance(v, bool)),
 }
+# a key Lightning's own check refuses in words that do not name it is found by its value in them
+_QUOTED = re.compile(r"'([^']*)'")
 
 
 def _shown(value: Any) -> str:
@@ -124,7 +126,7 @@ def _time_hint(value: Any) -> str:
 def check_loop(trainer: Mapping[str, Any]) -> None:
     """Each loop value by :data:`LOOP_KEYS`, then the pairs (a minimum above its maximum)."""
     for key, rule in LOOP_KEYS.items():
-        if key in trainer and rule.ok is not None and not rule.ok(trainer[key]):
+        if key in trainer and not rule.ok(trainer[key]):
             value = trainer[key]
             problem = "is not allowed" + (_time_hint(value) if key == "max_time" else "")
             if key in ("limit_train_batches", "max_steps", "max_epochs") and value in (0, 0.0):
@@ -150,6 +152,7 @@ def check_trainer(trainer: Mapping[str, Any]) -> None:
     except Exception as err:
         line = one_line(str(err)) or type(err).__name__
         named = [k for k in loop if k in LOOP_KEYS and re.search(rf"\b{k}\b", line)]
+        named = named or [k for k in LOOP_KEYS if k in trainer and str(trainer[k]) in _QUOTED.findall(line)]
         if named:
             rule = LOOP_KEYS[named[0]]
             raise UserError(f"trainer.{named[0]}={_shown(loop[named[0]])}: {line.rstrip('.')}; pass {rule.allowed}, "

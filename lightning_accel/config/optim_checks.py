@@ -294,6 +294,43 @@ def _step_once(configured_: Configured, cfg: DictConfig) -> None:
                 scheduler.step()
         except Exception as err:
             raise _torch_error(err, cfg, "model.scheduler" if "model.scheduler" in wheres else None, "at its first step") from None
+    for optimizer in configured_.optimizers:  # what a schedule wrote into the groups (a negative max_lr: lr < 0)
+        _check_scheduled(optimizer, cfg)
+
+
+def _check_scheduled(optimizer: torch.optim.Optimizer, cfg: DictConfig) -> None:
+    """The settings a scheduler set in each param group, asked of the optimizer's constructor again: torch checks
+    them there only, so a schedule that sets a negative learning rate would otherwise train uphill in silence."""
+    if not type(optimizer).__module__.startswith("torch.optim") or OmegaConf.select(cfg, "model.scheduler") is None:
+        return
+    name, takes = type(optimizer).__name__, inspect.signature(type(optimizer)).parameters
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k in takes and k != "params" and k not in _DEVICE_FLAGS}
+        try:
+            type(optimizer)([torch.zeros(1, requires_grad=True)], **settings)
+        except ValueError as err:
+            node = cfg.model.scheduler
+            scheduler, refused = str(node._target_).rsplit(".", 1)[-1], one_line(str(err))
+            keys = [str(k) for k in node if not str(k).startswith("_")]
+            negative = [k for k in keys if k != "last_epoch" and _numbers(value := _plain(node[k])) and min(_flat_numbers(value)) < 0]
+            if negative:  # what a schedule scales is scaled by its settings: a negative one makes it negative
+                key = negative[0]
+                raise UserError(f"model.scheduler.{key}={_shown(_plain(node[key]))}{_source(node, key)}: {scheduler} sets {name}'s "
+                                f"param group to what {name} refuses ({refused}) at its first step; pass a positive "
+                                f"model.scheduler.{key}") from None
+            given = ", ".join(f"{k}={_shown(_plain(node[k]))}{_source(node, k)}" for k in keys)
+            raise UserError(f"model.scheduler ({scheduler}: {given}) sets {name}'s param group to what {name} refuses ({refused}) "
+                            "at its first step; change the model.scheduler value that sets it") from None
+
+
+def _numbers(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _flat_numbers(value: Any) -> list[float]:
+    return [x for v in value for x in _flat_numbers(v)] if isinstance(value, (list, tuple)) else [float(value)]
 
 
 def check_optimization(module: Any, cfg: DictConfig) -> Configured:

@@ -139,13 +139,31 @@ def _built(where: str, node: Any, **kwargs: Any) -> Any:
 
 
 def _with_fix(where: str, node: Any, line: str) -> str:
-    """``where: line``; a constructor's line that says no fix (no ``;``) gets one: the argument it names, to change."""
-    if ";" in line or not OmegaConf.is_dict(node):
+    """A constructor's line, keyed: ``where.key=value: line`` when it names one of the node's settings (nested too:
+    ``model.net.dropout``), else ``where: line``; a line that says no fix (no ``;``) gets one, the key to change."""
+    if re.match(r"^[+~]*\w+\.[\w.\[\]]+=", line):  # already names its dotted key (our own checks' lines)
+        return line
+    try:
+        flat = dict(_leaves(OmegaConf.to_container(node, resolve=True), where)) if OmegaConf.is_dict(node) else {}
+    except Exception:  # an interpolation that does not resolve here: the line as it is
+        flat = {}
+    found = {k: m.start() for k in flat if (m := re.search(rf"\b{re.escape(k.rsplit('.', 1)[-1])}\b", line))}
+    if found:
+        key = min(found, key=lambda k: (found[k], len(k)))  # the setting the line names first
+        return f"{key}={flat[key]}: {line}" + ("" if ";" in line else f"; set {key} to a value it allows")
+    if ";" in line:
         return f"{where}: {line}"
-    named = [str(k) for k in node.keys() if not str(k).startswith("_") and re.search(rf"\b{re.escape(str(k))}\b", line)]
-    if not named:
-        return f"{where}: {line}; fix the {where} arguments ({', '.join(str(k) for k in node.keys() if not str(k).startswith('_'))})"
-    return f"{where}.{named[0]}={OmegaConf.select(node, named[0])}: {line}; set {where}.{named[0]} to a value it allows"
+    return f"{where}: {line}; fix the {where} arguments ({', '.join(k.rsplit('.', 1)[-1] for k in flat) or 'its _target_'})"
+
+
+def _leaves(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """The settings of a node as ``(dotted key, value)``, Hydra's own keys (``_target_``) left out."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not str(key).startswith("_"):
+                yield from _leaves(value, f"{prefix}.{key}")
+    else:
+        yield prefix, node
 
 
 def check_comm_strategy(strategy: Mapping[str, Any] | None, accelerator: str) -> None:
@@ -237,7 +255,7 @@ def _check_objects(cfg: DictConfig, launch: bool) -> tuple[Any, Configured]:
             except UserError:
                 raise
             except Exception as err:
-                raise UserError(f"model: {_reason(err)}") from None
+                raise UserError(_with_fix("model", cfg.model, _reason(err))) from None
         optimization = check_optimization(module, cfg)
     check_strategy_setup(strategy, module, cfg, optimization.optimizers)
     return module, optimization

@@ -35,6 +35,8 @@ def _load(path: str) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as err:
         line = one_line(str(err)) or type(err).__name__
+        if "mmap can only be used with files saved with" in line or "zip archive" in line:
+            line = "not a file torch.save wrote"
         raise UserError(f"ckpt_path='{path}' is not a readable checkpoint ({line[:120]}); pass a .ckpt written by a run, "
                         "or start without ckpt_path") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):

@@ -64,6 +64,15 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("scheduler", "gpt-tiny_cpu", ["trainer.max_steps=10"],  # a warm-up of pct_start x total_steps = 1 step: torch divides by 0
      r"^model.scheduler \(OneCycleLR: .*total_steps=10 \(from trainer.max_steps\), pct_start=0.1.*\): ZeroDivisionError: float division "
      r"by zero \(when built\); change one of these model.scheduler values"),
+    ("scheduler", "gpt-tiny_cpu", ["model.scheduler.max_lr=-0.5"],  # torch checks lr when the optimizer is built, not the lr a schedule sets
+     r"^model.scheduler.max_lr=-0.5: OneCycleLR sets AdamW's param group to what AdamW refuses \(Invalid learning rate: -0.02, at its "
+     r"first step|^model.scheduler.max_lr=-0.5: OneCycleLR sets AdamW's param group .*; pass a positive model.scheduler.max_lr"),
+    ("loop", "gpt-tiny_cpu", ["trainer.fast_dev_run=-3"], r"^trainer.fast_dev_run=-3 is not allowed; pass true, false or a number of batches >= 0"),
+    # a constructor's own refusal, keyed by the setting it names (model.net.dropout, not "model")
+    ("constructor", "gpt-tiny_cpu", ["model.net.dropout=2.0"], r"^model.net.dropout=2.0: dropout must be in \[0, 1\), got 2.0; set model.net.dropout"),
+    ("constructor", "resnet-tiny_cpu", ["data.image_size=6"], r"^data.image_size=6: image_size=6 is below 8 pixels"),
+    ("constructor", "gpt-tiny_cpu", ["strategy=l2l_offload", "strategy.delayed_update_warmup=3"],
+     r"^strategy.delayed_update_warmup=3: delayed_update_warmup=3 has no effect with delayed_update=False; set delayed_update=True"),
     # a strategy's options against the model (GPT tiny: 4 blocks)
     ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload", "strategy.prefetch_blocks=4"],
      r"^strategy.prefetch_blocks=4: the model has 4 blocks \(GPTBlock\), so at most 3 can be copied ahead"),
