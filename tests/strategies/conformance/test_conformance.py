@@ -29,9 +29,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) trains differently: "
                                                          "val_loss 0.6538 vs 0.6507 after epoch 0, weights 4e-3 off",
     ("all_gather_training", "gpipe_distributed"): "hangs: rank 1 waits in all_gather inside micro-batch 0 while rank 0 waits for its gradient",
-    ("lambda_callback", "gpipe_distributed"): "on_validation_batch_end gets outputs=None on rank 0 instead of the step's loss",
-    ("timer", "gpipe_distributed"): "after Timer(duration=0) stops fit at its first step, rank 0's module keeps rank 1's blocks on "
-                                    "meta (a stop by EarlyStopping gathers them)",
     ("model_summary", "gpipe_distributed"): "ModelSummary shows FLOPs 0 and in/out sizes '?' for every layer (the example input is not run)",
     ("configure_model", "gpipe_distributed"): "a network built in configure_model is initialized again by deferred init, not by the "
                                               "user's seed: weights 0.86 off",
