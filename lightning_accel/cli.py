@@ -39,7 +39,8 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, whose usage error (the usage, wrapped over up to 20 lines, then the error) is our one line."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"lightning-accel: error: {self.prog}: {message}; see {self.prog} --help\n")
+        command = "" if self.prog == "lightning-accel" else f"{self.prog}: "  # a subcommand's or a benchmark's name
+        self.exit(EXIT_USAGE, f"lightning-accel: error: {command}{message}; see {self.prog} --help\n")
 
 
 @contextlib.contextmanager

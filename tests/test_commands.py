@@ -48,7 +48,7 @@ BAD = [
     ("export under a file", ["export", "{run}", "--out", "{tmp}/a_file/adapter"], r"^--out '.*/a_file/adapter': '.*/a_file' is a file, not a directory"),
     ("export of a run whose checkpoint was deleted", ["export", "{run}"],
      r"^'.*' has no checkpoint: run.json names '.*/last.ckpt', which no longer exists, and .*/checkpoints holds no .ckpt"),
-    ("ls with an argument", ["ls", "gpt-tiny_cpu"], r"^lightning-accel: unrecognized arguments: gpt-tiny_cpu; see lightning-accel --help$"),
+    ("ls with an argument", ["ls", "gpt-tiny_cpu"], r"^unrecognized arguments: gpt-tiny_cpu; see lightning-accel --help$"),
     ("validate with an unknown flag", ["validate", "gpt-tiny_cpu", "--fast"], r"unrecognized arguments: --fast"),
     ("validate of a directory", ["validate", "{tmp}/a_dir.yaml"], r"^recipe file '.*/a_dir.yaml' is a directory, not a file"),
     ("run of a file that is not YAML", ["run", "{tmp}/a_file"], r"^recipe file '.*/a_file' is not a .yaml file .*; pass a recipe name"),

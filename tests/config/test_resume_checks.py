@@ -64,14 +64,20 @@ def test_the_config_that_wrote_it_resumes(checkpoint: Path) -> None:
     _resume(checkpoint, WROTE)
 
 
-def test_a_weights_only_checkpoint_an_unnamed_optimizer_and_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_weights_only_checkpoint_an_unnamed_optimizer_and_a_directory(checkpoint: Path, tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Outside a run directory the other optimizer is named by its param groups' keys (Adam's and AdamW's are one set);
     ``run`` refuses before any work and makes no run directory."""
-    weights = write_checkpoint(tmp_path / "weights.ckpt", "gpt-tiny_cpu", WROTE, weights_only=True)
+    import shutil
+
+    import torch
+
+    weights = tmp_path / "weights.ckpt"
+    torch.save({k: v for k, v in torch.load(checkpoint, weights_only=False).items() if k not in ("optimizer_states", "lr_schedulers")}, weights)
     with pytest.raises(UserError, match=r"holds the weights only \(ModelCheckpoint\(save_weights_only=True\)\), no optimizer or scheduler "
                                         r"state to resume; pass a full checkpoint"):
         _resume(weights, WROTE)
-    loose = write_checkpoint(tmp_path / "loose.ckpt", "gpt-tiny_cpu", WROTE)
+    loose = shutil.copy(checkpoint, tmp_path / "loose.ckpt")  # no run directory around it
     assert cli.main(["run", "gpt-tiny_cpu", f"ckpt_path={loose}", *WROTE, *SGD]) == 2
     assert "holds the state of torch.optim.Adam or torch.optim.AdamW, and this config's model.optimizer is SGD" in capsys.readouterr().err
     assert cli.main(["run", "gpt-tiny_cpu", f"ckpt_path={tmp_path}"]) == 2

@@ -13,11 +13,11 @@ def write_checkpoint(path: Path, recipe: str = "gpt-tiny_cpu", overrides: Sequen
     """``recipe`` with ``overrides``, built on the CPU, stepped once (zero gradients) and saved to ``path``."""
     from lightning.pytorch.core.optimizer import _configure_optimizers
 
-    from lightning_accel.config.compose import compose_recipe
     from lightning_accel.runner import build_model
+    from tests.support.edited_configs import job
 
     torch.manual_seed(0)
-    model = build_model(compose_recipe(recipe, list(overrides)))
+    model = build_model(job(recipe, list(overrides))[0])
     checkpoint: dict = {"state_dict": model.state_dict(), "global_step": 1, "epoch": 0}
     if not weights_only:
         optimizers, schedulers, _ = _configure_optimizers(model.configure_optimizers())
