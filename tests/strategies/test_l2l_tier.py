@@ -11,7 +11,6 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.models import GPT, LanguageModelTask
