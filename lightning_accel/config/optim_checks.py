@@ -278,9 +278,12 @@ def _step_once(configured_: Configured, cfg: DictConfig) -> None:
         copy, params = stand_in
 
         def closure() -> torch.Tensor:
-            copy.zero_grad()
-            loss = sum((p * p).sum() for p in params)
-            loss.backward()  # type: ignore[union-attr]
+            # the gradient of sum(p * p), set by hand: a backward here would start autograd's engine before an XLA
+            # run's devices exist, and torch_xla's first backward then fails an engine assert (device_ready_queues_)
+            with torch.no_grad():
+                loss = sum((p * p).sum() for p in params)
+                for p in params:
+                    p.grad = 2 * p.detach()
             return loss  # type: ignore[return-value]
 
         try:
