@@ -124,11 +124,11 @@ class _Probe(pl.Callback):
             self._update += time.perf_counter() - self._started.t
 
     def _timed(self, call: Callable[..., Future[None]]) -> Callable[..., Future[None]]:
-        def timed(*args: Any) -> Future[None]:
+        def timed(*args: Any, **kwargs: Any) -> Future[None]:
             span = [time.perf_counter(), float("inf")]
             with self._lock:
                 self._io.append(span)
-            future = call(*args)
+            future = call(*args, **kwargs)
             future.add_done_callback(lambda _: span.__setitem__(1, time.perf_counter()))
             return future
         return timed
@@ -215,10 +215,13 @@ def budgets(args: argparse.Namespace, nvme_path: str) -> tuple[int, int, list[st
     task = _model(args, 8)
     optimizer = task.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer)
-    least = tier_plan(task, [optimizer], nvme_path=nvme_path)  # fp32 CPU: the masters are the weights
+    # fp32 CPU: the masters are the weights; the strategy's gradient buffers as it runs (steps during the backward or not)
+    in_backward = args.overlap_step == "on"
+    least = tier_plan(task, [optimizer], nvme_path=nvme_path, steps_in_backward=in_backward)
     units = list(least.units)
-    state_only = sum(u.masters + u.weights + u.grads for u in units) + SLOTS * max(u.state for u in units) + least.fixed
-    kept = plan_tier(units, state_only, nvme=True, fixed=least.fixed)
+    state_only = (sum(u.masters + u.weights for u in units) + least.grad_bytes + SLOTS * max(u.state for u in units)
+                  + least.fixed)
+    kept = plan_tier(units, state_only, nvme=True, fixed=least.fixed, grads_in_flight=least.grads_in_flight)
     assert not any(kept.masters_on_disk) and all(kept.state_on_disk), kept.describe()
     return least.host_bytes, state_only, [f"everything on disk: {least.describe()}", f"masters in RAM: {kept.describe()}"]
 

@@ -12,6 +12,8 @@ refusal are the strategy's own. Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +26,8 @@ from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import make_plan
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
-from lightning_accel.offload.tier_setup import BLOCKS_IN_FLIGHT, check_tier_optimizers, tier_inputs
+from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, WEIGHT_BUFFERS_BEYOND_PREFETCH, check_tier_optimizers,
+                                                compute_reads, tier_inputs)
 from lightning_accel.stored import stored_nbytes
 
 
@@ -36,7 +39,8 @@ class TierRefused(UserError, ValueError):
 def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockPolicy = "auto", offload_resident: bool = False,
               compute_dtype: torch.dtype = torch.float32, host_budget: int | None = None, nvme_path: str | None = None,
               cuda: bool = False, stored: Mapping[str, int] | None = None, owner: str = "L2LOffloadStrategy",
-              steps_in_backward: bool = False) -> TierPlan:
+              steps_in_backward: bool = False, checkpoint_blocks: bool = True, offload_activations: bool = False,
+              prefetch_blocks: int = 1) -> TierPlan:
     """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
     spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
     budget); ``steps_in_backward``: every step runs block by block during the backward (the strategy then counts
@@ -56,11 +60,13 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
     plan = make_plan(net, blocks, offload_resident=offload_resident)
     units = plan.blocks + ([plan.resident] if offload_resident else [])  # the executor's tier_units
     store = HostStore(units, compute_dtype, pin=False)  # pinned: same bytes
-    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda)  # what the strategy's _setup_tier plans from
+    reads = compute_reads(len(plan.blocks), offload_resident, checkpoint_blocks, offload_activations)
+    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda, reads)  # what the strategy's _setup_tier plans from
     sizes = [_as_stored(size, u.params, store, stored or {}) for size, u in zip(sizes, units)]
     try:
         return plan_tier(sizes, host_budget, nvme=nvme_path is not None, fixed=fixed,
-                         grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=1 if offload_resident else 0)
+                         grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=1 if offload_resident else 0,
+                         weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH + (1 if offload_resident else 0))
     except ValueError as err:
         raise TierRefused(f"{owner}: {err}") from None
 
@@ -69,7 +75,7 @@ def _as_stored(unit: UnitBytes, params: list[tuple[str, nn.Parameter]], store: H
     """``unit`` with its frozen weights at the bytes they are stored in (``stored``), where that differs from the
     tensor the store holds."""
     change = sum(stored[name] - stored_nbytes(store.master[p]) for name, p in params if name in stored and p in store.frozen)
-    return UnitBytes(unit.name, unit.state, unit.masters, unit.weights + change, unit.grads) if change else unit
+    return dataclasses.replace(unit, weights=unit.weights + change) if change else unit
 
 
 def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: torch.dtype, cuda: bool,
@@ -91,4 +97,7 @@ def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: tor
     in_backward = wanted and not trainer.get("gradient_clip_val") and int(trainer.get("accumulate_grad_batches") or 1) == 1
     return tier_plan(net, optimizers, blocks=strategy.blocks, offload_resident=strategy.offload_resident,
                      compute_dtype=compute_dtype, host_budget=budget, nvme_path=nvme_path, cuda=cuda, stored=stored,
-                     owner=type(strategy).__name__, steps_in_backward=in_backward)
+                     owner=type(strategy).__name__, steps_in_backward=in_backward,
+                     checkpoint_blocks=getattr(strategy, "checkpoint_blocks", True),
+                     offload_activations=getattr(strategy, "offload_activations", False),
+                     prefetch_blocks=getattr(strategy, "prefetch_blocks", 1))

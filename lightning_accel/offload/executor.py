@@ -64,6 +64,7 @@ from lightning_accel.offload.replan import RESIDENT, Changes, Watch, apply_chang
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.streamer import Streamer
 from lightning_accel.offload.tier import NVMeTier, UnitStep
+from lightning_accel.offload.tier_setup import compute_reads
 from lightning_accel.patching import Patch, patch, remove_all
 
 # a block's host step: updates the parameters, writes what it can of their shadows
@@ -148,6 +149,7 @@ class L2LExecutor:
         """From now on the spilled units of ``tier`` step through its buffers (:meth:`step_spilled`, and the
         block steps during the backward); the host bytes no longer count what went to disk."""
         self.tier = tier
+        self.streamer.disk = tier.weights if tier.weights.spans else None  # the masters the compute runs on, read ahead
         self._watch.settle(self.model, self.store)  # the parameters now hold the tier's views: the baseline
         self.stats.peak_host_bytes = 0  # what the store held before its bytes went to disk is no peak of the tier's
         self.update_host_bytes()
@@ -242,6 +244,7 @@ class L2LExecutor:
             if self.tier is not None:  # its files were laid out for the parameters as they were: read from, then let go
                 self.tier.close()
                 self.tier = None
+                self.streamer.disk = None
             apply_changes(changes, self.model, self.plan, self.store, self.device, self._unit_of, self._send_grads, self._stop_grads)
             if retier:
                 assert self.retier is not None
@@ -364,6 +367,10 @@ class L2LExecutor:
         self._block_step = step
         if step is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l2l-host-step", initializer=self.init_worker)
+        if step is not None and self.tier is not None:
+            # the backward steps the last blocks first: their spans are read during the forward, when the tier's
+            # buffers and (bar the weights' reads, which go first) the disk are idle
+            self.tier.expect(reversed(self._trainable_units()))
 
     def _step_ready(self, step: BlockStep) -> None:
         """Step every block whose gradients have landed since the last call, in one call.
@@ -436,6 +443,10 @@ class L2LExecutor:
     def tier_units(self) -> list[Unit]:
         """The units the NVMe tier indexes: the blocks, then the resident unit where it streams (it lives on the host)."""
         return self.plan.blocks + ([self.plan.resident] if self.plan.offload_resident else [])
+
+    def compute_reads(self) -> list[int]:
+        """How often a step's compute runs on each of :meth:`tier_units`' weights (:func:`.tier_setup.compute_reads`)."""
+        return compute_reads(len(self.plan.blocks), self.plan.offload_resident, self.checkpoint_blocks, self.activations is not None)
 
     def wait_for_block_steps(self) -> None:
         """Join the host steps started during backward (re-raising their errors)."""

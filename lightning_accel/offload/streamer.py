@@ -13,6 +13,11 @@ without a cost that a real device would not have. Under the delayed update the s
 a separate compute snapshot (shadow) of every parameter; an aliased unit then computes on
 its shadows (swapped in, not copied) while the host optimizer rewrites the masters.
 
+Where the NVMe tier put a unit's fp32 masters on disk and the compute runs on them
+(:mod:`.tier_weights`, ``Streamer.disk``), a prefetch starts their read from the file into one of the
+tier's weight buffers and the acquire takes the buffer's views: the aliased unit computes on them,
+a copied one (CUDA) is copied from them, and its buffer is given back once the copy has finished.
+
 Each unit's move carries a ``torch.profiler.record_function`` label, so a profiler
 (``Trainer(profiler="pytorch")``) attributes a step's time: ``l2l/fetch`` (a unit's weights
 prefetched or acquired, waits included), ``l2l/copy`` (its copies, inside the fetch),
@@ -35,6 +40,7 @@ from torch.profiler import record_function
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.stats import OffloadStats
+from lightning_accel.offload.tier_weights import WeightReads
 from lightning_accel.stored import record_stream, stored_nbytes, to_device
 
 
@@ -45,6 +51,7 @@ class _OnDevice:
     ready: torch.cuda.Event | None = None
     nbytes: int = 0
     swapped: bool = False
+    from_disk: bool = False  # its masters are read from the tier's files (Streamer.disk): copied or aliased at acquire
 
 
 @dataclass
@@ -70,6 +77,7 @@ class Streamer:
         self._pending: dict[nn.Parameter, _PendingGrad] = {}
         self._staging: dict[nn.Parameter, Tensor] = {}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copy intervals
+        self.disk: WeightReads | None = None  # the NVMe tier's reads of masters on disk, for the units it covers
 
     # -- weights, host -> device ------------------------------------------------------
     def prefetch(self, index: int, unit: Unit) -> None:
@@ -80,12 +88,24 @@ class Streamer:
             self._prefetch(index, unit)
 
     def _prefetch(self, index: int, unit: Unit) -> None:
+        if self.disk is not None and self.disk.covers(index):
+            # the read starts now; the copy (or the aliasing) waits for it at acquire, not here: a prefetch must not
+            # hold the compute of the block before it
+            self.disk.start(index)
+            self.on_device[index] = _OnDevice({}, {}, from_disk=True)
+            self._track_peak()
+            return
         if self.alias:
             # no copy: compute on the host tensors, on the snapshots where the store keeps them
             snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
             self.on_device[index] = _OnDevice(snapshots, {})
             self._track_peak()
             return
+        self.on_device[index] = self._copy(unit, {})
+        self._track_peak()
+
+    def _copy(self, unit: Unit, sources: dict[nn.Parameter, Tensor]) -> _OnDevice:
+        """Start copying ``unit``'s weights to the device, from ``sources`` where given (else the store's shadows)."""
         started = time.perf_counter()
         params: dict[nn.Parameter, Tensor] = {}
         buffers: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
@@ -94,7 +114,7 @@ class Streamer:
         with stream_ctx, record_function("l2l/copy"):
             start = self._timing_event()
             for _, param in unit.params:
-                src = self.store.shadow[param]
+                src = sources.get(param, self.store.shadow[param])
                 if param in self.store.frozen and not self.cuda:
                     continue  # the host is the device: compute on the stored tensor itself
                 dst = to_device(src, self.device, non_blocking=self.cuda)
@@ -110,10 +130,9 @@ class Streamer:
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
             self.stats.copy_seconds += time.perf_counter() - started
-        self.on_device[index] = _OnDevice(params, buffers, ready, nbytes)
         self._device_bytes += nbytes
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self._device_bytes)
-        self._track_peak()
+        return _OnDevice(params, buffers, ready, nbytes)
 
     def acquire(self, index: int, unit: Unit) -> None:
         """Make ``unit`` compute on its device copies, waiting for the copy if needed."""
@@ -127,6 +146,8 @@ class Streamer:
         if index not in self.on_device:
             self._prefetch(index, unit)
         entry = self.on_device[index]
+        if entry.from_disk:
+            entry = self.on_device[index] = self._from_disk(index, unit)
         if entry.ready is not None:
             if not entry.ready.query():
                 waited = time.perf_counter()
@@ -142,6 +163,22 @@ class Streamer:
                 owner._buffers[name] = entry.buffers[(id(owner), name)][1]
         entry.swapped = True
 
+    def _from_disk(self, index: int, unit: Unit) -> _OnDevice:
+        """``unit``'s masters read from the tier (waiting for the read if late): aliased, they are what it computes on
+        until its release; copied, the buffer goes back once the copy has read it."""
+        assert self.disk is not None
+        waited = time.perf_counter()
+        views = self.disk.take(index)
+        self.stats.wait_seconds += time.perf_counter() - waited
+        if self.alias:
+            snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
+            return _OnDevice({**snapshots, **views}, {}, from_disk=False)
+        entry = self._copy(unit, views)
+        if entry.ready is not None:
+            entry.ready.synchronize()
+        self.disk.drop(index)
+        return entry
+
     def release(self, index: int, unit: Unit) -> None:
         """Point ``unit`` back at its host masters and free the device copies.
 
@@ -152,11 +189,13 @@ class Streamer:
         if entry is None:
             return
         with record_function("l2l/release"):
-            self._release(entry, unit)
+            self._release(index, entry, unit)
 
-    def _release(self, entry: _OnDevice, unit: Unit) -> None:
+    def _release(self, index: int, entry: _OnDevice, unit: Unit) -> None:
         for param in entry.params:
             param.data = self.store.master[param]
+        if self.disk is not None and self.disk.covers(index):
+            self.disk.drop(index)  # aliased: the block no longer computes on the buffer; not taken: its read-ahead goes
         for owner, name, _ in unit.buffers:
             pair = entry.buffers.get((id(owner), name))
             if pair is not None and entry.swapped:

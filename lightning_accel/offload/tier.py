@@ -48,6 +48,7 @@ from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.state_keys import StateKeys
 from lightning_accel.offload.tier_dir import make_run_dir
 from lightning_accel.offload.tier_plan import TierPlan
+from lightning_accel.offload.tier_weights import WeightReads, WeightSpan
 
 # a unit's update: (its parameters with gradients, their shadows, their bf16 gradients) -> parameters whose shadows it wrote
 UnitStep = Callable[[list[nn.Parameter], dict[nn.Parameter, Tensor], dict[nn.Parameter, Tensor]], list[Tensor]]
@@ -116,7 +117,7 @@ class NVMeTier:
         self._expected: list[int] = []
         self._waiting: list[int] = []  # units a step is waiting to take
         try:
-            layouts = {i: self._layout(units[i], plan, i, state_keys) for i in range(len(units)) if plan.unit_disk_bytes(i)}
+            layouts = {i: self._layout(units[i], plan, i, state_keys, store) for i in range(len(units)) if plan.unit_disk_bytes(i)}
             need = sum(align_up(size) for size, _, _ in layouts.values())
             free = free_bytes(self.directory)
             if free is not None and need > free:
@@ -130,19 +131,29 @@ class NVMeTier:
             self.slots = [_Slot(aligned_buffer(largest, pin)) for _ in range(plan.slots)] if self.files else []
             for unit_file in self.files.values():
                 self._spill(unit_file)
+            # the compute's reads of the masters it runs on (:mod:`.tier_weights`)
+            spans = {}
+            for i, unit_file in self.files.items():
+                computed = {p: r for p, r in unit_file.masters.items() if store.shadow[p] is store.master[p]}
+                if plan.weights_on_disk(i) and computed:
+                    spans[i] = WeightSpan(unit_file.file, max(r.offset + r.nbytes for r in computed.values()),
+                                          {p: (r.offset, r.shape, r.dtype) for p, r in computed.items()})
+            self.weights = WeightReads(self.io, spans, plan.weight_buffers, pin)
         except BaseException:
             self.close()
             raise
 
     # -- set-up ---------------------------------------------------------------------------------------
     @staticmethod
-    def _layout(unit: Unit, plan: TierPlan, index: int, keys: dict[nn.Parameter, StateKeys]) -> tuple[int, dict, dict]:
+    def _layout(unit: Unit, plan: TierPlan, index: int, keys: dict[nn.Parameter, StateKeys],
+                store: HostStore) -> tuple[int, dict, dict]:
         at = 0
         masters: dict[nn.Parameter, _Region] = {}
         state: dict[tuple[nn.Parameter, str], _Region] = {}
         trainable = [p for _, p in unit.params if p.requires_grad]
         if plan.masters_on_disk[index]:
-            for param in trainable:
+            # the masters the compute runs on (no shadow) first: the head of the file is what the forward reads
+            for param in sorted(trainable, key=lambda p: store.shadow[p] is not store.master[p]):
                 region = _Region(at, param.shape, param.dtype)
                 masters[param] = region
                 at += align_up(region.nbytes)
@@ -208,7 +219,8 @@ class NVMeTier:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(s.buffer.numel() for s in self.slots)
+        weights = self.weights.buffer_bytes if hasattr(self, "weights") else 0
+        return sum(s.buffer.numel() for s in self.slots) + weights
 
     # -- streaming ---------------------------------------------------------------------------------------
     def expect(self, order: Iterable[int]) -> None:
@@ -272,6 +284,7 @@ class NVMeTier:
         did not write, write the span back, point everything at the file again. Thread-safe against other units'
         calls (the block steps run on the host-step thread)."""
         unit_file = self.files[index]
+        self.weights.forget(index)  # a read-ahead of the masters as they are now would be stale after this step
         slot = self._take(index)
         buffer = slot.buffer
         try:
@@ -327,9 +340,12 @@ class NVMeTier:
         self.sync()
 
     def sync(self) -> None:
-        """Write back what was written through the maps (a checkpoint's weights loaded into the parameters)."""
+        """Write back what was written through the maps (a checkpoint's weights loaded into the parameters); weights
+        read ahead before that are read again."""
         for mapped in self._maps:
             mapped.flush()
+        if hasattr(self, "weights"):
+            self.weights.forget_all()
 
     def close(self) -> None:
         """Finish the writes and remove the scratch directory. The views stay readable (the maps outlive the

@@ -7,7 +7,9 @@ which they are needed least often:
 1. the optimizer state (AdamW: two fp32 moments, 8 B a parameter): read and written once per step,
    by the host step alone;
 2. the fp32 masters (4 B): read and written once per step by the host step; where the device computes
-   in fp32 on the host itself (CPU runs) the forward and backward read them too;
+   on them (fp32 on the host itself, CPU runs; a GPU under ``32-true`` copies them) the forward and the
+   backward's recomputation read them too (``UnitBytes.compute_reads``), ahead of the compute, into
+   ``weight_buffers`` buffers of their own (:mod:`.tier_weights`);
 3. the weights the device computes on (low-precision shadows, frozen bases): read twice a step, by
    the forward and the backward's recomputation. This version keeps them in host memory: a plan
    that would need them on disk is refused with the figures.
@@ -67,6 +69,11 @@ class UnitBytes:
     masters: int  # their fp32 masters
     weights: int  # low-precision shadows and frozen tensors as stored
     grads: int  # fp32 gradient buffers
+    # how often a step's compute reads the fp32 masters it runs on (1: a block whose forward turns into its backward, a
+    # streamed resident unit; 2: a checkpointed block, forward and recomputation), and their bytes as laid out (the
+    # masters of parameters without a low-precision shadow: all of them in fp32, the vectors kept in fp32 under bf16)
+    compute_reads: int = 0
+    compute_masters: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class TierPlan:
     # step as their gradients land during the backward, at most k waiting: the executor holds the backward back)
     grads_in_flight: int | None = None
     held: int = 0  # the last ``held`` units keep their gradients to the step whatever grads_in_flight says (a resident unit)
+    # buffers the compute's reads of masters on disk land in (:mod:`.tier_weights`): the blocks held for compute at once
+    weight_buffers: int = 0
 
     @property
     def spills(self) -> bool:
@@ -92,10 +101,16 @@ class TierPlan:
         unit = self.units[index]
         return unit.state * self.state_on_disk[index] + unit.masters * self.masters_on_disk[index]
 
+    def weights_on_disk(self, index: int) -> bool:
+        """Whether the compute reads ``index``'s masters from disk (they are on disk and the compute runs on them)."""
+        return self.masters_on_disk[index] and self.units[index].compute_reads > 0 and self.units[index].compute_masters > 0
+
     @property
     def buffer_bytes(self) -> int:
-        """The reusable host buffers the step streams through."""
-        return self.slots * max((self.unit_disk_bytes(i) for i in range(len(self.units))), default=0)
+        """The reusable host buffers the step streams through, and those the compute's weights are read into."""
+        step = self.slots * max((self.unit_disk_bytes(i) for i in range(len(self.units))), default=0)
+        weights = max((u.compute_masters for i, u in enumerate(self.units) if self.weights_on_disk(i)), default=0)
+        return step + self.weight_buffers * weights
 
     @property
     def disk_bytes(self) -> int:
@@ -117,9 +132,14 @@ class TierPlan:
         return sum(sizes[:self.grads_in_flight]) + sum(u.grads for u in self.units[len(streamed):])
 
     @property
+    def compute_read_bytes(self) -> int:
+        """Bytes the forward and the recomputation read from disk per step (masters on disk the compute runs on)."""
+        return sum(u.compute_masters * u.compute_reads for i, u in enumerate(self.units) if self.weights_on_disk(i))
+
+    @property
     def step_read_bytes(self) -> int:
-        """Bytes read from disk per optimizer step (what is on disk, once, by the host step)."""
-        return self.disk_bytes
+        """Bytes read from disk per optimizer step: what is on disk, once, by the host step, and the compute's reads."""
+        return self.disk_bytes + self.compute_read_bytes
 
     @property
     def step_write_bytes(self) -> int:
@@ -132,22 +152,24 @@ class TierPlan:
         state = sum(self.state_on_disk)
         masters = sum(self.masters_on_disk)
         n = len(self.units)
+        compute = f" (of which {human(self.compute_read_bytes)} by the compute)" if self.compute_read_bytes else ""
         return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers), disk {human(self.disk_bytes)} "
-                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}), {human(self.step_read_bytes)} read "
-                f"and {human(self.step_write_bytes)} written per step")
+                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}), {human(self.step_read_bytes)} read"
+                f"{compute} and {human(self.step_write_bytes)} written per step")
 
 
 def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0,
-              grads_in_flight: int | None = None, held: int = 0) -> TierPlan:
+              grads_in_flight: int | None = None, held: int = 0, weight_buffers: int = 0) -> TierPlan:
     """The plan for ``units`` under ``budget`` bytes of host memory (None: no limit), spilling to disk only when
     ``nvme`` (a ``nvme_path`` was given). With ``nvme`` and no budget, everything that can go to disk does.
+    ``weight_buffers``: the buffers the compute's reads of masters on disk need (units with ``compute_reads``).
 
     Raises ValueError naming the figures and the fix when the budget cannot be met."""
     n = len(units)
     state, masters = [False] * n, [False] * n
 
     def plan() -> TierPlan:
-        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held)
+        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held, weight_buffers)
 
     current = plan()
     if budget is None and not nvme:

@@ -262,7 +262,8 @@ class L2LOffloadHooks(Strategy):
         try:
             tier_plan, tier = make_tier(executor.tier_units(), store, optimizer, self.host_budget,
                                         self.nvme_path if optimizer else None, pin=self.root_device.type == "cuda",
-                                        steps_in_backward=in_backward, held=1 if plan.offload_resident else 0)
+                                        steps_in_backward=in_backward, held=1 if plan.offload_resident else 0,
+                                        reads=executor.compute_reads(), prefetch_blocks=plan.prefetch_blocks)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan

@@ -35,7 +35,7 @@ def test_host_step_tables(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
                   "fused kernel in 1 MiB chunks, each cast to bf16", "  AdamW's bytes at trivial arithmetic",
                   "  the compiled fold's bytes at trivial arithmetic (its memory limit)",
                   "in-place a += b"):
-        assert all(float(v) > 0 for v in _row(out, label)[1:])
+        assert all(float(v) > 0 for v in _row(out, label)[1:]), (label, _row(out, label))
     assert "(no DeepSpeedCPUAdam row: " in out or "DeepSpeedCPUAdam " in out
     if shadow_kernel.kernel() is not None:  # the C kernel's row and the compiled fold's, side by side
         assert all(float(v) > 0 for v in _row(out, "  same, folded by torch.compile (no C kernel)")[1:])

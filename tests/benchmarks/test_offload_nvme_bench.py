@@ -13,7 +13,7 @@ from lightning_accel.benchmarks import offload_nvme
 from lightning_accel.benchmarks.offload import main
 from lightning_accel.estimate.tier import tier_plan
 
-_TINY = ["--nvme", "--layers", "4", "--width", "64", "--heads", "2", "--io-shape", "1x8", "--compute-shape", "2x8",
+_TINY = ["--nvme", "--layers", "8", "--width", "64", "--heads", "2", "--io-shape", "1x8", "--compute-shape", "2x8",
          "--rounds", "1", "--steps", "1", "--warmup", "1", "--probe-mb", "4"]
 READ_BW, WRITE_BW = 1e9, 0.5e9  # the disk, as measure_bandwidth reports it here
 
@@ -48,15 +48,18 @@ def test_nvme_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
     nbytes = _rows(out, r"configuration\s+side\s+tier read MB")
     assert [r[0] for r in verdicts] == ["io-bound", "io-bound, masters in RAM", "compute-bound", "compute-bound, masters in RAM"]
     assert [len(r) for r in verdicts] == [11] * 4 and [len(r) for r in times] == [9] * 8 and [len(r) for r in nbytes] == [9] * 8
-    # what crosses the disk per step is the strategy's plan: every block's state and masters, or the state alone
-    task = offload_nvme._model(argparse.Namespace(layers=4, width=64, heads=2), 8)
+    # what crosses the disk per step is the strategy's plan: every block's state and masters (read by the step, and the
+    # masters by the forward and the recomputation: fp32 blocks on the CPU compute on them), or the state alone
+    task = offload_nvme._model(argparse.Namespace(layers=8, width=64, heads=2), 8)
     optimizer = task.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer)
-    least = tier_plan(task, [optimizer], nvme_path="unused")
+    least = tier_plan(task, [optimizer], nvme_path="unused", steps_in_backward=True)  # overlap_step on (the default)
     state = sum(u.state for u in least.units)
-    for (config, [(ram, tier)]), row, disk in zip(seen["fits"].items(), verdicts, [least.disk_bytes, state] * 2):
-        assert (tier.read_bytes, tier.write_bytes, ram.read_bytes, ram.write_bytes) == (disk, disk, 0, 0)
-        floor = disk / READ_BW + disk / WRITE_BW
+    assert least.step_read_bytes == least.disk_bytes + 15 * least.units[0].masters  # 7 blocks read twice, the last once
+    for (config, [(ram, tier)]), row, (read, disk) in zip(seen["fits"].items(), verdicts,
+                                                          [(least.step_read_bytes, least.disk_bytes), (state, state)] * 2):
+        assert (tier.read_bytes, tier.write_bytes, ram.read_bytes, ram.write_bytes) == (read, disk, 0, 0)
+        floor = read / READ_BW + disk / WRITE_BW
         assert row[1:6] == [f"{config.batch}x{config.seq}", f"{config.budget / 1e6:.1f}", f"{ram.step_s:.3f}",
                             f"{tier.step_s:.3f}", f"{floor:.3f}"]
         to_ram, to_bound = tier.step_s / ram.step_s, tier.step_s / max(ram.step_s, floor)
@@ -65,9 +68,10 @@ def test_nvme_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
         assert row[8:] == [f"{ratio:.2f}", f"<= {limit:.2f}x {'in-RAM' if config.compute_bound else 'max'}",
                            "met" if ratio <= limit else "NOT MET"]
         assert tier.host_kept < ram.host_kept and config.budget >= least.host_bytes
-    assert [r[2:4] for r in nbytes[1::2]] == [[f"{d / 1e6:.1f}"] * 2 for d in [least.disk_bytes, state] * 2]
+    assert [r[2:4] for r in nbytes[1::2]] == [[f"{r / 1e6:.1f}", f"{d / 1e6:.1f}"]
+                                              for r, d in [(least.step_read_bytes, least.disk_bytes), (state, state)] * 2]
     assert all(0 <= float(r[6]) <= float(r[2]) for r in times)  # the disk in flight no longer than the step
-    assert "plan, everything on disk: host " in out and "plan, masters in RAM: " in out and "fp32 masters of 0/4" in out
+    assert "plan, everything on disk: host " in out and "plan, masters in RAM: " in out and "fp32 masters of 0/8" in out
     assert re.search(r"load average \(1 min\) [\d.]+ before, [\d.]+ after\nmachine: ", out)
 
 
