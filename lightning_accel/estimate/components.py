@@ -186,6 +186,19 @@ def _tier(tier: TierPlan, blocks: list[Tensors], rank: RankEstimate) -> None:
         else:
             rank.host.pop(name, None)
         _put(rank.disk, name, sum(disk_bytes[i] for i in n if on_disk[i]))
+    # weights on disk (shadows first, then frozen weights as stored; quantized ones never go): the host loses them as laid
+    # out, each tensor rounded up to 4 KiB (a few kB a tensor more than they held)
+    moved = sum(tier.units[i].disk_weights for i in n if tier.spilled_weights(i))
+    for name in ("low-precision shadows", "frozen/quantized weights"):
+        take = min(moved, rank.host.get(name, 0))
+        if take:
+            left = rank.host[name] - take
+            if left > 0:
+                rank.host[name] = left
+            else:
+                rank.host.pop(name)
+            moved -= take
+    _put(rank.disk, "weights", sum(tier.units[i].disk_weights for i in n if tier.spilled_weights(i)))
     if tier.spills:
         _put(rank.host, "NVMe tier I/O buffers", tier.buffer_bytes)
 

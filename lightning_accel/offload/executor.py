@@ -209,7 +209,7 @@ class L2LExecutor:
         host optimizer state's bytes when the caller measured them."""
         self.stats.host_bytes = self.store.host_bytes() + self.streamer.staging_bytes()
         if self.tier is not None:
-            self.stats.host_bytes += self.tier.buffer_bytes - self.tier.master_bytes_on_disk()
+            self.stats.host_bytes += self.tier.buffer_bytes - self.tier.store_bytes_on_disk()
             self.stats.nvme_bytes = self.tier.plan.disk_bytes
         if optimizer_bytes is not None:
             self.stats.host_optimizer_bytes = optimizer_bytes

@@ -116,6 +116,8 @@ class Streamer:
             for _, param in unit.params:
                 src = sources.get(param, self.store.shadow[param])
                 if param in self.store.frozen and not self.cuda:
+                    if param in sources:  # read from the tier's file: compute on the buffer it was read into
+                        params[param] = src
                     continue  # the host is the device: compute on the stored tensor itself
                 dst = to_device(src, self.device, non_blocking=self.cuda)
                 params[param] = dst
@@ -174,9 +176,10 @@ class Streamer:
             snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
             return _OnDevice({**snapshots, **views}, {}, from_disk=False)
         entry = self._copy(unit, views)
-        if entry.ready is not None:
-            entry.ready.synchronize()
-        self.disk.drop(index)
+        if self.cuda:  # the device copies are the unit's now; on the CPU frozen weights compute on the buffer itself
+            if entry.ready is not None:
+                entry.ready.synchronize()
+            self.disk.drop(index)
         return entry
 
     def release(self, index: int, unit: Unit) -> None:

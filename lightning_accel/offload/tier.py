@@ -48,7 +48,7 @@ from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.state_keys import StateKeys
 from lightning_accel.offload.tier_dir import make_run_dir
 from lightning_accel.offload.tier_plan import TierPlan
-from lightning_accel.offload.tier_weights import WeightReads, WeightSpan
+from lightning_accel.offload.tier_weights import WeightReads, WeightSpan, in_a_file
 
 # a unit's update: (its parameters with gradients, their shadows, their bf16 gradients) -> parameters whose shadows it wrote
 UnitStep = Callable[[list[nn.Parameter], dict[nn.Parameter, Tensor], dict[nn.Parameter, Tensor]], list[Tensor]]
@@ -76,6 +76,9 @@ class _UnitFile:
     file: DirectFile
     masters: dict[nn.Parameter, _Region] = field(default_factory=dict)
     state: dict[tuple[nn.Parameter, str], _Region] = field(default_factory=dict)
+    frozen: dict[nn.Parameter, _Region] = field(default_factory=dict)  # frozen weights as stored (the plan spilled weights)
+    shadows: dict[nn.Parameter, _Region] = field(default_factory=dict)  # trainable parameters' low-precision shadows
+    step_start: int = 0  # where the host step's span begins: after the frozen weights, which it never reads
     rest: dict[object, Tensor] = field(default_factory=dict)  # region key -> its view through the map
 
     @property
@@ -118,15 +121,15 @@ class NVMeTier:
         self._waiting: list[int] = []  # units a step is waiting to take
         try:
             layouts = {i: self._layout(units[i], plan, i, state_keys, store) for i in range(len(units)) if plan.unit_disk_bytes(i)}
-            need = sum(align_up(size) for size, _, _ in layouts.values())
+            need = sum(align_up(layout[0]) for layout in layouts.values())
             free = free_bytes(self.directory)
             if free is not None and need > free:
                 raise DiskFull(nvme_path, need, free, OSError(28, "No space left on device"))
             self.io = DiskIO(self.counters)
             give_large_frees_back()  # what moves to disk must leave the process (see give_large_frees_back)
-            for i, (size, masters, state) in layouts.items():
-                unit_file = _UnitFile(i, DirectFile(os.path.join(self.directory, f"unit-{i:05d}.bin"), size), masters, state)
-                self.files[i] = unit_file
+            for i, (size, masters, state, frozen, shadows, step_start) in layouts.items():
+                path = os.path.join(self.directory, f"unit-{i:05d}.bin")
+                self.files[i] = _UnitFile(i, DirectFile(path, size), masters, state, frozen, shadows, step_start)
             largest = max((f.size for f in self.files.values()), default=0)
             self.slots = [_Slot(aligned_buffer(largest, pin)) for _ in range(plan.slots)] if self.files else []
             for unit_file in self.files.values():
@@ -135,7 +138,9 @@ class NVMeTier:
             spans = {}
             for i, unit_file in self.files.items():
                 computed = {p: r for p, r in unit_file.masters.items() if store.shadow[p] is store.master[p]}
-                if plan.weights_on_disk(i) and computed:
+                computed.update(unit_file.frozen)
+                computed.update(unit_file.shadows)
+                if plan.compute_span(i) and computed:
                     spans[i] = WeightSpan(unit_file.file, max(r.offset + r.nbytes for r in computed.values()),
                                           {p: (r.offset, r.shape, r.dtype) for p, r in computed.items()})
             self.weights = WeightReads(self.io, spans, plan.weight_buffers, pin)
@@ -146,11 +151,29 @@ class NVMeTier:
     # -- set-up ---------------------------------------------------------------------------------------
     @staticmethod
     def _layout(unit: Unit, plan: TierPlan, index: int, keys: dict[nn.Parameter, StateKeys],
-                store: HostStore) -> tuple[int, dict, dict]:
+                store: HostStore) -> tuple[int, dict, dict, dict, dict, int]:
+        """Where each tensor of ``unit`` lies in its file: frozen weights, shadows, masters (those the compute runs on
+        first), optimizer state. The compute reads the head (up to the masters it runs on); the host step the span
+        from the shadows on."""
         at = 0
         masters: dict[nn.Parameter, _Region] = {}
         state: dict[tuple[nn.Parameter, str], _Region] = {}
+        frozen: dict[nn.Parameter, _Region] = {}
+        shadows: dict[nn.Parameter, _Region] = {}
         trainable = [p for _, p in unit.params if p.requires_grad]
+        if plan.spilled_weights(index):
+            for _, param in unit.params:
+                if (param in store.frozen or not param.requires_grad) and in_a_file(store.shadow[param]):
+                    stored = store.shadow[param]
+                    frozen[param] = _Region(at, stored.shape, stored.dtype)
+                    at += align_up(frozen[param].nbytes)
+        step_start = at
+        if plan.spilled_weights(index):
+            for param in trainable:
+                shadow = store.shadow[param]
+                if shadow is not store.master[param]:
+                    shadows[param] = _Region(at, shadow.shape, shadow.dtype)
+                    at += align_up(shadows[param].nbytes)
         if plan.masters_on_disk[index]:
             # the masters the compute runs on (no shadow) first: the head of the file is what the forward reads
             for param in sorted(trainable, key=lambda p: store.shadow[p] is not store.master[p]):
@@ -163,7 +186,7 @@ class NVMeTier:
                     region = _Region(at, param.shape, dtype)
                     state[(param, key)] = region
                     at += align_up(region.nbytes)
-        return at, masters, state
+        return at, masters, state, frozen, shadows, step_start
 
     def _spill(self, unit_file: _UnitFile) -> None:
         """Write the unit's masters (and any state the optimizer already has) to its file, then make the
@@ -174,7 +197,15 @@ class NVMeTier:
             base = torch.from_numpy(mapped)
             for key, region in [*unit_file.masters.items(), *unit_file.state.items()]:
                 unit_file.rest[key] = region.view(base)
+            for param, region in unit_file.frozen.items():
+                unit_file.rest[("frozen", param)] = region.view(base)
+            for param, region in unit_file.shadows.items():
+                unit_file.rest[("shadow", param)] = region.view(base)
         slot = self.slots[0]
+        for param, region in unit_file.frozen.items():
+            region.view(slot.buffer).copy_(self.store.master[param])
+        for param, region in unit_file.shadows.items():
+            region.view(slot.buffer).copy_(self.store.shadow[param])
         for param, region in unit_file.masters.items():
             region.view(slot.buffer).copy_(self.store.master[param])
         for (param, key), region in unit_file.state.items():
@@ -185,6 +216,12 @@ class NVMeTier:
         self._point_at_rest(unit_file)
 
     def _point_at_rest(self, unit_file: _UnitFile) -> None:
+        for param in unit_file.frozen:
+            view = unit_file.rest[("frozen", param)]
+            self.store.master[param] = self.store.shadow[param] = view
+            param.data = view
+        for param in unit_file.shadows:
+            self.store.shadow[param] = unit_file.rest[("shadow", param)]
         for param in unit_file.masters:
             view = unit_file.rest[param]
             if self.store.shadow[param] is self.store.master[param]:
@@ -204,8 +241,9 @@ class NVMeTier:
         """Whether ``param``'s master lives on disk (its tensor is a view of a file)."""
         return any(param in f.masters for f in self.files.values())
 
-    def master_bytes_on_disk(self) -> int:
-        return sum(r.nbytes for f in self.files.values() for r in f.masters.values())
+    def store_bytes_on_disk(self) -> int:
+        """Bytes of the host store's tensors (masters, shadows, frozen weights) that are views of the files."""
+        return sum(r.nbytes for f in self.files.values() for r in (*f.masters.values(), *f.shadows.values(), *f.frozen.values()))
 
     def state_bytes_on_disk(self, optimizer: Optimizer) -> int:
         """Bytes of ``optimizer``'s state held as file views (present state only)."""
@@ -246,7 +284,7 @@ class NVMeTier:
     def _start_read(self, slot: _Slot, index: int) -> None:
         unit_file = self.files[index]
         slot.unit = index
-        slot.read = self.io.read(unit_file.file, slot.buffer, 0, unit_file.size)
+        slot.read = self.io.read(unit_file.file, slot.buffer, unit_file.step_start, unit_file.size - unit_file.step_start)
 
     def _take(self, index: int) -> _Slot:
         """The slot holding ``index``'s span, read now if it was not read ahead (waiting for a free slot first)."""
@@ -286,18 +324,20 @@ class NVMeTier:
         unit_file = self.files[index]
         self.weights.forget(index)  # a read-ahead of the masters as they are now would be stale after this step
         slot = self._take(index)
-        buffer = slot.buffer
+        buffer, start = slot.buffer, unit_file.step_start
         try:
             for param, region in unit_file.masters.items():
-                param.data = region.view(buffer)
+                param.data = region.view(buffer, start)
             for (param, key), region in unit_file.state.items():
                 state = self.optimizer.state.get(param)
                 if state and key in state:
-                    state[key] = region.view(buffer)
+                    state[key] = region.view(buffer, start)
+            # shadows on disk are written in the buffer, with their masters
+            shadows = {p: unit_file.shadows[p].view(buffer, start) if p in unit_file.shadows else s for p, s in shadows.items()}
             written = {id(p) for p in step(params, shadows, low_grads)}
             for (param, key), region in unit_file.state.items():  # state the step made (a first step) moves in
                 held = self.optimizer.state.get(param, {}).get(key)
-                view = region.view(buffer)
+                view = region.view(buffer, start)
                 if isinstance(held, Tensor) and held is not view and held.data_ptr() != view.data_ptr():
                     view.copy_(held)
             for param in params:
@@ -309,7 +349,7 @@ class NVMeTier:
             self._release(slot)
             raise
         self._point_at_rest(unit_file)
-        write = self.io.write(unit_file.file, buffer, 0, unit_file.size)
+        write = self.io.write(unit_file.file, buffer, start, unit_file.size - start)
         with self._lock:
             self._writes.append(write)
         write.add_done_callback(lambda _: (self._release(slot), self._read_ahead()))

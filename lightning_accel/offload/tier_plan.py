@@ -11,8 +11,9 @@ which they are needed least often:
    backward's recomputation read them too (``UnitBytes.compute_reads``), ahead of the compute, into
    ``weight_buffers`` buffers of their own (:mod:`.tier_weights`);
 3. the weights the device computes on (low-precision shadows, frozen bases): read twice a step, by
-   the forward and the backward's recomputation. This version keeps them in host memory: a plan
-   that would need them on disk is refused with the figures.
+   the forward and the backward's recomputation, ahead of it into the weight buffers (the shadows are
+   also written by the host step, with their masters). Quantized frozen weights (tensor subclasses)
+   stay in host memory: ``UnitBytes.disk_weights`` counts the weights that can go.
 
 Gradient buffers stay in host memory (they are written as the backward produces them), and so do
 the tier's own reusable buffers, which this plan counts: ``slots`` buffers each the size of the
@@ -74,11 +75,12 @@ class UnitBytes:
     # masters of parameters without a low-precision shadow: all of them in fp32, the vectors kept in fp32 under bf16)
     compute_reads: int = 0
     compute_masters: int = 0
+    disk_weights: int = 0  # the weights that can live in a file (plain tensors: shadows, frozen weights not quantized)
 
 
 @dataclass(frozen=True)
 class TierPlan:
-    """Per unit, whether its optimizer state and masters live on disk; and what that costs."""
+    """Per unit, whether its optimizer state, masters and weights live on disk; and what that costs."""
 
     units: tuple[UnitBytes, ...]
     state_on_disk: tuple[bool, ...]
@@ -92,24 +94,33 @@ class TierPlan:
     held: int = 0  # the last ``held`` units keep their gradients to the step whatever grads_in_flight says (a resident unit)
     # buffers the compute's reads of masters on disk land in (:mod:`.tier_weights`): the blocks held for compute at once
     weight_buffers: int = 0
+    weights_on_disk: tuple[bool, ...] = ()  # per unit, its disk_weights on disk (empty: none)
 
     @property
     def spills(self) -> bool:
-        return any(self.state_on_disk) or any(self.masters_on_disk)
+        return any(self.state_on_disk) or any(self.masters_on_disk) or any(self.weights_on_disk)
+
+    def spilled_weights(self, index: int) -> bool:
+        return bool(self.weights_on_disk) and self.weights_on_disk[index]
 
     def unit_disk_bytes(self, index: int) -> int:
         unit = self.units[index]
-        return unit.state * self.state_on_disk[index] + unit.masters * self.masters_on_disk[index]
+        return (unit.state * self.state_on_disk[index] + unit.masters * self.masters_on_disk[index]
+                + unit.disk_weights * self.spilled_weights(index))
 
-    def weights_on_disk(self, index: int) -> bool:
-        """Whether the compute reads ``index``'s masters from disk (they are on disk and the compute runs on them)."""
-        return self.masters_on_disk[index] and self.units[index].compute_reads > 0 and self.units[index].compute_masters > 0
+    def compute_span(self, index: int) -> int:
+        """Bytes of ``index``'s file the compute reads each time it runs on the unit: its weights where they are on
+        disk, and the masters it runs on (no shadow) where those are."""
+        unit = self.units[index]
+        if not unit.compute_reads:
+            return 0
+        return unit.compute_masters * self.masters_on_disk[index] + unit.disk_weights * self.spilled_weights(index)
 
     @property
     def buffer_bytes(self) -> int:
         """The reusable host buffers the step streams through, and those the compute's weights are read into."""
         step = self.slots * max((self.unit_disk_bytes(i) for i in range(len(self.units))), default=0)
-        weights = max((u.compute_masters for i, u in enumerate(self.units) if self.weights_on_disk(i)), default=0)
+        weights = max((self.compute_span(i) for i in range(len(self.units))), default=0)
         return step + self.weight_buffers * weights
 
     @property
@@ -133,8 +144,8 @@ class TierPlan:
 
     @property
     def compute_read_bytes(self) -> int:
-        """Bytes the forward and the recomputation read from disk per step (masters on disk the compute runs on)."""
-        return sum(u.compute_masters * u.compute_reads for i, u in enumerate(self.units) if self.weights_on_disk(i))
+        """Bytes the forward and the recomputation read from disk per step (weights and masters it runs on, on disk)."""
+        return sum(self.compute_span(i) * u.compute_reads for i, u in enumerate(self.units))
 
     @property
     def step_read_bytes(self) -> int:
@@ -152,10 +163,11 @@ class TierPlan:
         state = sum(self.state_on_disk)
         masters = sum(self.masters_on_disk)
         n = len(self.units)
+        weights = f", weights of {sum(self.weights_on_disk)}/{n}" if any(self.weights_on_disk) else ""
         compute = f" (of which {human(self.compute_read_bytes)} by the compute)" if self.compute_read_bytes else ""
         return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers), disk {human(self.disk_bytes)} "
-                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}), {human(self.step_read_bytes)} read"
-                f"{compute} and {human(self.step_write_bytes)} written per step")
+                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}{weights}), {human(self.step_read_bytes)} "
+                f"read{compute} and {human(self.step_write_bytes)} written per step")
 
 
 def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0,
@@ -166,10 +178,11 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
 
     Raises ValueError naming the figures and the fix when the budget cannot be met."""
     n = len(units)
-    state, masters = [False] * n, [False] * n
+    state, masters, weights = [False] * n, [False] * n, [False] * n
 
     def plan() -> TierPlan:
-        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held, weight_buffers)
+        return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held, weight_buffers,
+                        tuple(weights))
 
     current = plan()
     if budget is None and not nvme:
@@ -178,14 +191,16 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
         return current
     need = current.host_bytes
     if not nvme:
-        spillable = sum(u.state + u.masters for u in units)
+        spillable = sum(u.state + u.masters + u.disk_weights for u in units)
         raise ValueError(
             f"strategy.host_budget={human(budget or 0)} is less than the {human(need)} the offload keeps on the host "
-            f"({_breakdown(current)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state and fp32 "
-            f"masters on disk, or raise host_budget to at least {human(need)}"
+            f"({_breakdown(current)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state, fp32 "
+            f"masters and weights on disk, or raise host_budget to at least {human(need)}"
         )
-    for kind in (state, masters):
+    for kind in (state, masters, weights):
         for i in range(n):
+            if kind is weights and not units[i].disk_weights:
+                continue
             kind[i] = True
             current = plan()
             if budget is not None and current.host_bytes <= budget:
@@ -194,9 +209,8 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
         return current
     raise ValueError(
         f"strategy.host_budget={human(budget)} is less than the {human(current.host_bytes)} that stays on the host with "
-        f"every unit's optimizer state and fp32 masters on disk ({_breakdown(current, on_disk=True)}, I/O buffers "
-        f"{human(current.buffer_bytes)}); raise host_budget to at least {human(current.host_bytes)} (weights do not go to "
-        "disk in this version)"
+        f"every unit's optimizer state, fp32 masters and weights on disk ({_breakdown(current, on_disk=True)}, I/O buffers "
+        f"{human(current.buffer_bytes)}); raise host_budget to at least {human(current.host_bytes)}"
     )
 
 
@@ -208,6 +222,7 @@ def _breakdown(plan: TierPlan, on_disk: bool = False) -> str:
     if plan.grads_in_flight is not None:
         grads += f" ({plan.grads_in_flight} units' at once)"
     if on_disk:
-        return f"weights {human(weights)}, {grads}{rest}"
+        kept = weights - sum(u.disk_weights for u in units)
+        return f"weights that cannot go to disk {human(kept)}, {grads}{rest}"
     return (f"optimizer state {human(sum(u.state for u in units))}, fp32 masters {human(sum(u.masters for u in units))}, "
             f"weights {human(weights)}, {grads}{rest}")

@@ -18,6 +18,7 @@ from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.state_keys import StateKeys, per_element_state, state_nbytes
 from lightning_accel.offload.tier import NVMeTier
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
+from lightning_accel.offload.tier_weights import in_a_file
 from lightning_accel.stored import stored_nbytes
 
 
@@ -25,10 +26,11 @@ def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys]
     """``unit``'s host bytes by kind; state and masters as laid out on disk (each tensor aligned). ``reads``: how often a
     step's compute runs on this unit's weights; it reads the fp32 masters only where they are what it runs on (no
     low-precision shadow)."""
-    state = masters = weights = grads = on_masters = 0
+    state = masters = weights = grads = on_masters = on_disk = 0
     for _, param in unit.params:
         if param in store.frozen or not param.requires_grad:
             weights += stored_nbytes(store.shadow[param])
+            on_disk += align_up(stored_nbytes(store.shadow[param])) if in_a_file(store.shadow[param]) else 0
             continue
         master = store.master[param]
         nbytes = master.numel() * master.element_size()
@@ -38,9 +40,12 @@ def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys]
         shadow = store.shadow[param]
         if shadow is not master:
             weights += stored_nbytes(shadow)
+            on_disk += align_up(stored_nbytes(shadow))
         else:
             on_masters += align_up(nbytes)
-    return UnitBytes(unit.name, state, masters, weights, grads, reads if on_masters else 0, on_masters)
+    return UnitBytes(unit.name, state, masters, weights, grads, reads if reads and (on_masters or on_disk) else 0, on_masters,
+                     on_disk)
+
 
 
 def check_tier_optimizers(optimizers: list[Optimizer], owner: str) -> None:

@@ -31,6 +31,12 @@ from torch import Tensor, nn
 from lightning_accel.offload.disk_io import DirectFile, DiskIO, align_up, aligned_buffer
 
 
+def in_a_file(tensor: Tensor) -> bool:
+    """Whether the tier can keep ``tensor`` as a region of a file: a plain dense tensor (a quantized subclass such as
+    torchao's NF4 holds its bytes in tensors of its own, and stays in memory)."""
+    return type(tensor) is Tensor and tensor.layout == torch.strided and tensor.is_contiguous()
+
+
 @dataclass
 class _Buffer:
     data: Tensor

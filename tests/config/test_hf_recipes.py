@@ -238,7 +238,7 @@ E2E = [
                         "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]),
     ("llama-3.2-1b_l2l-bf16_1gpu", [*SHRINK_TO_CPU, "model.net.config.head_dim=16"]),
     ("qwen2.5-7b_l2l-bf16_1gpu", SHRINK_TO_CPU),
-    # the NVMe tier: without the 48 GB budget every block's state and masters go to disk (outputs/nvme)
+    # the NVMe tier: without the 32 GB budget every block's state, masters and weights go to disk (outputs/nvme)
     ("llama-3.1-8b_full-nvme_1gpu", [*SHRINK_TO_CPU, "model.net.config.head_dim=16", "strategy.host_budget=null"]),
 ]
 

@@ -50,10 +50,27 @@ def test_over_budget_without_a_path_is_refused_with_the_figures_and_the_fix() ->
 
 
 def test_a_budget_that_even_the_disk_cannot_meet_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"less than the 60.00 kB that stays on the host with every unit's optimizer state and "
-                                         r"fp32 masters on disk \(weights 8.00 kB, gradient buffers 16.00 kB, I/O buffers 36.00 kB\); "
-                                         r"raise host_budget to at least 60.00 kB"):
+    # (these units' weights cannot go to disk: disk_weights 0, as for a quantized base)
+    with pytest.raises(ValueError, match=r"less than the 60.00 kB that stays on the host with every unit's optimizer state, "
+                                         r"fp32 masters and weights on disk \(weights that cannot go to disk 8.00 kB, gradient "
+                                         r"buffers 16.00 kB, I/O buffers 36.00 kB\); raise host_budget to at least 60.00 kB$"):
         plan_tier(_units(), 20_000, nvme=True)
+
+
+def test_the_weights_leave_last_and_the_compute_reads_them_from_disk() -> None:
+    # bf16 shadows (2 kB a unit) the compute runs on twice a step; 3 weight buffers of a unit's shadows
+    units = [UnitBytes(f"layers.{i}", state=8000, masters=4000, weights=2000, grads=4000, compute_reads=2, disk_weights=2000)
+             for i in range(10)]
+    masters = plan_tier(units, 96_000, nvme=True, weight_buffers=3)  # 10 x (2 + 4) kB + 3 x 12 kB: state and masters suffice
+    assert all(masters.masters_on_disk) and not any(masters.weights_on_disk) and masters.compute_read_bytes == 0
+    # the first unit's weights cost 3 x 2 kB of weight buffers and 3 x 2 kB more of step buffers: 108 - 2 kB a unit after
+    plan = plan_tier(units, 90_000, nvme=True, weight_buffers=3)
+    assert plan.weights_on_disk == (True,) * 9 + (False,) and plan.host_bytes == 90_000
+    assert plan.disk_bytes == 10 * 12_000 + 9 * 2000 and plan.compute_read_bytes == 9 * 2 * 2000
+    assert plan.step_read_bytes == plan.disk_bytes + plan.compute_read_bytes and plan.step_write_bytes == plan.disk_bytes
+    assert "fp32 masters of 10/10, weights of 9/10), 174.00 kB read (of which 36.00 kB by the compute)" in plan.describe()
+    with pytest.raises(ValueError, match=r"raise host_budget to at least 88.00 kB$"):  # every unit's weights on disk: 88 kB
+        plan_tier(units, 87_999, nvme=True, weight_buffers=3)
 
 
 def test_fixed_host_bytes_count_against_the_budget() -> None:

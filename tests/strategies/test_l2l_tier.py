@@ -83,20 +83,38 @@ def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(tmp_path: Path
     blocks = len(tiered[0].net.blocks)
     unit = plan.units[0]
     assert unit.compute_masters == unit.masters if precision is None else 0 < unit.compute_masters < unit.masters / 10  # the vectors
-    compute = (2 * (blocks - 1) + 1) * plan.units[0].compute_masters
+    compute = (2 * (blocks - 1) + 1) * plan.compute_span(0)  # (under bf16 the shadows too: no budget, weights on disk)
+    assert plan.spilled_weights(0) == (precision is not None)  # (fp32: no shadows, the masters are the weights)
     assert stats.nvme_bytes > 0 and stats.nvme_read_bytes == 3 * stats.nvme_bytes + 3 * accumulate * compute
     assert stats.nvme_write_bytes == 4 * stats.nvme_bytes  # and writes it, after the first write at set-up
     assert "NVMe tier: host " in caplog.text and " by the compute) and " in caplog.text
     assert not list(tmp_path.iterdir())  # the scratch directory went with the fit
 
 
-def test_a_frozen_base_stays_in_memory_and_the_trained_part_goes_to_disk(tmp_path: Path) -> None:
+def test_a_frozen_base_and_the_shadows_go_to_disk_too_and_resume_alike(tmp_path: Path) -> None:
+    # a fine-tune's shape under bf16-mixed, no budget: every block's state, masters, bf16 shadows and frozen attention
+    # in files; the forward reads the frozen weights, the shadows and the fp32 vectors ahead of it, the step writes the
+    # shadows with the masters
     task = functools.partial(Task, ADAMW, True)
     in_memory = _fit(L2LOffloadStrategy(), "bf16-mixed", task)
-    tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), "bf16-mixed", task)
+    tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path / "nvme")), "bf16-mixed", task)
     _assert_same(in_memory, tiered)
-    trained = sum(p.numel() for b in tiered[0].net.blocks for p in b.parameters() if p.requires_grad)
-    assert tiered[1].strategy.offload_stats.nvme_bytes >= trained * 12  # fp32 master and two moments of each
+    plan = tiered[1].strategy._tier_plan
+    assert all(plan.weights_on_disk) and "weights of 3/3" in plan.describe()
+    blocks = tiered[0].net.blocks
+    trained = sum(p.numel() for b in blocks for p in b.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters() if not p.requires_grad)
+    assert tiered[1].strategy.offload_stats.nvme_bytes >= trained * (12 + 2) + frozen  # master, moments, shadow; frozen
+    ckpts = {}
+    for name, (_, trainer) in (("memory", in_memory), ("tier", tiered)):
+        ckpts[name] = tmp_path / f"{name}.ckpt"
+        trainer.save_checkpoint(ckpts[name])  # the tier's: written from its maps
+    saved = {k: torch.load(v, weights_only=False) for k, v in ckpts.items()}
+    for key in ("state_dict", "optimizer_states"):
+        torch.testing.assert_close(saved["tier"][key], saved["memory"][key], rtol=0, atol=0)
+    from_memory = _fit(L2LOffloadStrategy(), "bf16-mixed", task, max_steps=5, ckpt_path=ckpts["memory"])
+    from_tier = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path / "nvme")), "bf16-mixed", task, max_steps=5, ckpt_path=ckpts["tier"])
+    _assert_same(from_memory, from_tier)
 
 
 def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
