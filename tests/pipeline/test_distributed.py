@@ -75,10 +75,10 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
 @pytest.fixture(scope="module")
 def trained_and_evaluated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch of two ranks that train and then evaluate with every schedule (the two tests below read its
+    """One launch of two ranks that train, evaluate and raise with every schedule (the tests below read its
     files): each launch costs the ranks' start-up, importing torch and Lightning, before any step."""
     out = tmp_path_factory.mktemp("dist")
-    results = _launch(out, ",".join(SCHEDULES), "train,eval", timeout=180)
+    results = _launch(out, ",".join(SCHEDULES), "train,eval,raise", timeout=180)
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     return out
 
@@ -217,6 +217,27 @@ def test_evaluation_streams_micro_batches_and_equals_the_whole_model(trained_and
         assert sorted(stages) == list(range(4 if schedule == "interleaved_1f1b" else 2))
         for s, seen in stages.items():
             assert seen == [n for size in EVAL_SIZES for n in micro_sizes[size]], f"{schedule}: stage {s}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_stages_error_ends_the_step_on_every_rank_as_itself_and_the_next_step_trains(trained_and_evaluated: Path, schedule):
+    """Rank 0's block raises MyError in the first step's shape inference, rank 1's last block in the backward of the
+    second step's micro-batch 1: each step raises that MyError on both ranks (a copy on the peer), its message naming
+    where, and the third step's gradients and loss are plain training's. Before: the peer waited for activations or
+    gradients that never came, until the process group's timeout."""
+    ranks = [torch.load(trained_and_evaluated / f"raise-{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
+    last = 3 if schedule == "interleaved_1f1b" else 1
+    for r in ranks:
+        assert r["errors"] == [
+            ("MyError", "first forward (raised by pipeline stage 0 on rank 0)", False),
+            ("MyError", f"second backward (raised by pipeline stage {last} on rank 1)", True),
+        ]
+    ref_grads, ref_loss = _reference()
+    grads = {n: g for r in ranks for n, g in r["grads"].items() if g is not None}
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
+    torch.testing.assert_close(ranks[1]["loss"], ref_loss, rtol=1e-10, atol=1e-12)
 
 
 def test_rematerialized_micro_batches_run_twice_and_keep_plain_gradients(tmp_path):

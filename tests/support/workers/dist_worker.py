@@ -3,9 +3,9 @@
 argv: OUT_DIR SCHEDULES MODES: SCHEDULES and MODES comma-separated (one launch runs every mode
 for every schedule, one after another, to pay the start-up once); a mode is "train" (save this rank's gradients and loss per
 schedule, and ``averaged.pt``: gradients of three dtypes averaged over both ranks in buckets of
-at most 64 bytes), "die" (rank 1 exits in the middle of its first forward) or "eval" (save
+at most 64 bytes), "die" (rank 1 exits in the middle of its first forward), "eval" (save
 ``eval-{schedule}-rank{r}.pt``: :meth:`RankPipeline.forward`'s output for each batch size of
-:data:`EVAL_SIZES`, and the batch sizes each of this rank's stages saw, in order).
+:data:`EVAL_SIZES`, and the batch sizes each of this rank's stages saw, in order) or "raise" (:func:`raise_and_recover`).
 """
 
 import os
@@ -41,6 +41,47 @@ def evaluate(out: str, schedule: str, rank: int) -> None:
     torch.save({"outputs": outputs, "seen": seen}, os.path.join(out, f"eval-{schedule}-rank{rank}.pt"))
 
 
+class MyError(Exception):
+    """The user's own exception type."""
+
+
+def _raise(message: str) -> None:
+    raise MyError(message)
+
+
+def raise_and_recover(out: str, schedule: str, rank: int, pipe: RankPipeline, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Rank 0's first block raises at its first forward (the first step's shape inference), then rank 1's last block in
+    the backward of the second step's micro-batch 1; each step ends on both ranks with what each raised (saved as type and
+    message); the third step trains as if neither had happened (``raise-{schedule}-rank{r}.pt``: errors, gradients)."""
+    first, last = pipe.blocks[0], pipe.blocks[-1]
+    calls = {"forward": 0, "backward": 0}
+
+    def forward_hook(*_):
+        calls["forward"] += 1
+        if calls["forward"] == 1:
+            _raise("first forward")
+
+    def backward_hook(*_):
+        calls["backward"] += 1
+        if calls["backward"] == 2:
+            _raise("second backward")
+
+    hooks = [first.register_forward_pre_hook(forward_hook)] if rank == 0 else [last.register_full_backward_hook(backward_hook)]
+    errors = []
+    for _ in range(2):
+        try:
+            pipe.step(x, y)
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001  # what reached this rank, as data
+            errors.append((type(err).__name__, str(err), pipe.failure.in_backward))
+        pipe.net.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    loss = pipe.step(x, y)
+    grads = {n: p.grad for n, p in pipe.net.named_parameters() if not p.is_meta}
+    torch.save({"errors": errors, "grads": grads, "loss": loss}, os.path.join(out, f"raise-{schedule}-rank{rank}.pt"))
+
+
 def main() -> None:
     out, schedules, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")  # modes in turn, one process group
     torch.set_num_threads(1)
@@ -59,6 +100,9 @@ def main() -> None:
             pipe = RankPipeline(net, balance, chunks=4, loss_fn=F.mse_loss, schedule=schedule, record=True)
             if mode == "die" and rank == 1:
                 pipe.modules[0].blocks[0].register_forward_pre_hook(lambda *_: os._exit(3))
+            if mode == "raise":
+                raise_and_recover(out, schedule, rank, pipe, x, y)
+                continue
             try:
                 loss = pipe.step(x, y)
             except RuntimeError as err:

@@ -336,19 +336,31 @@ def run_cases(out: str, section: str) -> None:
             f.write(message)
 
 
+class SeesException(pl.Callback):
+    """Keeps the type of what on_exception was handed."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.seen.append(type(exception).__name__)
+
+
 def run_raising(out: str) -> None:
-    """Rank 1's last block raises MyError in the second step; each rank saves what reached it and exits at once (the
-    process group is broken: nothing more can run in these processes)."""
+    """Rank 1's last block raises MyError in the second step; each rank saves what reached it, what on_exception got
+    and whether its module is whole after the fit, and exits at once (the last section)."""
     strategy = DistributedGPipeStrategy(chunks=4, balance=[2, 2], blocks=lambda net: list(net), timeout=60)
+    seen, model = SeesException(), RaisingModel()
     try:
-        fit(RaisingModel(), DataLoader(data(24), batch_size=8), strategy, devices=2)
+        fit(model, DataLoader(data(24), batch_size=8), strategy, devices=2, callbacks=[seen])
         message = "trained"
     except MyError as err:
         message = f"MyError: {err}"
-    except Exception as err:  # noqa: BLE001  # what a peer sees
+    except Exception as err:  # noqa: BLE001  # anything else, as data
         message = f"{type(err).__name__}: {err}"
+    whole = not any(t.is_meta for t in model.state_dict().values())
     with open(os.path.join(out, f"raising-rank{_rank()}.txt"), "w") as f:
-        f.write(message)
+        f.write(f"{message} | on_exception: {','.join(seen.seen)} | whole: {whole}")
     sys.stdout.flush()
     os._exit(0)
 
