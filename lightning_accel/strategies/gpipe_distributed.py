@@ -616,10 +616,14 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         layout = self._layout
-        return eval_step(
-            pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
-            layout.pp_global(self._last_rank()), self.root_device,
-        )
+        try:
+            return eval_step(
+                pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
+                layout.pp_global(self._last_rank()), self.root_device,
+            )
+        except Exception:
+            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1  # every rank raised it
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

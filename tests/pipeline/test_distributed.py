@@ -223,14 +223,17 @@ def test_evaluation_streams_micro_batches_and_equals_the_whole_model(trained_and
 def test_a_stages_error_ends_the_step_on_every_rank_as_itself_and_the_next_step_trains(trained_and_evaluated: Path, schedule):
     """Rank 0's block raises MyError in the first step's shape inference, rank 1's last block in the backward of the
     second step's micro-batch 1: each step raises that MyError on both ranks (a copy on the peer), its message naming
-    where, and the third step's gradients and loss are plain training's. Before: the peer waited for activations or
-    gradients that never came, until the process group's timeout."""
+    where, and the third step's gradients and loss are plain training's; so do two evaluations (a streamed micro-batch on
+    rank 0, the last stage's whole batch on rank 1), and the next one streams the batch. Before: the peer waited for
+    activations or gradients that never came, until the process group's timeout."""
     ranks = [torch.load(trained_and_evaluated / f"raise-{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
     last = 3 if schedule == "interleaved_1f1b" else 1
     for r in ranks:
         assert r["errors"] == [
             ("MyError", "first forward (raised by pipeline stage 0 on rank 0)", False),
             ("MyError", f"second backward (raised by pipeline stage {last} on rank 1)", True),
+            ("MyError", "evaluated (raised by pipeline stage 0 on rank 0)", False),
+            ("MyError", f"whole batch (raised by pipeline stage {last} on rank 1)", False),
         ]
     ref_grads, ref_loss = _reference()
     grads = {n: g for r in ranks for n, g in r["grads"].items() if g is not None}
@@ -238,6 +241,11 @@ def test_a_stages_error_ends_the_step_on_every_rank_as_itself_and_the_next_step_
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
     torch.testing.assert_close(ranks[1]["loss"], ref_loss, rtol=1e-10, atol=1e-12)
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert ranks[0]["output"] is None
+    torch.testing.assert_close(ranks[1]["output"], net(x), rtol=1e-10, atol=1e-12)  # no step taken: the initial weights
 
 
 def test_rematerialized_micro_batches_run_twice_and_keep_plain_gradients(tmp_path):

@@ -132,6 +132,16 @@ def test_a_stages_exception_ends_fit_on_every_rank_as_itself_with_the_module_who
         )
 
 
+def test_a_validation_steps_exception_ends_fit_on_every_rank_as_itself(two_ranks):
+    """validation_step raises MyError on its second batch, before calling the network: rank 0, which runs it on each
+    streamed micro-batch up to its stage's end, raises first; both ranks raise it, on_exception gets it, and the module
+    is whole after the fit. Before: rank 1 waited for the activations until the timeout."""
+    for r in range(2):
+        assert (two_ranks / f"raising-validation-rank{r}.txt").read_text() == (
+            "MyError: boom in validation batch 1 (raised by pipeline stage 0 on rank 0) | on_exception: MyError | whole: True"
+        )
+
+
 def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):
     """transformers' Mixtral (its experts' grouped_mm refuses meta float32) on 2 ranks, 2 micro-batches, float32: the
     next stage's rank gets the structure of the block output it receives with torch's shape metadata, so no block runs

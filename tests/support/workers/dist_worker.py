@@ -52,7 +52,9 @@ def _raise(message: str) -> None:
 def raise_and_recover(out: str, schedule: str, rank: int, pipe: RankPipeline, x: torch.Tensor, y: torch.Tensor) -> None:
     """Rank 0's first block raises at its first forward (the first step's shape inference), then rank 1's last block in
     the backward of the second step's micro-batch 1; each step ends on both ranks with what each raised (saved as type and
-    message); the third step trains as if neither had happened (``raise-{schedule}-rank{r}.pt``: errors, gradients)."""
+    message); the third step trains as if neither had happened. Then two evaluations raise (rank 0's block in a streamed
+    micro-batch, the last stage's step on the whole batch) and a third streams the batch (``raise-{schedule}-rank{r}.pt``:
+    errors, gradients, loss, the last evaluation's output)."""
     first, last = pipe.blocks[0], pipe.blocks[-1]
     calls = {"forward": 0, "backward": 0}
 
@@ -79,7 +81,21 @@ def raise_and_recover(out: str, schedule: str, rank: int, pipe: RankPipeline, x:
         h.remove()
     loss = pipe.step(x, y)
     grads = {n: p.grad for n, p in pipe.net.named_parameters() if not p.is_meta}
-    torch.save({"errors": errors, "grads": grads, "loss": loss}, os.path.join(out, f"raise-{schedule}-rank{rank}.pt"))
+    # evaluation: rank 0's block raises in a streamed micro-batch; then the last stage's step on the whole batch
+    hook = first.register_forward_pre_hook(lambda *_: _raise("evaluated")) if rank == 0 else None
+    parts = x.tensor_split(pipe.eval_chunks(len(x)))
+    for run in (lambda i: pipe.net(parts[i]) if i is not None else pipe.net(x),
+                lambda i: pipe.net(parts[i]) if i is not None else _raise("whole batch")):
+        try:
+            pipe.evaluate(len(x), run)
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001
+            errors.append((type(err).__name__, str(err), pipe.failure.in_backward))
+        if hook is not None:
+            hook.remove()
+            hook = None
+    output = pipe.forward(x)  # and evaluation runs again
+    torch.save({"errors": errors, "grads": grads, "loss": loss, "output": output}, os.path.join(out, f"raise-{schedule}-rank{rank}.pt"))
 
 
 def main() -> None:
