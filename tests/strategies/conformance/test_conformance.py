@@ -28,7 +28,6 @@ KNOWN: dict[tuple[str, str], str] = {
                                          "step): 94 hooks and steps vs 81",
     ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) trains differently: "
                                                          "val_loss 0.6538 vs 0.6507 after epoch 0, weights 4e-3 off",
-    ("model_summary", "gpipe_distributed"): "ModelSummary shows FLOPs 0 and in/out sizes '?' for every layer (the example input is not run)",
 }
 
 
