@@ -238,6 +238,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
         self._backward_error: BaseException | None = None  # what this step's backward raised, until Lightning's backward
         self._failed_together = False  # a step failed on every rank of the one pipeline alike (SplitModuleState)
+        self._constant_sizes: set[str] = set()  # logged names whose batch_size is a constant, not the batch's (reduce_logs)
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
         self._undo_equal: Callable[[], None] | None = None  # torch.equal on placeholders, from setup to teardown
         self._whole_at_setup = False  # the module was whole when this run's setup split it (after fit: every rank)
@@ -362,7 +363,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._whole_at_setup = not has_meta_tensors(trainer.lightning_module)
-        self._failed_together = False
+        self._failed_together, self._constant_sizes = False, set()
         self._split()
         self._unpatch()  # a setup without a teardown between (not Lightning's order): patch once, not twice
         if trainer.state.fn == TrainerFn.FITTING:
@@ -466,7 +467,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
             with self.precision_plugin.train_step_context():
                 result, self._pending, kept, appended = train_step(
                     pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
-                    self.loss_reduction, getattr(self.precision_plugin, "scaler", None),
+                    self.loss_reduction, getattr(self.precision_plugin, "scaler", None), self._constant_sizes,
                 )
         except Exception as err:
             # every rank of the pipeline raises it and reaches teardown: the module is made whole there, as after DDP

@@ -306,6 +306,26 @@ def test_stage_boundaries_run_the_models_own_forward_stage_by_stage():
     assert [stage_indices(r, 4, "dualpipev") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
 
 
+def test_a_stage_refuses_a_forward_that_runs_the_network_twice_in_one_micro_batch():
+    """A step that calls the network twice (two loaders' batches, one after the other): the later stage would hand the
+    same received activation to the second call, a silently wrong output (the multiple_train_dataloaders conformance
+    cell trained 4e-3 off); it is refused in one line instead, at that call."""
+    import copy
+
+    from lightning_accel.pipeline.boundaries import StageBoundaries
+
+    net = MLP(6, 3, hidden=8, depth=2)
+    last = copy.deepcopy(net)
+    last.blocks[0].to("meta")
+    boundaries = StageBoundaries(list(last.blocks), [1, 1])
+    hidden = torch.randn(2, 8)
+    x = torch.randn(2, 6)
+    boundaries.run(1, hidden, lambda: last(x))  # once: fine
+    with pytest.raises(ValueError, match=r"^the model's forward ran 'block 0' twice in one micro-batch \(the network called twice "
+                       r"in one step\); .*call the network once per step .*or train with strategy='ddp'$"):
+        boundaries.run(1, hidden, lambda: (last(x), last(x)))
+
+
 def test_stage_boundaries_restore_puts_back_a_forward_the_users_instance_already_had():
     from lightning_accel.pipeline.boundaries import StageBoundaries
 
