@@ -261,7 +261,9 @@ class RankPipeline:
     BatchNorms, committed after the schedule); without it once per micro-batch, as plain
     BatchNorm on each micro-batch would. Either way a re-materialization and torch's shape
     inference leave every buffer untouched (:class:`lightning_accel.pipeline.batchnorm.DeferredBatchNorm`,
-    :meth:`_build_schedule`).
+    :meth:`_build_schedule`). ``failure_group``: the ranks that learn, after each step, that a stage raised
+    (:mod:`lightning_accel.pipeline.step_failure`): this pipeline's (``"pipeline"``, the default), or a group holding
+    every replica (``None``: every rank), so that no replica waits for a failed one in its gradient average.
     """
 
     def __init__(
@@ -278,6 +280,7 @@ class RankPipeline:
         checkpoint: str = "never",
         blocks: BlockPolicy | Sequence[Block] = "auto",
         deferred_batch_norm: bool = False,
+        failure_group: dist.ProcessGroup | None | str = "pipeline",
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
@@ -323,7 +326,7 @@ class RankPipeline:
         self._losses: list[Tensor] = []
         # what a stage of this rank raised in this step, and whether a peer did (lightning_accel.pipeline.step_failure)
         key = "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
-        self.failure = StepFailure(key, self._global(self.rank), group, self.device)
+        self.failure = StepFailure(key, self._global(self.rank), group if failure_group == "pipeline" else failure_group, self.device)
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)

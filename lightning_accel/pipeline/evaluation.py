@@ -169,7 +169,7 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
             result = _last_stage(pipe, size, m, run, whole_on_last, arrived, sums)
         except Exception as err:  # the user's step on the whole batch
             failure.record(err, last, backward=False)
-    failed = failure.settle()
+    failed = failure.settle(pipe.group)  # the pipeline's ranks only: replicas may evaluate different batch counts, as DDP's
     if failed is not None:
         raise failed from None
     return result

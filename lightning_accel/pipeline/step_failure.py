@@ -27,6 +27,8 @@ from torch import Tensor
 
 __all__ = ["StepFailure", "default_store", "stand_in"]
 
+_OWN = object()  # settle's group: the one given at construction
+
 
 def default_store() -> Any:
     """The default process group's key-value store, if any."""
@@ -49,8 +51,9 @@ def stand_in(metas: Sequence[Any] | None, device: torch.device) -> Tensor | tupl
 class StepFailure:
     """The first error a stage of this rank raised in the current step, and whether a peer raised one.
 
-    ``key``: the store key of this pipeline's ranks (each step's is under it); ``rank``: this rank's global rank; ``group``: the pipeline's process
-    group (``None``: every rank); ``device``: where the flag tensor of :meth:`settle` lives.
+    ``key``: the store key of this pipeline's ranks (each step's is under it); ``rank``: this rank's global rank;
+    ``group``: the ranks :meth:`settle` tells (the pipeline's, or every replica's; ``None``: every rank); ``device``:
+    where the flag tensor of :meth:`settle` lives.
     """
 
     def __init__(self, key: str, rank: int, group: Any, device: torch.device) -> None:
@@ -105,16 +108,17 @@ class StepFailure:
             return False
         return self._peer
 
-    def settle(self) -> BaseException | None:
+    def settle(self, group: Any = _OWN) -> BaseException | None:
         """After the schedule, on every rank of the pipeline: the error this step ends with (this rank's own, else a copy
-        of a peer's), or None; a collective over the pipeline's ranks."""
+        of a peer's), or None; a collective over ``group`` (default: the one given at construction)."""
+        group = self.group if group is _OWN else group
         flag = torch.tensor([1 if self.error is not None else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if not int(flag.item()):
             return None
         err = self.error if self.error is not None else self._peer_copy()
         flag.zero_()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # every rank has read it: the next step starts clean
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank has read it: the next step starts clean
         if self.error is not None:
             store = default_store()
             if store is not None:
@@ -124,8 +128,9 @@ class StepFailure:
 
     def _peer_copy(self) -> BaseException:
         said = peer_said(self.key)
-        if said is None:
-            return RuntimeError(f"pipeline step stopped on rank {self.rank}: another rank of the pipeline raised; its log has the traceback")
+        if said is None:  # the flag came from a rank of another pipeline (a data-parallel replica)
+            return RuntimeError(f"pipeline step stopped on rank {self.rank}: a rank of another pipeline replica raised; its "
+                                "log has the traceback")
         self.in_backward = bool(said.get("backward"))
         if said.get("error") is not None:
             return pickle.loads(said["error"])

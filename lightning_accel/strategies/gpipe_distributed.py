@@ -433,6 +433,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
             chunks=self.chunks, schedule=self.schedule,
             scale_grads=self.options.scale_grads, checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
+            failure_group=None if self.data_parallel_size > 1 else "pipeline",  # every replica stops: none waits in the average
         )
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))

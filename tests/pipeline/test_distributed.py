@@ -248,6 +248,18 @@ def test_a_stages_error_ends_the_step_on_every_rank_as_itself_and_the_next_step_
     torch.testing.assert_close(ranks[1]["output"], net(x), rtol=1e-10, atol=1e-12)  # no step taken: the initial weights
 
 
+def test_a_stages_error_stops_every_replica_at_the_same_step(tmp_path):
+    """Two pipelines of 2 ranks each, told of failures together (as DistributedGPipeStrategy does with 2+ replicas):
+    rank 0's block raises in the second step; its pipeline raises MyError, the other replica one line, all at that step,
+    so no replica waits for the failed one in the gradient average (before: until the process group's timeout)."""
+    results = _launch(tmp_path, "1f1b", "replicas", timeout=120, ranks=4)
+    assert [r.returncode for r in results] == [0] * 4, "\n".join(r.stdout[-2000:] for r in results)
+    said = [(tmp_path / f"replicas-rank{r}.txt").read_text() for r in range(4)]
+    assert said[:2] == ["trained | MyError: replica 0 (raised by pipeline stage 0 on rank 0)"] * 2
+    assert said[2:] == [f"trained | RuntimeError: pipeline step stopped on rank {r}: a rank of another pipeline replica "
+                        "raised; its log has the traceback" for r in (2, 3)]
+
+
 def test_rematerialized_micro_batches_run_twice_and_keep_plain_gradients(tmp_path):
     """checkpoint="always" / "except_last" / "never" for M in {1, 2, 4, 8}, gpipe and 1f1b: the gradients of plain
     training, and each block runs forward once per micro-batch plus once per re-materialized one (so the mode is no no-op)."""

@@ -5,7 +5,8 @@ for every schedule, one after another, to pay the start-up once); a mode is "tra
 schedule, and ``averaged.pt``: gradients of three dtypes averaged over both ranks in buckets of
 at most 64 bytes), "die" (rank 1 exits in the middle of its first forward), "eval" (save
 ``eval-{schedule}-rank{r}.pt``: :meth:`RankPipeline.forward`'s output for each batch size of
-:data:`EVAL_SIZES`, and the batch sizes each of this rank's stages saw, in order) or "raise" (:func:`raise_and_recover`).
+:data:`EVAL_SIZES`, and the batch sizes each of this rank's stages saw, in order) or "raise" (:func:`raise_and_recover`);
+"replicas" alone, on 4 ranks: :func:`replicas`.
 """
 
 import os
@@ -98,11 +99,43 @@ def raise_and_recover(out: str, schedule: str, rank: int, pipe: RankPipeline, x:
     torch.save({"errors": errors, "grads": grads, "loss": loss, "output": output}, os.path.join(out, f"raise-{schedule}-rank{rank}.pt"))
 
 
+def replicas(out: str, schedule: str, rank: int) -> None:
+    """4 ranks, two pipelines of 2 (ranks 0-1 and 2-3) told of failures together (``failure_group=None``): rank 0's
+    block raises in the second step; every rank ends that step with an error at once, no replica waiting for the other
+    (``replicas-rank{r}.txt``: the steps that trained, then the error's type and message)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double()
+    pipe = RankPipeline(net, [1, 3], chunks=4, loss_fn=F.mse_loss, schedule=schedule, group=groups[rank // 2], failure_group=None)
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+        if rank == 0 and calls[0] == 6:  # the second step's first micro-batch (the first step ran 1 + 4 forwards)
+            _raise("replica 0")
+
+    pipe.blocks[0].register_forward_pre_hook(hook)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    seen = []
+    try:
+        for _ in range(3):
+            pipe.step(x, y)
+            seen.append("trained")
+    except Exception as err:  # noqa: BLE001  # what reached this rank, as data
+        seen.append(f"{type(err).__name__}: {err}")
+    with open(os.path.join(out, f"replicas-rank{rank}.txt"), "w") as f:
+        f.write(" | ".join(seen))
+
+
 def main() -> None:
     out, schedules, modes = sys.argv[1], sys.argv[2], sys.argv[3].split(",")  # modes in turn, one process group
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=int(os.environ.get("PIPE_TIMEOUT", "30"))))
+    if modes == ["replicas"]:
+        replicas(out, schedules, rank)
+        dist.destroy_process_group()
+        return
     for mode in modes:
         for schedule in schedules.split(","):
             if mode == "eval":
