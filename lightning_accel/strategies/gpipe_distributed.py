@@ -57,8 +57,10 @@ parameters (``BaseFinetuning``'s unfreezing into a new param group, ``Stochastic
 real tensors for what their rank holds and leave the placeholders (:mod:`~lightning_accel.strategies.gpipe_callbacks`;
 ``ModelPruning`` is refused before the first step); what ``training_step`` or ``validation_step`` appends to the
 module's lists (Lightning 2's epoch-end outputs) is the last rank's, one item per batch, on every rank
-(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas; a stage's own error
-(``detect_anomaly``'s included) is raised as itself.
+(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas (in a ``training_step``
+that micro-batches run it is refused before the first step); a stage's own error (``detect_anomaly``'s included, raised
+in Lightning's ``backward`` as plain Lightning raises it) ends the step on every rank as that error, so ``on_exception``
+runs everywhere and the module is whole after the failed fit (:mod:`~lightning_accel.pipeline.step_failure`).
 
 Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
 LightningModule's ``example_input_array`` before the first batch;
@@ -75,8 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -97,8 +98,6 @@ from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.patching import Patch, remove_all, swapped
-from lightning_accel.host_memory import available_host_bytes
-from lightning_accel.pipeline.build_replay import BuildReplay
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, average_gradients
@@ -114,10 +113,10 @@ from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, st
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
-from lightning_accel.pipeline.whole_module import fits_every_host, placeholder_bytes
 from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
+from lightning_accel.strategies.gpipe_configure_model import ConfigureModelReplay
 from lightning_accel.strategies.gpipe_split_state import SplitModuleState
 from lightning_accel.strategies.options_check import check_options
 from lightning_accel.strategies.user_hooks import calls_in, overrides
@@ -137,7 +136,7 @@ def _shapes(batch: Any) -> tuple:
     return tuple(found)
 
 
-class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithoutWrapper):
+class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, SplitModuleState, DDPWithoutWrapper):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -226,7 +225,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         self.deferred_init = deferred_init
         self.deferred_batch_norm = deferred_batch_norm
         self._deferred: bool | None = None  # this run's module was built on meta (decided once per run)
-        self._replay: BuildReplay | None = None  # configure_model's start, to run it again whole (_initial_values)
         self._kv_cache = KVCacheSwitch(type(self).__name__, "re-materializing")  # use_cache off for fit, back at teardown
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
         self.pipeline: RankPipeline | None = None
@@ -300,49 +298,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         assert module is not None
         net = getattr(module, "net", None)
         return net if isinstance(net, nn.Module) else module
-
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Iterator[None]:
-        """Around ``configure_model`` only (not ``trainer.init_module``): build on the ``meta`` device; setup materializes
-        this rank's part (with the values of the user's build run again, :meth:`_initial_values`, where it fits whole)."""
-        module = self.lightning_module
-        if self.deferred_init is True and module is not None:
-            self._replay = BuildReplay(module, "configure_model")
-        with torch.device("meta") if self.deferred_init else nullcontext():
-            yield
-
-    def _initial_values(self) -> dict[str, Tensor] | None:
-        """The starting values of a network built on ``meta`` in ``configure_model``: the user's ``configure_model`` run
-        again on a copy, whole, from the random state it started from, on the device and in the dtype Lightning builds it
-        under (:mod:`~lightning_accel.pipeline.build_replay`), so they equal plain Lightning's and DDP's; None (each rank's
-        part from per-module seeds, said once) where every rank's copy would not fit its free memory. Every rank calls it."""
-        replay, module, self._replay = self._replay, self.lightning_module, None
-        if replay is None or module is None or module._trainer is None:
-            return None
-        needed = placeholder_bytes([*module.parameters(), *module.buffers()])
-        if self.root_device.type == "cpu":
-            fits = fits_every_host(needed, available_host_bytes())
-        else:  # each rank's own accelerator: every rank must agree
-            free = torch.cuda.mem_get_info(self.root_device)[0] if self.root_device.type == "cuda" else 0
-            flag = torch.tensor([int(needed < free)], device=self.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            fits = bool(flag.item())
-        if not fits:
-            rank_zero_warn(
-                f"DistributedGPipeStrategy: the network built in configure_model ({needed / 2**30:.1f} GiB) does not fit "
-                "whole beside the other ranks' copies, so each rank initializes its own part from per-module seeds, not "
-                "from your seed's draws; build it in __init__ or load a checkpoint for exactly your starting values"
-            )
-            return None
-        trainer = module.trainer
-
-        @contextmanager
-        def building() -> Iterator[None]:
-            with self.tensor_init_context(), trainer.precision_plugin.module_init_context():
-                yield
-
-        return replay.values(building)
 
     @property
     @override

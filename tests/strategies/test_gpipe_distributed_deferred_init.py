@@ -148,7 +148,7 @@ def test_a_network_built_on_meta_starts_from_the_users_own_seeded_build(one_rank
 
 
 def test_a_network_too_big_to_build_again_whole_is_materialized_in_parts_or_refused_in_one_line(one_rank, monkeypatch):
-    import lightning_accel.strategies.gpipe_distributed as strategy
+    import lightning_accel.strategies.gpipe_configure_model as strategy
 
     monkeypatch.setattr(strategy, "available_host_bytes", lambda: 0)  # no room for the whole network
     with pytest.warns(UserWarning, match=r"the network built in configure_model \(0.0 GiB\) does not fit whole .* each rank "
