@@ -82,6 +82,7 @@ class _Active:
     parts: list[Tensor] = field(default_factory=list)
     carried: dict[int, Activation] = field(default_factory=dict)
     produced: dict[int, Activation] = field(default_factory=dict)
+    handed: int = 0  # how often the block before the stage has handed it the received activation (once per forward)
 
     def take(self, block: int, count: int) -> Activation:
         """The next ``count`` received tensors, as stack end ``block``'s output; the rest is the previous stage's output
@@ -312,6 +313,15 @@ class StageBoundaries:
             if active is None:
                 return original(*args, **kwargs)
             if k < active.start:  # another stage's block: shapes only; the last one hands over the received activation
+                if k == active.start - 1:
+                    active.handed += 1
+                    if active.handed > 1:  # it would hand over the same activation again: a silently wrong output
+                        raise ValueError(
+                            f"the model's forward ran {self.names[k]!r} twice in one micro-batch (the network called twice "
+                            "in one step); a pipeline stage gets the previous stage's output once per micro-batch, so a "
+                            "second call would reuse the first one's; call the network once per step (e.g. on the "
+                            "batches concatenated), or train with strategy='ddp'"
+                        )
                 if k in active.carried:  # a stack's end (an encoder's output) an earlier stage carried here
                     return _fill(self.structures[k], active.carried[k], self.names[k])
                 if k in active.into:  # its structure not known yet: learnt on meta, then its tensors taken

@@ -24,6 +24,9 @@ zoo models). They do not equal plain construction (``Model(config)`` draws every
 from one random stream in construction order), and they follow the model's own
 distributions, not torch's layer defaults, where the model has an initializer.
 
+Where the whole model fits in memory, the strategy gives each rank the values of the user's own build instead
+(:mod:`lightning_accel.pipeline.build_replay`, placed by :func:`materialize_from`): those equal plain construction.
+
 A tensor that no initializer sets (its storage is filled with NaN, or the integer type's
 minimum, until one does) is refused with the module's name and the fix. No Lightning here.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["agreed_seed", "has_meta_tensors", "materialize", "module_seed"]
+__all__ = ["agreed_seed", "covers", "has_meta_tensors", "materialize", "materialize_from", "module_seed"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -98,18 +101,14 @@ def _per_module_initializer(module: nn.Module) -> Callable[[nn.Module], Any] | N
     return fn if positional else None
 
 
-@torch.no_grad()
-def materialize(
-    module: nn.Module, seed: int, keep: Callable[[Tensor], bool] | None = None, device: torch.device | str = "cpu"
-) -> int:
-    """Give storage on ``device`` to the ``meta`` tensors of ``module`` that ``keep`` accepts (all by default) and
-    initialize them (see the module docstring). Returns how many tensors were materialized.
+Slots = dict[str, list[tuple[dict[str, Any], str, torch.dtype]]]  # module name -> its materialized (table, key, dtype)
 
-    ``seed`` must be the same wherever the same model is materialized (every rank of a pipeline).
-    Raises ``ValueError`` naming the first module whose tensors no initializer set.
-    """
+
+def _allocate(module: nn.Module, keep: Callable[[Tensor], bool] | None, device: torch.device | str) -> tuple[dict[int, Tensor], Slots]:
+    """Fresh storage on ``device`` (marked unset) for the ``meta`` tensors of ``module`` that ``keep`` accepts, put in
+    their places (a tied tensor stays one tensor): the new tensors by the old ones' ids, and the slots per module."""
     made: dict[int, Tensor] = {}  # id of a meta tensor -> its materialized self (tied tensors stay tied)
-    own: dict[str, list[tuple[dict[str, Any], str, torch.dtype]]] = {}  # module name -> its materialized slots
+    own: Slots = {}
     for name, m in module.named_modules():
         for table, is_param in ((m._parameters, True), (m._buffers, False)):
             for key, t in list(table.items()):
@@ -123,6 +122,42 @@ def materialize(
                     made[id(t)] = new
                 table[key] = new
                 own.setdefault(name, []).append((table, key, t.dtype))
+    return made, own
+
+
+def covers(module: nn.Module, values: Mapping[str, Tensor]) -> bool:
+    """Whether ``values`` (by name) has a tensor of the same shape for every ``meta`` tensor of ``module``. Dtypes may
+    differ: the module may have been converted since it was built (Lightning's ``precision="64-true"`` doubles every
+    floating tensor, a rotary table made in float32 too); :func:`materialize_from` converts as it copies."""
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return all(n in values and values[n].shape == t.shape for n, t in named if t.is_meta)
+
+
+@torch.no_grad()
+def materialize_from(
+    module: nn.Module, values: Mapping[str, Tensor], keep: Callable[[Tensor], bool] | None = None, device: torch.device | str = "cpu"
+) -> int:
+    """Give storage on ``device`` to the ``meta`` tensors of ``module`` that ``keep`` accepts (all by default), filled
+    from ``values`` by name (:func:`covers` must hold: a build of the same network), in the module's dtypes. Returns how
+    many were materialized."""
+    made, own = _allocate(module, keep, device)
+    for name, slots in own.items():
+        for table, key, _ in slots:
+            table[key].copy_(values[f"{name}.{key}" if name else key])
+    return len(made)
+
+
+@torch.no_grad()
+def materialize(
+    module: nn.Module, seed: int, keep: Callable[[Tensor], bool] | None = None, device: torch.device | str = "cpu"
+) -> int:
+    """Give storage on ``device`` to the ``meta`` tensors of ``module`` that ``keep`` accepts (all by default) and
+    initialize them (see the module docstring). Returns how many tensors were materialized.
+
+    ``seed`` must be the same wherever the same model is materialized (every rank of a pipeline).
+    Raises ``ValueError`` naming the first module whose tensors no initializer set.
+    """
+    made, own = _allocate(module, keep, device)
     if not made:
         return 0
     modules = dict(module.named_modules())  # in pre-order

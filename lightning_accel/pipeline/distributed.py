@@ -87,6 +87,7 @@ from lightning_accel.pipeline.router_carry import RouterCarry
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
 from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.stage_meter import StageMeter
+from lightning_accel.pipeline.step_failure import StepFailure, peer_said, stand_in
 from lightning_accel.pipeline.step_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
 from lightning_accel.pipeline.torch_stage import PipeStage
@@ -119,6 +120,7 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
         self.recorder: StepRecorder | None = None
         self.split_backward = False  # set by PipeStage while torch runs an input- or weight-gradient half of a backward
+        self.out_metas: Any = None  # torch's metadata of this stage's outputs, set by PipeStage before each forward
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The stage's blocks' parameters; during a split backward (zero-bubble schedules) also the trainable ones outside
@@ -149,15 +151,18 @@ class StageModule(nn.Module):
             if received is None or not floats:
                 return torch.zeros(1, device=self.pipe.device, requires_grad=True)
             return sum((t * 0).sum() for t in floats).reshape(1)  # its gradients: dense zeros shaped like the inputs
+        failure = self.pipe.failure
+        if failure.stopped():  # this step failed (here or on a peer): zeros travel on, the user's code does not run again
+            return stand_in(None if last else self.out_metas, self.pipe.device)
         self.pipe._forwarding = True  # a micro-batch's forward (a recomputation in backward runs outside it)
         try:
             with router.micro_batch(carried, last, self.pipe.device) if router is not None else nullcontext() as routed:
                 out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
                 if routed is not None and not last:
                     out = routed.attach(out)
-        except Exception as err:
-            self.pipe._raised = (err, self.stage)  # the user's error: re-raised as itself after the schedule
-            raise
+        except Exception as err:  # the user's error: raised as itself after the schedule (lightning_accel.pipeline.step_failure)
+            failure.record(err, self.stage, backward=False)
+            return stand_in(None if last else self.out_metas, self.pipe.device)
         finally:
             self.pipe._forwarding = False
         if last:
@@ -212,14 +217,6 @@ def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Seque
     return shared_params
 
 
-def _store() -> Any:
-    """The default process group's key-value store (how a rank whose stage raised tells the others), if any."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001  # no default group, or a torch without it: the neighbours are named instead
-        return None
-
-
 def _rng_kept(device: torch.device) -> Any:
     """The CPU's (and ``device``'s) random generators restored on exit."""
     if device.type == "cpu":
@@ -264,7 +261,9 @@ class RankPipeline:
     BatchNorms, committed after the schedule); without it once per micro-batch, as plain
     BatchNorm on each micro-batch would. Either way a re-materialization and torch's shape
     inference leave every buffer untouched (:class:`lightning_accel.pipeline.batchnorm.DeferredBatchNorm`,
-    :meth:`_build_schedule`).
+    :meth:`_build_schedule`). ``failure_group``: the ranks that learn, after each step, that a stage raised
+    (:mod:`lightning_accel.pipeline.step_failure`): this pipeline's (``"pipeline"``, the default), or a group holding
+    every replica (``None``: every rank), so that no replica waits for a failed one in its gradient average.
     """
 
     def __init__(
@@ -281,6 +280,7 @@ class RankPipeline:
         checkpoint: str = "never",
         blocks: BlockPolicy | Sequence[Block] = "auto",
         deferred_batch_norm: bool = False,
+        failure_group: dist.ProcessGroup | None | str = "pipeline",
     ) -> None:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
@@ -324,7 +324,9 @@ class RankPipeline:
             m.recorder = self.recorder
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
-        self._raised: tuple[Exception, int] | None = None  # what a stage's forward raised in this step, and the stage
+        # what a stage of this rank raised in this step, and whether a peer did (lightning_accel.pipeline.step_failure)
+        key = "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
+        self.failure = StepFailure(key, self._global(self.rank), group if failure_group == "pipeline" else failure_group, self.device)
         self._by_shape: dict[Any, Any] = {}  # shape key -> schedule, each with stages of their own
         self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)
@@ -476,19 +478,23 @@ class RankPipeline:
         self._restart_microbatches()
         self._forward = forward
         index = torch.arange(chunks, device=self.device)
+        self.failure.start()
         try:
             schedule.step(
                 *((index,) if self.holds_first else ()),
                 target=index if self.holds_last else None,
                 losses=[] if self.holds_last else None,
             )
-        except Exception as err:  # noqa: BLE001  # a stage's own error, or a transport error: name the ranks, never hang
-            raised, self._raised = self._raised, None
-            if raised is None:
-                raise self._exchange_error("step", err) from err
-            raise self._stage_error(*raised) from None
+        except Exception as err:  # noqa: BLE001  # a transport error (a stage's own is kept by self.failure): name the ranks
+            raise self._exchange_error("step", err) from err
         finally:
             self._forward = lambda i: None
+        failed = self.failure.settle()  # every rank: did any stage raise?
+        if failed is not None:
+            # its shapes may be stand-ins' (a failure in the first step's shape inference): fresh stages next time
+            self._trainable, self._by_shape = self._requires_grad(), {}
+            self.schedule = self._build_schedule(self.chunks)
+            raise failed from None
         self.batch_norm.commit()  # deferred: the whole batch's statistics, once
         self._sum_shared()
         losses = self._losses[-chunks:]
@@ -547,47 +553,14 @@ class RankPipeline:
         loss_fn = self.loss_fn
         return self.train_step(lambda i: loss_fn(self.net(xs[i]), ys[i]), shapes if shape is None else shape, chunks)
 
-    def _stage_error(self, err: Exception, stage: int) -> Exception:
-        """The exception a stage of this rank raised, itself (its type, its message first, then this rank and stage),
-        after telling the pipeline's other ranks who raised what (:meth:`_exchange_error` reads it there)."""
-        where = f"raised by pipeline stage {stage} on rank {self._global(self.rank)}"
-        if err.args and isinstance(err.args[0], str):
-            err.args = (f"{err.args[0]} ({where})", *err.args[1:])
-        else:
-            err.add_note(where)
-        store = _store()
-        if store is not None:
-            first_line = (str(err).splitlines() or [""])[0]
-            store.set(self._error_key(), f"rank {self._global(self.rank)} (stage {stage}) raised {type(err).__name__}: {first_line}")
-        return err
-
-    def _error_key(self) -> str:
-        return "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
-
-    def _peer_error(self, wait: float = 3.0) -> str | None:
-        """What another rank of this pipeline said it raised (:meth:`_stage_error`), waiting up to ``wait`` seconds."""
-        store = _store()
-        if store is None:
-            return None
-        key, deadline = self._error_key(), time.monotonic() + wait
-        while True:
-            try:
-                if store.check([key]):
-                    return store.get(key).decode()
-            except Exception:  # noqa: BLE001  # the store went with the failed rank: nothing to read
-                return None
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-
     def _exchange_error(self, what: str, err: Exception) -> RuntimeError:
         """One error naming this rank, its stages and its neighbours (global ranks: what the other ranks' logs name);
         where another rank's stage raised, the error names that rank and what it raised."""
-        peer = self._peer_error()
+        peer = peer_said(self.failure.key, wait=3.0)
         if peer is not None:
             return RuntimeError(
-                f"pipeline {what} stopped on rank {self._global(self.rank)} (stages {self.indices}): {peer}; its log "
-                "has the traceback"
+                f"pipeline {what} stopped on rank {self._global(self.rank)} (stages {self.indices}): {peer['line']}; its "
+                "log has the traceback"
             )
         near = sorted({r for r in (self.rank - 1, self.rank + 1) if 0 <= r < self.world_size})
         neighbours = [self._global(r) for r in near]

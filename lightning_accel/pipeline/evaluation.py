@@ -103,9 +103,13 @@ def _learn_structures(pipe: Any, sent: Tensor) -> None:
 @torch.no_grad()
 def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
     """Evaluation of a batch of ``size`` samples on ``pipe`` (a :class:`lightning_accel.pipeline.RankPipeline`; every
-    rank of the pipeline calls it), no gradients; see :meth:`RankPipeline.evaluate`."""
+    rank of the pipeline calls it), no gradients; see :meth:`RankPipeline.evaluate`. The user's step raising on one rank
+    ends the batch on every rank with that error, as in training (:mod:`lightning_accel.pipeline.step_failure`): its
+    later micro-batches travel on as one zero, no rank runs the user's code again, and one flag is reduced at the end."""
     count, last = len(pipe.balance), len(pipe.balance) - 1
     m = pipe.eval_chunks(size)
+    failure = pipe.failure
+    failure.start()
     ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
     arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
     router = pipe.router if count > 1 else None  # a router loss: each stage's sums ride last (router_carry), as in training
@@ -124,18 +128,25 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
                     if i == 0:  # first, what the sender knows of its blocks' output structures
                         _learn_structures(pipe, recv_tensor(source, pipe.device, pipe.group)[0])
                     x = recv_activation(source, pipe.device, pipe.group)
-                carried = None
-                if router is not None and s > 0:
-                    *rest, carried = (x,) if isinstance(x, Tensor) else x
-                    x = rest[0] if len(rest) == 1 else tuple(rest)
-                if s == last and whole_on_last:
-                    arrived.append(x)
-                    sums += [carried] if carried is not None else []
-                    continue
-                with router.micro_batch(carried, s == last, pipe.device) if router is not None else nullcontext() as routed:
-                    y = pipe.boundaries.run(s, x, lambda i=i: run(i))
-                    if routed is not None and s != last:
-                        y = routed.attach(y)
+                if failure.stopped():  # the batch failed (here or on a peer): a zero travels on, no user code runs
+                    y: Any = torch.zeros(1, device=pipe.device)
+                else:
+                    carried = None
+                    if router is not None and s > 0:
+                        *rest, carried = (x,) if isinstance(x, Tensor) else x
+                        x = rest[0] if len(rest) == 1 else tuple(rest)
+                    if s == last and whole_on_last:
+                        arrived.append(x)
+                        sums += [carried] if carried is not None else []
+                        continue
+                    try:
+                        with router.micro_batch(carried, s == last, pipe.device) if router is not None else nullcontext() as routed:
+                            y = pipe.boundaries.run(s, x, lambda i=i: run(i))
+                            if routed is not None and s != last:
+                                y = routed.attach(y)
+                    except Exception as err:  # the user's step: raised on every rank after the batch
+                        failure.record(err, s, backward=False)
+                        y = torch.zeros(1, device=pipe.device)
                 if s == last:
                     arrived.append(y)
                     continue
@@ -152,8 +163,23 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
         raise
     except Exception as err:  # noqa: BLE001  # any transport error: name the ranks, never hang
         raise pipe._exchange_error("evaluation", err) from err
-    if not pipe.holds_last:
-        return None
+    result = None
+    if pipe.holds_last and not failure.stopped():
+        try:
+            result = _last_stage(pipe, size, m, run, whole_on_last, arrived, sums)
+        except Exception as err:  # the user's step on the whole batch
+            failure.record(err, last, backward=False)
+    failed = failure.settle(pipe.group)  # the pipeline's ranks only: replicas may evaluate different batch counts, as DDP's
+    if failed is not None:
+        raise failed from None
+    return result
+
+
+def _last_stage(pipe: Any, size: int, m: int, run: Callable[[int | None], Any], whole_on_last: bool, arrived: list[Any],
+                sums: list[Tensor]) -> Any:
+    """What the last stage returns: its micro-batches' outputs concatenated, or ``run(None)`` on the whole batch."""
+    count, last = len(pipe.balance), len(pipe.balance) - 1
+    router = pipe.router if count > 1 else None
     if not whole_on_last:
         return gather(arrived) if count > 1 else gather([run(i) for i in range(m)])
     # a tensor the model computes once per micro-batch and broadcasts over its samples (T5's position bias, batch

@@ -3,8 +3,9 @@
 :func:`split_module` takes a module, its blocks and a balance, and on this rank builds the
 :class:`lightning_accel.pipeline.RankPipeline` over its stages. The first split of a module
 also gives this rank its starting weights: a module built on the ``meta`` device is
-materialized in part (:func:`lightning_accel.pipeline.deferred_init.materialize`, each rank
-its own tensors, nothing sent), any other gets rank 0's
+materialized in part, each rank its own tensors, nothing sent (the values of the user's own build run again where the
+whole fits, :mod:`lightning_accel.pipeline.build_replay`; else per-module seeds,
+:func:`lightning_accel.pipeline.deferred_init.materialize`), any other gets rank 0's
 (:func:`lightning_accel.pipeline.placement.send_initial_weights`). The :class:`RankSplit` it
 returns outlives the pipeline (a checkpoint saved after training still gathers the stages):
 it knows which rank holds each tensor, keeps each optimizer to this rank's parameters and
@@ -13,7 +14,7 @@ maps their state to and from the whole model's. No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_accel.models.block_policy import Block
 from lightning_accel.pipeline.state_gather import gather_optimizer_state, local_optimizer_state
-from lightning_accel.pipeline.deferred_init import agreed_seed, has_meta_tensors, materialize
+from lightning_accel.pipeline.deferred_init import agreed_seed, covers, has_meta_tensors, materialize, materialize_from
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.placement import RankLayout, broadcast_shared, keep_own_parameters, owners, send_initial_weights
 from lightning_accel.pipeline.schedule import stage_rank
@@ -160,17 +161,25 @@ class RankSplit:
 
 
 def split_module(
-    module: nn.Module, blocks: Sequence[Block], balance: Sequence[int], layout: RankLayout, first: bool, **pipeline: Any
+    module: nn.Module, blocks: Sequence[Block], balance: Sequence[int], layout: RankLayout, first: bool,
+    initial: Callable[[], Mapping[str, Tensor] | None] | None = None, **pipeline: Any,
 ) -> tuple[RankPipeline, RankSplit]:
     """This rank's :class:`RankPipeline` over ``module`` (``blocks`` split by ``balance``; ``pipeline``: its other
     arguments), and where each tensor lives. ``first``: the module's first split, so its starting weights are placed
-    (a split module keeps its own). The other ranks' blocks go to the ``meta`` device (names, shapes, dtypes stay)."""
+    (a split module keeps its own). The other ranks' blocks go to the ``meta`` device (names, shapes, dtypes stay).
+    A module built on ``meta`` takes its starting values from ``initial()`` (every tensor by name: the user's build run
+    again, :mod:`lightning_accel.pipeline.build_replay`; every rank calls it and gets values, or None, alike), else each
+    rank materializes its part from per-module seeds (:func:`~lightning_accel.pipeline.deferred_init.materialize`)."""
     tensors = tensors_of(module)
     schedule = pipeline.get("schedule", "gpipe")
     owned, shared = owners(tensors, [b.module for b in blocks], balance, layout.pp_size, schedule)
     if first and has_meta_tensors(module):  # built on meta: each rank initializes its own part, nothing is sent
         mine = {id(t) for t, o, sh in zip(tensors, owned, shared) if sh or o == layout.pp_rank}
-        materialize(module, agreed_seed(), keep=lambda t: id(t) in mine)
+        values = initial() if initial is not None else None  # the user's build run again whole, where it fits
+        if values is not None and covers(module, values):
+            materialize_from(module, values, keep=lambda t: id(t) in mine)
+        else:
+            materialize(module, agreed_seed(), keep=lambda t: id(t) in mine)
     elif first:
         send_initial_weights(tensors, owned, shared, layout)
     pipe = RankPipeline(

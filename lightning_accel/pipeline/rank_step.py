@@ -41,12 +41,14 @@ def train_step(
     shape: Any,
     loss_reduction: str,
     scaler: Any = None,
+    constant_sizes: set[str] | None = None,
 ) -> tuple[StepResult | None, list[Tensor | None], KeptLists, Appended]:
     """``step(micro_batch)`` over the equal micro-batches of ``batch`` (:meth:`RankPipeline.microbatches`) through the schedule (``shape``: the
     batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere), this
     rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before), and the
     module's lists around the step with, on the last stage's rank, what the whole batch's step appends to them (to send
-    to the others; every rank then calls :meth:`KeptLists.settle`)."""
+    to the others; every rank then calls :meth:`KeptLists.settle`). ``constant_sizes``: the logged names whose
+    ``batch_size`` is a constant, kept by the caller across steps (:func:`~lightning_accel.pipeline.step_report.reduce_logs`)."""
     chunks = pipe.microbatches(batch_size(batch))  # pipe.chunks, or equal micro-batches of a ragged batch
     micro = scatter(batch, chunks)
     sizes = [batch_size(mb) for mb in micro]
@@ -64,6 +66,7 @@ def train_step(
             raise ValueError("training_step returned None (skip the batch), but the pipeline has already run it")
         outputs[i] = out
         loss = out["loss"] if isinstance(out, Mapping) else out
+        logs.mark_loss(i, loss)
         return scaler.scale(loss) if scaler is not None else loss  # the schedule's backward: scaled gradients
 
     with set_aside(pipe.parameters()) as grads:
@@ -72,7 +75,7 @@ def train_step(
         return None, grads, kept, {}
     reduced = reduce_outputs(outputs, sizes, loss_reduction)
     loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
-    result = (loss.detach().cpu(), logs.reduced(sizes, loss_reduction), isinstance(reduced, Mapping))
+    result = (loss.detach().cpu(), logs.reduced(sizes, loss_reduction, constant_sizes), isinstance(reduced, Mapping))
     return result, grads, kept, kept.merged(sizes, loss_reduction)
 
 

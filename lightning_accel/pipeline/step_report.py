@@ -108,32 +108,47 @@ def restore_metric_sync(module: nn.Module, saved: dict[int, tuple[bool, Any]]) -
 _REDUCE_FX = {"sum": sum, "max": max, "min": min, torch.sum: sum, torch.max: max, torch.min: min}
 
 
-def reduce_logs(records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[int], reduction: str) -> list[tuple[str, Any, dict]]:
+def reduce_logs(
+    records: Sequence[list[tuple[str, Any, dict]]], sizes: Sequence[int], reduction: str,
+    losses: Sequence[set[str]] | None = None, constant_sizes: set[str] | None = None,
+) -> list[tuple[str, Any, dict]]:
     """One ``(name, value, kwargs)`` per logged name from the micro-batches' ``self.log`` records, the value the whole
-    batch would have logged: a number logged with ``reduce_fx="sum"``, ``"max"`` or ``"min"`` is the sum, max or min
-    over the micro-batches (a count stays a count, as Lightning's sum over DDP ranks keeps it); one logged with the
-    default ``"mean"`` (or a function of the user's) is reduced like the loss (weighted by micro-batch ``sizes`` for
-    ``"mean"``, summed for ``"sum"``); anything else is the last micro-batch's."""
-    merged: dict[str, tuple[list[Any], list[int], dict]] = {}
-    for record, size in zip(records, sizes):
+    batch would have logged. The step's loss itself (``losses[i]``: the names micro-batch ``i`` logged its loss tensor
+    under) is reduced like the loss whatever its ``reduce_fx`` (which then reduces the steps, as Lightning's does: an
+    epoch's max of the loss is the largest batch loss). Another number logged with ``reduce_fx="sum"``, ``"max"`` or
+    ``"min"`` is the sum, max or min over the micro-batches (a count stays a count, as Lightning's sum over DDP ranks
+    keeps it); one logged with the default ``"mean"`` (or a function of the user's) is reduced like the loss (weighted
+    by micro-batch ``sizes`` for ``"mean"``, summed for ``"sum"``); anything else is the last micro-batch's. A
+    ``batch_size`` given with the micro-batches' sizes becomes the batch's; a constant one stays that constant (a name
+    is a constant's from the first step its values are not the sizes on: ``constant_sizes``, kept by the caller across
+    steps, so a ragged last batch whose micro-batch size happens to equal it is not taken for sizes)."""
+    merged: dict[str, tuple[list[Any], list[int], dict, list[Any], bool]] = {}
+    for i, (record, size) in enumerate(zip(records, sizes)):
         for name, value, kwargs in record:
-            values, weights, _ = merged.setdefault(name, ([], [], kwargs))
+            values, weights, _, given, _ = merged.setdefault(name, ([], [], kwargs, [], True))
             values.append(value)
             weights.append(size)
+            given.append(kwargs.get("batch_size"))
+            if losses is None or name not in losses[i]:
+                merged[name] = (values, weights, kwargs, given, False)
+    constant_sizes = set() if constant_sizes is None else constant_sizes
     out = []
-    for name, (values, weights, kwargs) in merged.items():
+    for name, (values, weights, kwargs, given, is_loss) in merged.items():
         if not all(isinstance(v, (int, float, Tensor)) and not isinstance(v, bool) for v in values):
             out.append((name, values[-1], kwargs))  # not a number: the last micro-batch's
             continue
         total = sum(weights)
         fx = kwargs.get("reduce_fx", "mean")
-        combine = _REDUCE_FX.get(fx.lower() if isinstance(fx, str) else fx)
+        combine = None if is_loss else _REDUCE_FX.get(fx.lower() if isinstance(fx, str) else fx)
         if combine is not None:
             value = combine(values) if combine is sum else combine(values, key=float)
         else:
             value = sum(v * (w / total) for v, w in zip(values, weights)) if reduction == "mean" else sum(values)
         if "batch_size" in kwargs:
-            kwargs = {**kwargs, "batch_size": total}  # weighs the epoch mean by the whole batch
+            if any(g != w for g, w in zip(given, weights)):
+                constant_sizes.add(name)
+            constant = name in constant_sizes and len(set(given)) == 1
+            kwargs = {**kwargs, "batch_size": given[0] if constant else total}  # weighs the epoch mean by the batch
         out.append((name, value, kwargs))
     return out
 
@@ -234,24 +249,37 @@ def silenced(module: Any) -> AbstractContextManager[None]:
 
 
 class MicroBatchLogs:
-    """The ``log`` calls of a training step, one list per micro-batch, each value made :func:`loggable`."""
+    """The ``log`` calls of a training step, one list per micro-batch, each value made :func:`loggable`, and which of
+    them logged the micro-batch's loss itself (:meth:`mark_loss`)."""
 
     def __init__(self, chunks: int) -> None:
         self.records: list[list[tuple[str, Any, dict]]] = [[] for _ in range(chunks)]
+        self.losses: list[set[str]] = [set() for _ in range(chunks)]
+        self._raw: list[list[tuple[str, Any]]] = [[] for _ in range(chunks)]  # this micro-batch's logged tensors, until its loss is known
 
     def recording(self, module: Any, i: int) -> AbstractContextManager[None]:
         """``module.log`` records into micro-batch ``i``'s list inside the block."""
-        self.records[i] = []  # should torch run a micro-batch's loss twice, keep the last
-        records = self.records[i]
+        self.records[i], self.losses[i], self._raw[i] = [], set(), []  # should torch run a micro-batch's loss twice, keep the last
+        records, raw = self.records[i], self._raw[i]
 
         def log(name: str, value: Any, *_: Any, **kw: Any) -> None:
             records.append((name, loggable(value), kw))
+            if isinstance(value, Tensor):
+                raw.append((name, value))
 
         return swapped(module, "log", log)
 
-    def reduced(self, sizes: Sequence[int], reduction: str) -> list[tuple[str, Any, dict]]:
-        """Each name's values over the micro-batches, reduced as the loss is (``"mean"`` weighted by ``sizes``, or ``"sum"``)."""
-        return reduce_logs(self.records, sizes, reduction)
+    def mark_loss(self, i: int, loss: Any) -> None:
+        """Micro-batch ``i``'s step returned ``loss``: the names it logged that very tensor under (or a detached view of
+        it) are the loss's (:func:`reduce_logs`)."""
+        raw, self._raw[i] = self._raw[i], []
+        if isinstance(loss, Tensor) and not loss.is_meta:
+            self.losses[i] = {n for n, v in raw if v is loss or (
+                not v.is_meta and v.device == loss.device and v.data_ptr() == loss.data_ptr() and v.shape == loss.shape)}
+
+    def reduced(self, sizes: Sequence[int], reduction: str, constant_sizes: set[str] | None = None) -> list[tuple[str, Any, dict]]:
+        """Each name's values over the micro-batches, reduced as :func:`reduce_logs` says."""
+        return reduce_logs(self.records, sizes, reduction, self.losses, constant_sizes)
 
 
 class EvalLogs:

@@ -9,16 +9,18 @@ rank's :class:`~lightning_accel.pipeline.distributed.RankPipeline`) and adds, ar
 - under ``schedule="auto"`` each forward (F), input-gradient (I) and weight-gradient (W) action is timed
   (:mod:`lightning_accel.pipeline.stage_meter`);
 - during a split backward (zero-bubble schedules) the stage module lists the weights outside the blocks too;
-- an exception the stage's own backward raises (``detect_anomaly``'s NaN gradient, a user's autograd Function) is
-  kept on the pipeline as the stage's, like one its forward raises, so the step re-raises it as itself, its type and
-  message first, instead of as a failed exchange with the neighbours: torch wraps it in "Failed to run stage
-  backward", and its cause is the user's. No Lightning here.
+- an exception the stage's own backward raises (``detect_anomaly``'s NaN gradient, a user's autograd Function), in a
+  step or in the first step's shape inference, is kept as the stage's (:mod:`lightning_accel.pipeline.step_failure`),
+  like one its forward raises, so the step re-raises it as itself, its type and message first, instead of as a failed
+  exchange with the neighbours (torch wraps it in "Failed to run stage backward"; its cause is the user's); from then on
+  the stage's backwards return no gradients, which torch sends as zeros, so the schedule ends on every rank, and its
+  forwards zeros shaped as its outputs (the metadata torch inferred, set on the stage module before each). No
+  Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 from torch import Tensor
@@ -27,6 +29,12 @@ from torch.distributed.pipelining import PipelineStage
 __all__ = ["PipeStage", "own_error"]
 
 _TORCH_WRAPPERS = ("Failed to run stage backward", "failed to run forward")
+
+
+def _no_gradients(backward_type: str, bwd_kwargs: dict) -> tuple[tuple[None, ...], None]:
+    """A skipped backward's result: no input gradients (torch sends zeros where the previous stage expects one)."""
+    inputs = bwd_kwargs.get("input_values", ()) if backward_type != "weight" else ()
+    return tuple(None for _ in inputs), None
 
 
 def own_error(err: BaseException) -> BaseException:
@@ -39,45 +47,52 @@ def own_error(err: BaseException) -> BaseException:
 class PipeStage(PipelineStage):
     """torch's stage over a :class:`~lightning_accel.pipeline.distributed.StageModule` (see the module docstring)."""
 
-    @contextmanager
-    def _own_errors(self) -> Iterator[None]:
-        try:
-            yield
-        except Exception as err:
-            pipe = self.submod.pipe
-            if pipe._raised is None:  # the first one: a full backward's weight half runs inside its input half's call
-                cause = own_error(err)
-                pipe._raised = (cause if isinstance(cause, Exception) else err, self.stage_index)
-            raise
-
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]] | None]:
+        failure = self.submod.pipe.failure
+        if failure.stopped():  # this step failed (here or on a peer): no gradients (torch sends zeros), no user code
+            return _no_gradients(backward_type, bwd_kwargs)
         self.submod.split_backward = backward_type != "full"
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        except Exception as err:  # the stage's own: raised as itself after the schedule (lightning_accel.pipeline.step_failure)
+            cause = own_error(err)
+            failure.record(cause if isinstance(cause, Exception) else err, self.stage_index, backward=True)
+            return _no_gradients(backward_type, bwd_kwargs)
         finally:
             self.submod.split_backward = False
 
+    def _compute_input_grads(self, outputs: list[Tensor], all_fwd_inputs: list[Tensor], grad_outputs: Any = None) -> tuple[Tensor | None, ...]:
+        """The first step's shape inference runs a backward of its own: an error there is the stage's too."""
+        failure = self.submod.pipe.failure
+        if not failure.stopped():
+            try:
+                return super()._compute_input_grads(outputs, all_fwd_inputs, grad_outputs)
+            except Exception as err:
+                cause = own_error(err)
+                failure.record(cause if isinstance(cause, Exception) else err, self.stage_index, backward=True)
+        return tuple(None for _ in all_fwd_inputs)
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self.submod.out_metas = self._stage_meta.outputs  # what a failed step's stand-ins are shaped as
         meter = self.submod.pipe.meter
         with meter.action("F", self.stage_index) if meter is not None else nullcontext():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False) -> None:
         meter = self.submod.pipe.meter  # measuring (schedule="auto"): a whole backward as its two halves, each timed
-        with self._own_errors():
-            if meter is None:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            with meter.action("I", self.stage_index):
-                super().backward_one_chunk(bwd_chunk_id, loss, False, last_backward)
-            if full_backward:
-                self.backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        if meter is None:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with meter.action("I", self.stage_index):
+            super().backward_one_chunk(bwd_chunk_id, loss, False, last_backward)
+        if full_backward:
+            self.backward_weight_one_chunk(bwd_chunk_id, last_backward)
         return None
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         meter = self.submod.pipe.meter
-        with self._own_errors(), meter.action("W", self.stage_index) if meter is not None else nullcontext():
+        with meter.action("W", self.stage_index) if meter is not None else nullcontext():
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def _send_meta(self, meta: Any, dst_stage: int) -> None:

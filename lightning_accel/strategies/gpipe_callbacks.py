@@ -6,8 +6,9 @@ holds only this rank's parameters. Lightning's built-in callbacks that walk ever
 tensors for what their rank holds and to leave the placeholders alone, each through patches on the callback object
 itself (the user's: a later ``Trainer`` may get it), removed at teardown:
 
-- ``ModelSummary``: summarizes without ``example_input_array`` (its forward through the whole module would reach the
-  placeholders); names, types and parameter counts stay.
+- ``ModelSummary``: runs ``example_input_array`` through the whole module on ``meta`` (every tensor swapped for a meta
+  twin for that forward, then put back), so its in/out sizes and FLOPs are the whole model's, as under DDP; names,
+  types and parameter counts as they are.
 - ``BaseFinetuning``: unfreezing adds a param group of every parameter of a module, placeholders included; the strategy
   keeps this rank's (:meth:`~lightning_accel.pipeline.rank_split.RankSplit.follow_param_groups`), and the callback's
   record of the groups (what it restores on resume) is the whole model's, so a resume on any layout finds every one.
@@ -29,11 +30,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning, ModelSummary, StochasticWeightAveraging, WeightAveraging
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.model_summary.model_summary import ModelSummary as Summary
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_accel.patching import Patch, patch
+from lightning_accel.patching import Patch, patch, swapped
 from lightning_accel.pipeline.placement import RankLayout
 from lightning_accel.pipeline.rank_split import RankSplit
 from lightning_accel.pipeline.state_gather import gather_model_state
@@ -61,7 +65,7 @@ def adapt_callbacks(
     fitting = trainer.state.fn == TrainerFn.FITTING
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummary):
-            patches.append(_summary_without_example(callback))
+            patches.append(_summary_on_meta(callback))
         if isinstance(callback, WeightAveraging) and _copy_of(callback, module) is not None:  # validation swaps it in
             patches.append(_average_weights_this_rank_holds(callback, module, split, layout, global_rank))
         if not fitting:  # the callbacks below act during fit only
@@ -107,19 +111,53 @@ def _whole_copy_state(
     return gather_model_state({n: held(n, t) for n, t in state.items()}, layout, global_rank)
 
 
-def _summary_without_example(callback: ModelSummary) -> Patch:
+class _ExampleOnMeta(Summary):
+    """Lightning's summary with its example forward on ``meta``: the module's tensors (this rank's stages, the others'
+    placeholders) and the example input, once the user's batch-transfer hooks have run on it, swapped for ``meta``
+    twins for the forward, so the in/out sizes and the FLOPs (counted from shapes) are the whole model's, as under
+    DDP, and nothing is computed; every tensor is put back after."""
+
+    def _forward_example_input(self) -> None:
+        model = self._model
+        real = model.example_input_array
+        ready = model._apply_batch_transfer_handler(model._on_before_batch_transfer(real))
+        model.example_input_array = apply_to_collection(ready, Tensor, lambda t: t.to("meta"))  # a property: not swapped()
+        saved = [(table, k, t) for m in model.modules() for table in (m._parameters, m._buffers)
+                 for k, t in table.items() if t is not None and not t.is_meta]
+        for table, k, t in saved:
+            table[k] = nn.Parameter(t.to("meta"), t.requires_grad) if isinstance(t, nn.Parameter) else t.to("meta")
+        try:
+            with swapped(model, "_on_before_batch_transfer", lambda b, *_: b), swapped(model, "_apply_batch_transfer_handler", lambda b, *_: b):
+                super()._forward_example_input()
+        finally:
+            for table, k, t in saved:
+                table[k] = t
+            model.example_input_array = real
+
+
+def _summary_on_meta(callback: ModelSummary) -> Patch:
     """Lightning's model summary, at fit start on every rank, runs ``example_input_array`` through the whole module to
-    show layer sizes; on a split module that forward reaches the placeholders and fails."""
+    show layer sizes and FLOPs; on a split module that forward would reach the placeholders, so it runs on meta."""
     summary = callback._summary
 
-    def without_example(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
-        example, module.example_input_array = module.example_input_array, None  # a property: not swapped()
+    def on_meta(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
+        example = module.example_input_array
+        if example is None:
+            return summary(trainer, module)
+        try:
+            return _ExampleOnMeta(module, max_depth=callback._max_depth)
+        except Exception as err:  # noqa: BLE001  # a kernel that refuses meta tensors: the summary without sizes
+            rank_zero_warn(
+                f"ModelSummary: example_input_array could not run on the meta device ({type(err).__name__}: "
+                f"{(str(err).splitlines() or [''])[0][:200]}), so the summary leaves out in/out sizes and FLOPs"
+            )
+        module.example_input_array = None  # a property: not swapped()
         try:
             return summary(trainer, module)
         finally:
             module.example_input_array = example
 
-    return patch(callback, "_summary", without_example)
+    return patch(callback, "_summary", on_meta)
 
 
 def _whole_groups_stored(callback: BaseFinetuning, trainer: pl.Trainer, split: RankSplit, layout: RankLayout) -> Patch:

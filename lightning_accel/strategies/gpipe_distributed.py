@@ -41,11 +41,13 @@ The unused copies stay allocated (not yet freed: a later rank's forward still ru
 embedding, and e.g. Llama takes its rotary tables' device from its output). A network built
 in ``__init__`` exists whole on every rank before setup (rank 0 sends each rank its starting
 weights). One built in ``configure_model`` (Lightning's hook for large models) is built on
-``meta`` and each rank materializes and initializes only its part
+``meta`` and each rank keeps only its part: its starting values are those of the user's own build
+(``configure_model`` run once more on a copy, whole, from the random state it started from:
+:mod:`~lightning_accel.pipeline.build_replay`), so they equal plain Lightning's and DDP's, where every rank's
+copy fits its free memory; where not (one warning), each rank materializes and initializes its part alone
 (:func:`~lightning_accel.pipeline.deferred_init.materialize`, seeded from global rank 0's
-``torch.initial_seed()`` and each module's name): the initial weights equal ``materialize`` of
-the whole model in one process, for any layout; a checkpoint given to ``fit`` loads after
-setup. After ``fit`` every rank's module is the whole trained model (the other stages gathered onto the CPU, as a
+``torch.initial_seed()`` and each module's name: ``materialize`` of the whole model in one process, for any
+layout); a checkpoint given to ``fit`` loads after setup. After ``fit`` every rank's module is the whole trained model (the other stages gathered onto the CPU, as a
 module is after DDP, when they fit the hosts' free memory; otherwise one warning on each rank names
 ``trainer.strategy.gather_module()``: :mod:`~lightning_accel.strategies.gpipe_split_state`); ``validate``, ``test``,
 ``predict`` and another ``fit`` split it again (an evaluation leaves it whole again).
@@ -55,8 +57,10 @@ parameters (``BaseFinetuning``'s unfreezing into a new param group, ``Stochastic
 real tensors for what their rank holds and leave the placeholders (:mod:`~lightning_accel.strategies.gpipe_callbacks`;
 ``ModelPruning`` is refused before the first step); what ``training_step`` or ``validation_step`` appends to the
 module's lists (Lightning 2's epoch-end outputs) is the last rank's, one item per batch, on every rank
-(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas; a stage's own error
-(``detect_anomaly``'s included) is raised as itself.
+(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas (in a ``training_step``
+that micro-batches run it is refused before the first step); a stage's own error (``detect_anomaly``'s included, raised
+in Lightning's ``backward`` as plain Lightning raises it) ends the step on every rank as that error, so ``on_exception``
+runs everywhere and the module is whole after the failed fit (:mod:`~lightning_accel.pipeline.step_failure`).
 
 Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
 LightningModule's ``example_input_array`` before the first batch;
@@ -73,8 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -113,9 +116,10 @@ from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
 from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
+from lightning_accel.strategies.gpipe_configure_model import ConfigureModelReplay
 from lightning_accel.strategies.gpipe_split_state import SplitModuleState
 from lightning_accel.strategies.options_check import check_options
-from lightning_accel.strategies.user_hooks import overrides
+from lightning_accel.strategies.user_hooks import calls_in, overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
 
@@ -132,7 +136,7 @@ def _shapes(batch: Any) -> tuple:
     return tuple(found)
 
 
-class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithoutWrapper):
+class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, SplitModuleState, DDPWithoutWrapper):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -174,8 +178,10 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
             :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`; a number is seconds.
         start_method: as for ``DDPStrategy``: ``"popen"`` re-runs your script per rank.
         deferred_init: a network built in ``configure_model`` is built on the ``meta`` device and each rank
-            materializes only its part (see the module docstring); ``False`` builds it whole on every rank, as one
-            built in ``__init__`` is (for a module that cannot be initialized again after building).
+            materializes only its part, with the values of the user's own build where that fits whole (see the module
+            docstring); ``"parts"``: always from per-module seeds (no rank ever holds the whole network, not even
+            while setting up; the starting values are not your seed's draws); ``False`` builds it whole on every rank,
+            as one built in ``__init__`` is.
         deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics,
             as plain training does (the default, as ``GPipeStrategy``'s: ``num_batches_tracked`` counts batches, and a
             ``momentum=None`` average weighs batches); each micro-batch is still normalized by its own. ``False``: once
@@ -199,7 +205,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
-        deferred_init: bool = True,
+        deferred_init: bool | str = True,
         deferred_batch_norm: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -228,6 +234,9 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         # may be handed): from setup to teardown, which Lightning also calls when the fit raises
         self._patches: list[Patch] = []
         self._pending: list[Tensor | None] = []  # this step's gradients, until Lightning's backward
+        self._backward_error: BaseException | None = None  # what this step's backward raised, until Lightning's backward
+        self._failed_together = False  # a step failed on every rank of the one pipeline alike (SplitModuleState)
+        self._constant_sizes: set[str] = set()  # logged names whose batch_size is a constant, not the batch's (reduce_logs)
         self._block_times: list[float] | None = None  # balance="by_time": seconds per block, as rank 0 measured
         self._undo_equal: Callable[[], None] | None = None  # torch.equal on placeholders, from setup to teardown
         self._whole_at_setup = False  # the module was whole when this run's setup split it (after fit: every rank)
@@ -290,14 +299,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         net = getattr(module, "net", None)
         return net if isinstance(net, nn.Module) else module
 
-    @contextmanager
-    @override
-    def model_sharded_context(self) -> Iterator[None]:
-        """Around ``configure_model`` only (not ``trainer.init_module``): build on the ``meta`` device; setup materializes
-        this rank's part."""
-        with torch.device("meta") if self.deferred_init else nullcontext():
-            yield
-
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -317,6 +318,7 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self._whole_at_setup = not has_meta_tensors(trainer.lightning_module)
+        self._failed_together, self._constant_sizes = False, set()
         self._split()
         self._unpatch()  # a setup without a teardown between (not Lightning's order): patch once, not twice
         if trainer.state.fn == TrainerFn.FITTING:
@@ -382,9 +384,11 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         if (router := router_loss_notice(type(self).__name__, net, self.chunks)) is not None:
             rank_zero_warn(router)  # each stage carries its routers' sums to the last (lightning_accel.pipeline.router_carry)
         self.pipeline, self._split_state = split_module(
-            module, blocks, balance, self._layout, first=layout is None, chunks=self.chunks, schedule=self.schedule,
+            module, blocks, balance, self._layout, first=layout is None, initial=self._initial_values,
+            chunks=self.chunks, schedule=self.schedule,
             scale_grads=self.options.scale_grads, checkpoint=self.checkpoint,
             deferred_batch_norm=self.deferred_batch_norm,
+            failure_group=None if self.data_parallel_size > 1 else "pipeline",  # every replica stops: none waits in the average
         )
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))
@@ -415,11 +419,21 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         if tuner is not None:
             tuner.before_step(batch_size(batch))
         start = time.perf_counter()
-        with self.precision_plugin.train_step_context():
-            result, self._pending, kept, appended = train_step(
-                pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
-                self.loss_reduction, getattr(self.precision_plugin, "scaler", None),
-            )
+        try:
+            with self.precision_plugin.train_step_context():
+                result, self._pending, kept, appended = train_step(
+                    pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
+                    self.loss_reduction, getattr(self.precision_plugin, "scaler", None), self._constant_sizes,
+                )
+        except Exception as err:
+            # every rank of the pipeline raises it and reaches teardown: the module is made whole there, as after DDP
+            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1
+            if not pipe.failure.in_backward:
+                raise  # training_step's own error: raised where Lightning's training_step raises it
+            # a backward's (detect_anomaly's NaN gradient): raised where plain Lightning raises it, in backward, after
+            # on_before_backward; the step's logs are dropped there too (the batch never ends)
+            self._backward_error = err
+            return torch.zeros((), device=self.root_device)
         choice = tuner.after_step(time.perf_counter() - start) if tuner is not None else None
         if choice is not None:  # the next step runs the choice (its placement is this one's)
             self.schedule, chunks = choice.chosen
@@ -473,6 +487,9 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         """The schedule ran backward in ``training_step``: add its gradients now (Lightning has zeroed them)."""
         assert self.lightning_module is not None and self.pipeline is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        if self._backward_error is not None:  # what the schedule's backward raised, on every rank (training_step)
+            err, self._backward_error, self._pending = self._backward_error, None, []
+            raise err
         add_gradients(self.pipeline.parameters(), self._pending, self.lightning_module.trainer.accumulate_grad_batches)
         self._pending = []
         if self._sync_grads and self.data_parallel_size > 1:  # as DDP: the replicas' mean, once per optimizer step
@@ -488,11 +505,31 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
             group = self._mesh.get_group("dp")
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
+    def _gather_in_step(self) -> str:
+        """Why ``self.all_gather`` in ``training_step`` is refused when micro-batches run it (one line, with the fixes)."""
+        return (
+            f"{type(self).__name__}(chunks={self.chunks}) runs training_step once per micro-batch: self.all_gather there "
+            "would gather one micro-batch's values, not the batch's as under DDP; gather in on_train_batch_end or "
+            "validation_step, or use chunks=1"
+        )
+
+    @override
+    def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
+        """Also: ``self.all_gather`` in a ``training_step`` that micro-batches run (read from its source; a call the source
+        does not show is refused when it is made, :meth:`all_gather`)."""
+        super().check_fit(module, sync_batchnorm)
+        if self.chunks > 1 and calls_in(module, "training_step", "all_gather"):
+            raise ValueError(self._gather_in_step())
+
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """``self.all_gather(...)``: over the replicas, each on its own shard, as DDP's ranks are (a pipeline's ranks hold
         one step; its last rank alone reaches the end of the user's step, so a gather over every rank would wait). The
-        LightningModule passes ``group.WORLD`` when the user names none: that means the replicas too."""
+        LightningModule passes ``group.WORLD`` when the user names none: that means the replicas too. Inside a training
+        micro-batch of several: refused (:meth:`check_fit` refuses it before the first step where the source shows it)."""
+        pipe = self.pipeline
+        if pipe is not None and pipe._forwarding and pipe.step_chunks > 1:
+            raise ValueError(self._gather_in_step())
         if (group is None or group is dist.group.WORLD) and self._mesh is not None:
             group = self._mesh.get_group("dp")
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
@@ -536,10 +573,14 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, SplitModuleState, DDPWithou
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         layout = self._layout
-        return eval_step(
-            pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
-            layout.pp_global(self._last_rank()), self.root_device,
-        )
+        try:
+            return eval_step(
+                pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
+                layout.pp_global(self._last_rank()), self.root_device,
+            )
+        except Exception:
+            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1  # every rank raised it
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

@@ -44,6 +44,7 @@ class SplitModuleState(DDPStrategy):
 
     _split_state: RankSplit | None = None
     _whole_at_setup = False  # the module was whole when this run's setup split it
+    _failed_together = False  # the run ended by a step's exception that every rank of the pipeline raised
 
     @property
     def _layout(self) -> RankLayout:
@@ -101,12 +102,15 @@ class SplitModuleState(DDPStrategy):
             _optimizers_to_device([optimizer], self.root_device)
 
     def _whole_after_run(self) -> None:
-        """At teardown after a run that ended normally (on every rank; after an exception the ranks may not all be
-        here): every rank's module whole again, as after DDP. After ``fit``, also one that stopped before training began
+        """At teardown after a run that ended normally, or by an exception that a pipelined step raised on every rank of
+        the pipeline alike (``_failed_together``; after another exception the ranks may not all be here): every rank's
+        module whole again, as after DDP. After ``fit``, also one that stopped before training began
         (``Timer(duration=0)``, ``should_stop`` at fit start: no ``on_train_end``), when it fits the hosts' free memory
         (one warning on each rank otherwise); after an evaluation, where it split a module that was whole."""
         module = self.lightning_module
-        if module is None or module._trainer is None or module.trainer.state.status != TrainerStatus.RUNNING:
+        if module is None or module._trainer is None:
+            return
+        if module.trainer.state.status != TrainerStatus.RUNNING and not self._failed_together:
             return
         stage = _STAGES.get(module.trainer.state.fn)
         if stage is not None:

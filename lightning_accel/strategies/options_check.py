@@ -93,6 +93,14 @@ def _flag(optional: bool = False) -> Callable[[str, str, Any], None]:
     return check
 
 
+def _deferred_init(owner: str, name: str, value: Any) -> None:
+    """True, False or ``"parts"``."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "parts"):
+        return
+    raise OptionTypeError(owner, name, value, f"{name} takes True, False or 'parts', got {_type_name(value)}",
+                          "pass {key}=True, {key}=False or {key}='parts'")
+
+
 def _timeout(owner: str, name: str, value: Any) -> None:
     """Seconds (a positive number) or a positive timedelta; None is the default (30 minutes)."""
     if value is None:
@@ -162,7 +170,7 @@ _KINDS: dict[str, Callable[[str, str, Any], None]] = {
     "offload_activations": _flag(),
     "overlap_step": _flag(optional=True),
     "deferred_batch_norm": _flag(),
-    "deferred_init": _flag(),
+    "deferred_init": _deferred_init,
     "timeout": _timeout,
     "blocks": _blocks,
     "device": _device,

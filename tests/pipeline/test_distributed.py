@@ -75,10 +75,10 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
 
 @pytest.fixture(scope="module")
 def trained_and_evaluated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One launch of two ranks that train and then evaluate with every schedule (the two tests below read its
+    """One launch of two ranks that train, evaluate and raise with every schedule (the tests below read its
     files): each launch costs the ranks' start-up, importing torch and Lightning, before any step."""
     out = tmp_path_factory.mktemp("dist")
-    results = _launch(out, ",".join(SCHEDULES), "train,eval", timeout=180)
+    results = _launch(out, ",".join(SCHEDULES), "train,eval,raise", timeout=180)
     assert [r.returncode for r in results] == [0, 0], "\n".join(r.stdout[-3000:] for r in results)
     return out
 
@@ -219,6 +219,47 @@ def test_evaluation_streams_micro_batches_and_equals_the_whole_model(trained_and
             assert seen == [n for size in EVAL_SIZES for n in micro_sizes[size]], f"{schedule}: stage {s}"
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_stages_error_ends_the_step_on_every_rank_as_itself_and_the_next_step_trains(trained_and_evaluated: Path, schedule):
+    """Rank 0's block raises MyError in the first step's shape inference, rank 1's last block in the backward of the
+    second step's micro-batch 1: each step raises that MyError on both ranks (a copy on the peer), its message naming
+    where, and the third step's gradients and loss are plain training's; so do two evaluations (a streamed micro-batch on
+    rank 0, the last stage's whole batch on rank 1), and the next one streams the batch. Before: the peer waited for
+    activations or gradients that never came, until the process group's timeout."""
+    ranks = [torch.load(trained_and_evaluated / f"raise-{schedule}-rank{r}.pt", weights_only=False) for r in range(2)]
+    last = 3 if schedule == "interleaved_1f1b" else 1
+    for r in ranks:
+        assert r["errors"] == [
+            ("MyError", "first forward (raised by pipeline stage 0 on rank 0)", False),
+            ("MyError", f"second backward (raised by pipeline stage {last} on rank 1)", True),
+            ("MyError", "evaluated (raised by pipeline stage 0 on rank 0)", False),
+            ("MyError", f"whole batch (raised by pipeline stage {last} on rank 1)", False),
+        ]
+    ref_grads, ref_loss = _reference()
+    grads = {n: g for r in ranks for n, g in r["grads"].items() if g is not None}
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=f"{schedule}: {name}")
+    torch.testing.assert_close(ranks[1]["loss"], ref_loss, rtol=1e-10, atol=1e-12)
+    torch.manual_seed(0)
+    net = MLP(6, 3, hidden=16, depth=4).double()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    assert ranks[0]["output"] is None
+    torch.testing.assert_close(ranks[1]["output"], net(x), rtol=1e-10, atol=1e-12)  # no step taken: the initial weights
+
+
+def test_a_stages_error_stops_every_replica_at_the_same_step(tmp_path):
+    """Two pipelines of 2 ranks each, told of failures together (as DistributedGPipeStrategy does with 2+ replicas):
+    rank 0's block raises in the second step; its pipeline raises MyError, the other replica one line, all at that step,
+    so no replica waits for the failed one in the gradient average (before: until the process group's timeout)."""
+    results = _launch(tmp_path, "1f1b", "replicas", timeout=120, ranks=4)
+    assert [r.returncode for r in results] == [0] * 4, "\n".join(r.stdout[-2000:] for r in results)
+    said = [(tmp_path / f"replicas-rank{r}.txt").read_text() for r in range(4)]
+    assert said[:2] == ["trained | MyError: replica 0 (raised by pipeline stage 0 on rank 0)"] * 2
+    assert said[2:] == [f"trained | RuntimeError: pipeline step stopped on rank {r}: a rank of another pipeline replica "
+                        "raised; its log has the traceback" for r in (2, 3)]
+
+
 def test_rematerialized_micro_batches_run_twice_and_keep_plain_gradients(tmp_path):
     """checkpoint="always" / "except_last" / "never" for M in {1, 2, 4, 8}, gpipe and 1f1b: the gradients of plain
     training, and each block runs forward once per micro-batch plus once per re-materialized one (so the mode is no no-op)."""
@@ -275,6 +316,26 @@ def test_stage_boundaries_run_the_models_own_forward_stage_by_stage():
     # V-wise: rank r of W holds r and 2W - 1 - r (on 4 ranks: 0 and 7, ..., 3 and 4)
     assert [stage_indices(r, 2, "zbv") for r in range(2)] == [[0, 3], [1, 2]]
     assert [stage_indices(r, 4, "dualpipev") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_a_stage_refuses_a_forward_that_runs_the_network_twice_in_one_micro_batch():
+    """A step that calls the network twice (two loaders' batches, one after the other): the later stage would hand the
+    same received activation to the second call, a silently wrong output (the multiple_train_dataloaders conformance
+    cell trained 4e-3 off); it is refused in one line instead, at that call."""
+    import copy
+
+    from lightning_accel.pipeline.boundaries import StageBoundaries
+
+    net = MLP(6, 3, hidden=8, depth=2)
+    last = copy.deepcopy(net)
+    last.blocks[0].to("meta")
+    boundaries = StageBoundaries(list(last.blocks), [1, 1])
+    hidden = torch.randn(2, 8)
+    x = torch.randn(2, 6)
+    boundaries.run(1, hidden, lambda: last(x))  # once: fine
+    with pytest.raises(ValueError, match=r"^the model's forward ran 'block 0' twice in one micro-batch \(the network called twice "
+                       r"in one step\); .*call the network once per step .*or train with strategy='ddp'$"):
+        boundaries.run(1, hidden, lambda: (last(x), last(x)))
 
 
 def test_stage_boundaries_restore_puts_back_a_forward_the_users_instance_already_had():

@@ -19,6 +19,7 @@ from lightning_accel.pipeline.step_report import (
     load_metric_state,
     metric_state,
     number_spec,
+    reduce_logs,
     silenced,
     step_signature,
     unpack_number,
@@ -49,6 +50,36 @@ def test_micro_batch_logs_reduce_like_the_loss_and_the_real_log_comes_back():
     with silenced(module):
         module.log("x", 1.0)
     assert module.seen == []
+
+
+def test_the_loss_logged_with_any_reduce_fx_is_the_batch_loss_and_other_values_keep_their_reduce_fx():
+    """training_step logs its loss (the tensor it returns, or a detached view) with reduce_fx="max": the step's value is
+    the batch's loss (the micro-batches' mean), as plain Lightning logs it, and max then reduces the epoch's steps;
+    before, the larger micro-batch loss (the log_reduce_fx conformance cell: 2.18 vs 1.39 at the epoch's end). A value
+    that is not the loss keeps its reduce_fx over the micro-batches (a per-sample maximum stays a maximum)."""
+    module, logs = Logged(), MicroBatchLogs(2)
+    for i, (loss, worst) in enumerate([(torch.tensor(1.0, requires_grad=True), 3.0), (torch.tensor(2.0, requires_grad=True), 5.0)]):
+        with logs.recording(module, i):
+            module.log("loss_max", loss, reduce_fx="max")
+            module.log("loss_sum", loss.detach(), reduce_fx="sum")
+            module.log("worst", torch.tensor(worst), reduce_fx="max")
+            module.log("copy", loss.detach().clone(), reduce_fx="max")  # another tensor: not the loss itself
+        logs.mark_loss(i, loss)
+    assert logs.losses == [{"loss_max", "loss_sum"}] * 2
+    reduced = {name: float(value) for name, value, _ in logs.reduced([2, 2], "mean")}
+    assert reduced == {"loss_max": 1.5, "loss_sum": 1.5, "worst": 5.0, "copy": 2.0}
+
+
+def test_a_constant_batch_size_stays_constant_and_the_micro_batches_sizes_become_the_batchs():
+    """batch_size=1 on every step weighs the steps alike, as plain Lightning does, also on a ragged last batch whose
+    micro-batches hold 1 sample each (before: the batch's sample count, so the epoch mean was weighted: 0.8466 vs
+    0.8549 in the log_batch_size cell); batch_size=len(batch) of each micro-batch becomes the whole batch's."""
+    constant: set[str] = set()
+    for sizes in ([2, 2], [1, 1]):
+        records = [[("unweighted", 1.0, {"batch_size": 1}), ("weighted", 1.0, {"batch_size": n})] for n in sizes]
+        kwargs = {name: kw["batch_size"] for name, _, kw in reduce_logs(records, sizes, "mean", constant_sizes=constant)}
+        assert kwargs == {"unweighted": 1, "weighted": sum(sizes)}
+    assert constant == {"unweighted"}
 
 
 def test_eval_logs_are_logged_for_real_and_replayed_elsewhere():

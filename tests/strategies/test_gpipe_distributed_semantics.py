@@ -120,18 +120,26 @@ def test_a_tuple_between_stages_trains_and_validates_like_plain_lightning(two_ra
         assert float(value) == pytest.approx(float(expected), rel=1e-10)
 
 
-def test_a_stages_exception_keeps_its_type_on_its_rank_and_its_peer_names_that_rank(two_ranks):
-    """Rank 1's layer raises MyError in the second step: rank 1's fit raises that MyError (message first, then rank
-    and stage); rank 0 ends with one line naming rank 1 and what it raised. Before: RuntimeError "pipeline step
-    failed on rank 1 ... while exchanging with rank(s) [0]" on rank 1, the MyError two levels down."""
-    assert (two_ranks / "raising-rank1.txt").read_text() == (
-        "MyError: boom at forward 5 (raised by pipeline stage 1 on rank 1)"
-    )
-    peer = (two_ranks / "raising-rank0.txt").read_text()
-    assert peer == (
-        "RuntimeError: pipeline step stopped on rank 0 (stages [0]): rank 1 (stage 1) raised MyError: boom at forward 5 "
-        "(raised by pipeline stage 1 on rank 1); its log has the traceback"
-    ), peer
+def test_a_stages_exception_ends_fit_on_every_rank_as_itself_with_the_module_whole(two_ranks):
+    """Rank 1's layer raises MyError in the second step: fit raises that MyError on both ranks (rank 0 a copy), its
+    message first, then the stage and rank that raised it; on_exception gets it on both, and after the fit each rank's
+    module is whole again (the other stage gathered), as after DDP. Before: rank 1 raised MyError and exited; rank 0
+    ended with a RuntimeError "pipeline step stopped on rank 0 ..." only because its peer's process had died (a rank
+    that went on, to its on_exception callbacks and teardown, left rank 0 waiting until the timeout)."""
+    for r in range(2):
+        assert (two_ranks / f"raising-rank{r}.txt").read_text() == (
+            "MyError: boom at forward 5 (raised by pipeline stage 1 on rank 1) | on_exception: MyError | whole: True"
+        )
+
+
+def test_a_validation_steps_exception_ends_fit_on_every_rank_as_itself(two_ranks):
+    """validation_step raises MyError on its second batch, before calling the network: rank 0, which runs it on each
+    streamed micro-batch up to its stage's end, raises first; both ranks raise it, on_exception gets it, and the module
+    is whole after the fit. Before: rank 1 waited for the activations until the timeout."""
+    for r in range(2):
+        assert (two_ranks / f"raising-validation-rank{r}.txt").read_text() == (
+            "MyError: boom in validation batch 1 (raised by pipeline stage 0 on rank 0) | on_exception: MyError | whole: True"
+        )
 
 
 def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):

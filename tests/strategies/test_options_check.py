@@ -31,6 +31,9 @@ MISUSE: list[tuple[str, Callable[[], Any], type, str]] = [
     ("flag on a pipeline", lambda: GPipeStrategy(devices=["cpu"], deferred_batch_norm="yes"), TypeError,
      r"^GPipeStrategy: deferred_batch_norm takes True or False, got the str 'yes'; pass deferred_batch_norm=True$"),
     ("optional flag", lambda: L2LOffloadStrategy(overlap_step="no"), TypeError, r"overlap_step takes True or False or None"),
+    ("deferred_init as another str", lambda: DistributedGPipeStrategy(deferred_init="false"), TypeError,
+     r"^DistributedGPipeStrategy: deferred_init takes True, False or 'parts', got the str 'false'; pass deferred_init=True, "
+     r"deferred_init=False or deferred_init='parts'$"),
     # timeouts
     ("negative timeout", lambda: DistributedGPipeStrategy(timeout=-5), ValueError,
      r"^DistributedGPipeStrategy: timeout must be a finite number of seconds > 0 .*got -5; pass timeout=1800"),
@@ -70,6 +73,7 @@ def test_right_arguments_still_build() -> None:
     L2LOffloadStrategy(blocks=lambda model: list(model.children()))  # a callable policy: asked at set-up
     L2LOffloadDDPStrategy(timeout=timedelta(seconds=30), offload_activations=True)
     DistributedGPipeStrategy(timeout=60, blocks="transformers.models.llama.modeling_llama.LlamaDecoderLayer", balance=[2, 2])
+    DistributedGPipeStrategy(deferred_init="parts"), DistributedGPipeStrategy(deferred_init=False)
     GPipeStrategy(devices=["cpu", "cpu"], balance=[1, 3], deferred_batch_norm=True)
 
 

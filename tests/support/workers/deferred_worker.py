@@ -47,18 +47,16 @@ class DeferredLM(CausalLM):
 
 
 def reference(name: str) -> DeferredLM:
-    """What the pipeline's ranks materialize in part, built whole in this process: the same model, dtype and seed."""
-    from lightning_accel.pipeline.deferred_init import materialize
-
+    """What the pipeline's ranks start from, built whole and for real in this process: the user's configure_model from
+    seed 0 (``seed_everything`` before fit), in float64 (what precision="64-true" sets around configure_model)."""
     task = DeferredLM(name)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # what precision="64-true" sets around configure_model
+    pl.seed_everything(SEED, verbose=False)
+    torch.set_default_dtype(torch.float64)
     try:
-        with torch.device("meta"):
-            task.configure_model()
+        task.configure_model()
     finally:
         torch.set_default_dtype(default)
-    materialize(task, SEED)
     return task
 
 

@@ -336,19 +336,49 @@ def run_cases(out: str, section: str) -> None:
             f.write(message)
 
 
+class SeesException(pl.Callback):
+    """Keeps the type of what on_exception was handed."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.seen.append(type(exception).__name__)
+
+
+class RaisingInValidation(BatchNormBlocks):
+    """validation_step raises MyError on its second batch, before calling the network (so on rank 0 first)."""
+
+    def validation_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise MyError(f"boom in validation batch {batch_idx}")
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+
 def run_raising(out: str) -> None:
-    """Rank 1's last block raises MyError in the second step; each rank saves what reached it and exits at once (the
-    process group is broken: nothing more can run in these processes)."""
-    strategy = DistributedGPipeStrategy(chunks=4, balance=[2, 2], blocks=lambda net: list(net), timeout=60)
-    try:
-        fit(RaisingModel(), DataLoader(data(24), batch_size=8), strategy, devices=2)
-        message = "trained"
-    except MyError as err:
-        message = f"MyError: {err}"
-    except Exception as err:  # noqa: BLE001  # what a peer sees
-        message = f"{type(err).__name__}: {err}"
-    with open(os.path.join(out, f"raising-rank{_rank()}.txt"), "w") as f:
-        f.write(message)
+    """Rank 1's last block raises MyError in the second step, then (a second fit) validation_step raises;
+    each rank saves what reached it, what on_exception got and whether its module is whole after the fit, and exits at
+    once (the last section)."""
+    for name, model, kwargs in [("raising", RaisingModel(), {}), ("raising-validation", RaisingInValidation(), {"val": True})]:
+        strategy = DistributedGPipeStrategy(chunks=4, balance=[2, 2] if name == "raising" else [4, 3],
+                                            blocks=lambda net: list(net), timeout=60)
+        seen = SeesException()
+        loader = DataLoader(data(24), batch_size=8)
+        try:
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=2, strategy=strategy, precision="64-true", logger=False, max_steps=STEPS,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, num_sanity_val_steps=0, callbacks=[seen],
+            )
+            trainer.fit(model, loader, loader if kwargs else None)
+            message = "trained"
+        except MyError as err:
+            message = f"MyError: {err}"
+        except Exception as err:  # noqa: BLE001  # anything else, as data
+            message = f"{type(err).__name__}: {err}"
+        whole = not any(t.is_meta for t in model.state_dict().values())
+        with open(os.path.join(out, f"{name}-rank{_rank()}.txt"), "w") as f:
+            f.write(f"{message} | on_exception: {','.join(seen.seen)} | whole: {whole}")
     sys.stdout.flush()
     os._exit(0)
 
