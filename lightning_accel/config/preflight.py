@@ -48,7 +48,7 @@ from lightning_accel.config.loop_checks import check_seed, check_trainer
 from lightning_accel.config.optim_checks import Configured, check_optimization
 from lightning_accel.config.resume_checks import check_checkpoint
 from lightning_accel.config.setup_checks import check_offload_precision, check_strategy_setup
-from lightning_accel.config.validate import check_launchable, validate
+from lightning_accel.config.validate import check_launchable, check_top_level, validate
 
 _REQUIRED_GROUPS = ("model", "data", "trainer")
 _COMM_DDP = "lightning_accel.strategies.ddp_comm.CommDDPStrategy"
@@ -335,6 +335,7 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
 def check_job(cfg: DictConfig, path: Path, launch: bool) -> tuple[Any, Configured]:
     """Every check of one job's composed config that builds something: the data module, the strategy and the other
     constructors, the loop, the network on meta and its optimization, the network against the data."""
+    check_top_level(cfg)
     with _hydra_runtime(cfg, recipe_root(cfg, path) / "(preflight)"):
         # the loop first: other nodes read its values by interpolation (every_n_train_steps: ${trainer.val_check_interval})
         with _quiet():

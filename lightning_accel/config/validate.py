@@ -168,8 +168,26 @@ def _check_xla_pairing(cfg: DictConfig) -> None:
         raise UserError(f"strategy=xla_pjrt needs trainer.accelerator=xla_pjrt, not {accelerator}; add accelerator=xla")
 
 
+# The top-level keys a run reads (conf/train.yaml and its groups; ``hydra`` is Hydra's own). A key added beside them
+# (``+seeds=3``) would be composed and then read by nothing: a typo trained on in silence.
+TOP_LEVEL = frozenset({"trainer", "model", "data", "strategy", "callbacks", "logger", "paths", "plugins", "recipe", "seed",
+                       "ckpt_path", "keep_failed", "optimized_metric", "hydra"})
+
+
+def check_top_level(cfg: DictConfig) -> None:
+    """A top-level key nothing reads (:data:`TOP_LEVEL`) is refused, naming it and the nearest known one."""
+    unknown = sorted(str(k) for k in cfg.keys() if str(k) not in TOP_LEVEL)
+    if unknown:
+        key = unknown[0]
+        raise UserError(
+            f"unknown top-level key '{key}' (added with +{key}=...){close_matches(key, TOP_LEVEL)}: nothing reads it; check "
+            f"the spelling, or put it where it is read (e.g. +model.net.{key}=... for the network's constructor)"
+        )
+
+
 def validate(cfg: DictConfig) -> list[str]:
     """Check every ``_target_`` and value we can without training; returns the targets."""
+    check_top_level(cfg)
     container = OmegaConf.to_container(cfg, resolve=False)
     checked = []
     for where, node in _targets(container):

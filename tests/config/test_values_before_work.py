@@ -29,6 +29,9 @@ def _scheduler(target: str, *args: str) -> list[str]:
 
 # (kind, recipe, overrides, the line's pattern)
 CASES: list[tuple[str, str, list[str], str]] = [
+    # a key added at the top level, which nothing reads
+    ("top-level", "gpt-tiny_cpu", ["+seeds=3"], r"^unknown top-level key 'seeds' \(added with \+seeds=...\) \(did you mean 'seed'\?\): "
+                                                  r"nothing reads it; check the spelling"),
     # the Trainer's loop: what Lightning takes unchecked, and what it refuses in words without our key
     ("loop", "gpt-tiny_cpu", ["trainer.limit_train_batches=0.0"], r"^trainer.limit_train_batches=0.0 trains no step.*; pass a number of batches >= 1"),
     ("loop", "gpt-tiny_cpu", ["trainer.max_epochs=0", "trainer.max_steps=-1"], r"^trainer.max_epochs=0 trains no step"),
