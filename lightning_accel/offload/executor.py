@@ -188,6 +188,8 @@ class L2LExecutor(HostSteps):
         self.stats.host_bytes = self.store.host_bytes() + self.streamer.staging_bytes()
         if self.tier is not None:
             self.stats.host_bytes += self.tier.buffer_bytes - self.tier.store_bytes_on_disk()
+            if self.tier.plan.grads_in_flight is not None:  # the backward holds back: only the plan's gradients at once
+                self.stats.host_bytes += self.tier.plan.grad_bytes - (self.store.host_bytes() - self.store.weight_bytes())
             self.stats.nvme_bytes = self.tier.plan.disk_bytes
         if optimizer_bytes is not None:
             self.stats.host_optimizer_bytes = optimizer_bytes

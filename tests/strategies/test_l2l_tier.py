@@ -87,6 +87,8 @@ def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(tmp_path: Path
     assert plan.spilled_weights(0) == (precision is not None)  # (fp32: no shadows, the masters are the weights)
     assert stats.nvme_bytes > 0 and stats.nvme_read_bytes == 3 * stats.nvme_bytes + 3 * accumulate * compute
     assert stats.nvme_write_bytes == 4 * stats.nvme_bytes  # and writes it, after the first write at set-up
+    # what the offload kept is what the plan counted (its sizes as laid out: each tensor rounded up to 4 KiB)
+    assert 0.99 * plan.host_bytes <= stats.peak_host_bytes + stats.host_optimizer_bytes <= plan.host_bytes + 1024
     assert "NVMe tier: host " in caplog.text and " by the compute) and " in caplog.text
     assert not list(tmp_path.iterdir())  # the scratch directory went with the fit
 
@@ -127,6 +129,16 @@ def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.L
     assert "optimizer state of 5/6 units, fp32 masters of 0/6" in caplog.text
     stats = trainer.strategy.offload_stats
     assert stats.peak_host_bytes + stats.host_optimizer_bytes <= 17.5e6 and stats.nvme_bytes > 0  # as the plan said: 16.07 MB
+
+
+def test_blocks_stepped_in_the_backward_hold_the_gradients_the_plan_counted(tmp_path: Path) -> None:
+    # 6 blocks stepping as their gradients land: the backward holds back beyond 4 blocks' gradients, and what the
+    # offload keeps (OffloadStats.host_bytes, its peak) is the plan's figure, not a gradient buffer for every block
+    task = functools.partial(Task, ADAMW, False, 6)
+    _, trainer = _fit(L2LOffloadStrategy(overlap_step=True, nvme_path=str(tmp_path)), task=task, max_steps=2)
+    plan, stats = trainer.strategy._tier_plan, trainer.strategy.offload_stats
+    assert plan.grads_in_flight == 4 and plan.grad_bytes < sum(u.grads for u in plan.units)
+    assert plan.host_bytes - 1024 <= stats.peak_host_bytes + stats.host_optimizer_bytes <= plan.host_bytes + 1024
 
 
 def test_checkpoints_of_a_tiered_run_are_the_in_memory_runs_and_resume_alike(tmp_path: Path) -> None:
