@@ -57,19 +57,23 @@ def _start(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_work
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched(request, tmp_path_factory):
     """The module's two 2-rank launches, started together at the first test that needs either (the workers' ranks wait on
     each other much of the time, the step report's are mostly a fresh interpreter's imports), while this process fits
     the plain references: one after another, the two launches and the references took a minute of CI's two cores with
     one mostly idle. Timeouts (hang guards): twice the one launch's alone, as the launches share the cores."""
     gpipe, steps = tmp_path_factory.mktemp("gpipe2"), tmp_path_factory.mktemp("step_results")
-    # a fresh interpreter (warm=False): the worker counts threads at its exit after the strategy module's exit hook,
-    # which holds only where the worker's hook is registered before that module is imported
-    jobs = {"gpipe": (gpipe, _start(gpipe, timeout=180.0)),
-            "steps": (steps, _start(steps, timeout=180.0, script="step_report_worker.py", args=[str(steps)], warm=False))}
+    # only the launches this session's tests of this module read (a -k selection may need one)
+    needed = {name for i in request.session.items if getattr(i, "module", None) is request.module for name in getattr(i, "fixturenames", ())}
+    jobs = {}
+    if "two_ranks" in needed:
+        jobs["gpipe"] = (gpipe, _start(gpipe, timeout=180.0))
+    if "step_results" in needed:  # a fresh interpreter (warm=False): the worker counts threads at its exit after the strategy
+        # module's exit hook, which holds only where the worker's hook is registered before that module is imported
+        jobs["steps"] = (steps, _start(steps, timeout=180.0, script="step_report_worker.py", args=[str(steps)], warm=False))
     yield jobs
     for _out, job in jobs.values():
-        job.kill()  # one no test waited for (a -k selection)
+        job.kill()  # one still running when a test failed before waiting for it
 
 
 @pytest.fixture(scope="module")
