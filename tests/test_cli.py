@@ -138,13 +138,14 @@ def test_failure_inside_a_run_is_marked_failed(cli_env: dict[str, str], tmp_path
     assert not list(run.glob("checkpoints/*.ckpt"))
 
 
-def test_ls_lists_every_recipe_with_columns(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_lists_every_recipe_with_columns(ls_output: tuple[int, str]) -> None:
     from lightning_accel.config.compose import recipe_names
 
-    assert cli.main(["ls"]) == 0
+    status, printed = ls_output
+    assert status == 0
     import re
 
-    out = capsys.readouterr().out.splitlines()
+    out = printed.splitlines()
     assert re.split(r"\s{2,}", out[0])[:4] == ["recipe", "model", "accelerator", "techniques"]
     rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in out[1:]}
     assert set(rows) == set(recipe_names())
