@@ -157,3 +157,19 @@ class CliProcesses:
 @pytest.fixture(scope="session")
 def cli_processes() -> CliProcesses:
     return CliProcesses()
+
+
+@pytest.fixture(scope="session")
+def ls_output() -> tuple[int, str]:
+    """``lightning-accel ls`` run once in this process, its exit status and what it printed: it composes every recipe
+    and builds its network on the meta device (a 70B Llama's included), seconds each time the tests that read its
+    rows ran it."""
+    import contextlib
+    import io
+
+    from lightning_accel import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(["ls"])
+    return status, out.getvalue()

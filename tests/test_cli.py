@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,12 +31,39 @@ def test_no_arguments_runs_the_default_recipe(monkeypatch: pytest.MonkeyPatch) -
     assert seen["run"] == (cli.DEFAULT_RECIPE, [])
 
 
+# the CLI runs this module's tests check, run side by side by the cli_runs fixture: test name -> (args, processes)
+CLI_RUNS: dict[str, tuple[list[str], int]] = {
+    "test_run_trains_and_reports": (["run", "gpt-tiny_cpu", "trainer.max_steps=40", "trainer.val_check_interval=20",
+                                     "trainer.limit_val_batches=4", "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false"], 1),
+    # -m before the recipe, as Hydra users write it (test_multirun_flag_before_or_after_the_recipe: both places)
+    "test_multirun_sweeps": (["run", "-m", "resnet-tiny_cpu", "model.optimizer.lr=1e-3,3e-3", "trainer.max_steps=4",
+                              "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
+                              "data.val_samples=64", "trainer.enable_progress_bar=false"], 1),
+    # Lightning re-launches rank 1 with the overrides only; the recipe reaches it by env.
+    "test_ddp_two_cpu_processes_from_the_cli": (["run", "resnet-tiny_cpu", "strategy=ddp_fp16", "trainer.devices=2", "trainer.max_steps=4",
+                                                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
+                                                 "trainer.enable_progress_bar=false"], 2),
+}
+
+
+@pytest.fixture(scope="module")
+def cli_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, make_cli_env: Any,
+             cli_processes: Any) -> dict[str, tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The CLI_RUNS of the tests this session collected, side by side (:meth:`CliProcesses.side_by_side`; one after
+    another, the three took CI 37 s, mostly importing on one core): test name -> (its outputs directory, the run)."""
+    names = {getattr(i, "originalname", None) for i in request.session.items if getattr(i, "module", None) is request.module}
+    root = tmp_path_factory.mktemp("cli_runs")
+    jobs = {name: cli_processes.job(args, make_cli_env(root / name / "outputs"), processes)
+            for name, (args, processes) in CLI_RUNS.items() if name in names}
+    done = cli_processes.side_by_side(jobs)
+    return {name: (root / name / "outputs", proc) for name, proc in done.items()}
+
+
 @pytest.mark.slow
-def test_run_trains_and_reports(cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = _run(["run", "gpt-tiny_cpu", "trainer.max_steps=40", "trainer.val_check_interval=20",
-                 "trainer.limit_val_batches=4", "trainer.log_every_n_steps=5", "trainer.enable_progress_bar=false"], cli_env)
+def test_run_trains_and_reports(cli_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:
+    outputs, proc = cli_runs["test_run_trains_and_reports"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = list((tmp_path / "outputs" / "gpt-tiny_cpu").iterdir())
+    runs = list((outputs / "gpt-tiny_cpu").iterdir())
     assert len(runs) == 1
     status = json.loads((runs[0] / "run.json").read_text())
     assert status["status"] == "completed" and status["global_step"] == 40
@@ -82,24 +110,18 @@ def test_multirun_flag_before_or_after_the_recipe(args: list[str], monkeypatch: 
 
 
 @pytest.mark.slow
-def test_multirun_sweeps(cli_env: dict[str, str], tmp_path: Path) -> None:
-    # -m before the recipe, as Hydra users write it (test_multirun_flag_before_or_after_the_recipe: both places)
-    proc = _run(["run", "-m", "resnet-tiny_cpu", "model.optimizer.lr=1e-3,3e-3", "trainer.max_steps=4",
-                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
-                 "data.val_samples=64", "trainer.enable_progress_bar=false"], cli_env)
+def test_multirun_sweeps(cli_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:
+    outputs, proc = cli_runs["test_multirun_sweeps"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = sorted((tmp_path / "outputs" / "resnet-tiny_cpu").glob("multirun_*/*/run.json"))
+    jobs = sorted((outputs / "resnet-tiny_cpu").glob("multirun_*/*/run.json"))
     assert [json.loads(j.read_text())["status"] for j in jobs] == ["completed", "completed"]
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_processes_from_the_cli(cli_env: dict[str, str], tmp_path: Path) -> None:
-    # Lightning re-launches rank 1 with the overrides only; the recipe reaches it by env.
-    proc = _run(["run", "resnet-tiny_cpu", "strategy=ddp_fp16", "trainer.devices=2", "trainer.max_steps=4",
-                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.train_samples=256",
-                 "trainer.enable_progress_bar=false"], cli_env, timeout=240)
+def test_ddp_two_cpu_processes_from_the_cli(cli_runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:
+    outputs, proc = cli_runs["test_ddp_two_cpu_processes_from_the_cli"]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_json,) = (tmp_path / "outputs" / "resnet-tiny_cpu").glob("*/run.json")
+    (run_json,) = (outputs / "resnet-tiny_cpu").glob("*/run.json")
     assert json.loads(run_json.read_text())["global_step"] == 4
 
 
@@ -154,13 +176,14 @@ def test_failure_inside_a_run_is_marked_failed(cli_env: dict[str, str], tmp_path
     assert not list(run.glob("checkpoints/*.ckpt"))
 
 
-def test_ls_lists_every_recipe_with_columns(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_lists_every_recipe_with_columns(ls_output: tuple[int, str]) -> None:
     from lightning_accel.config.compose import recipe_names
 
-    assert cli.main(["ls"]) == 0
+    status, printed = ls_output
+    assert status == 0
     import re
 
-    out = capsys.readouterr().out.splitlines()
+    out = printed.splitlines()
     assert re.split(r"\s{2,}", out[0])[:4] == ["recipe", "model", "accelerator", "techniques"]
     rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in out[1:]}
     assert set(rows) == set(recipe_names())

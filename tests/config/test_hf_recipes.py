@@ -70,11 +70,10 @@ def test_gpu_recipes_refuse_the_cpu(recipe: str) -> None:
         check_launchable(compose_recipe(recipe), recipe)
 
 
-def test_ls_shows_the_architectures(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_accel import cli
-
-    assert cli.main(["ls"]) == 0
-    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in capsys.readouterr().out.splitlines()[1:]}
+def test_ls_shows_the_architectures(ls_output: tuple[int, str]) -> None:
+    status, printed = ls_output
+    assert status == 0
+    rows = {line.split()[0]: re.split(r"\s{2,}", line) for line in printed.splitlines()[1:]}
     assert rows["llama-3.2-1b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:llama (1.2B)", "gpux1"]
     assert rows["qwen2.5-7b_l2l-bf16_1gpu"][1:3] == ["hf_causal_lm:qwen2 (7.6B)", "gpux1"]
     assert rows["llama-tiny_gpipe-2proc_cpu"][1:3] == ["hf_causal_lm:llama (201.3K)", "cpux2"]

@@ -58,28 +58,42 @@ def test_l2l_nf4_host_side_matches_offload_stats(seed: int) -> None:
     assert host["optimizer state"] == pytest.approx(stats.host_optimizer_bytes, rel=0.01)
 
 
-def _cpu_recipes() -> list[str]:
-    """The CPU recipes whose host bytes RSS measures. Not those with the NVMe tier: their masters and state are read
+def _cpu_recipes() -> dict[str, Any]:
+    """The CPU recipes whose host bytes RSS measures, composed as shipped. Not those with the NVMe tier: their masters and state are read
     through file maps (clean page cache, which RSS counts and the kernel drops under pressure): 0.80x the peak RSS
     for gpt-tiny_l2l-nvme_cpu, where gpt-tiny_l2l_cpu reads 0.93x. The tier's memory bound is tested under a real
     limit instead (tests/strategies/test_l2l_tier_cgroup.py)."""
     cpu = [(name, compose_recipe(name, [])) for name in recipe_names()]
-    return [name for name, cfg in cpu if str(cfg.trainer.accelerator) == "cpu" and not (cfg.get("strategy") or {}).get("nvme_path")]
+    return {name: cfg for name, cfg in cpu if str(cfg.trainer.accelerator) == "cpu" and not (cfg.get("strategy") or {}).get("nvme_path")}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is Linux's VmHWM, reset through /proc/self/clear_refs")
 def test_host_estimate_matches_peak_rss_of_every_cpu_recipe(cli_env: dict[str, str]) -> None:
     """Every CPU recipe as shipped: the estimate's host bytes within 15% of the peak RSS two steps add (a
-    ``gpipe_distributed`` recipe: its 2 processes' together), all in one worker process and one pair of ranks.
+    ``gpipe_distributed`` recipe: its 2 processes' together), in two worker processes side by side (each measures
+    its own peak RSS; one after another, the 11 recipes' builds and fits kept one of CI's two cores idle for a minute)
+    and one pair of ranks, started by the worker that has the ``gpipe_distributed`` recipes.
     glibc's mmap threshold is held at 32 kB: by default it rises to the largest block freed, and freed activations
     then stay in its heaps (1.3x to 2x the bytes alive, see docs/estimate.md), and the tiny Llama's 64 kB activations
     would sit below the initial 128 kB; no count of tensors can predict what an allocator keeps."""
     env = {**cli_env, "MALLOC_MMAP_THRESHOLD_": "32768", "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), cli_env.get("PYTHONPATH", "")])}
-    recipes = _cpu_recipes()
+    composed = _cpu_recipes()
+    recipes = list(composed)
     assert {"llama-tiny_cpu", "gpt-tiny_l2l_cpu", "gpt-tiny_gpipe-2proc_cpu", "resnet-small_io-bound_cpu"} <= set(recipes)
-    done = subprocess.run([sys.executable, str(RSS_WORKER), *recipes], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])["recipes"]
+    # the rank pair's recipes with every other one of the rest in one worker, the others in the second
+    pair = [name for name, cfg in composed.items() if "gpipe_distributed" in str((cfg.get("strategy") or {}).get("_target_", ""))]
+    rest = [name for name in recipes if name not in pair]
+    workers = [subprocess.Popen([sys.executable, str(RSS_WORKER), *share], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for share in ([*pair, *rest[1::2]], rest[0::2])]
+    measured = {}
+    try:
+        for worker in workers:
+            out, err = worker.communicate(timeout=900)
+            assert worker.returncode == 0, err[-3000:]
+            measured |= json.loads(out.strip().splitlines()[-1])["recipes"]
+    finally:
+        for worker in workers:
+            worker.kill()  # the other, when one failed
     ratios = {name: run["estimate_host_bytes"] / run["peak_rss_added"] for name, run in measured.items() if run["peak_rss_added"]}
     assert set(ratios) == set(recipes), f"no peak RSS read for {set(recipes) - set(ratios)}"
     assert all(abs(r - 1) <= 0.15 for r in ratios.values()), {name: round(r, 3) for name, r in ratios.items()}

@@ -9,7 +9,6 @@ user's (adapters 3e-2 off plain's here) and after fit the NF4 weights were plain
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -204,13 +203,36 @@ def test_a_finetune_checkpoint_under_one_process_strategies_holds_the_adapters_a
     assert_frozen_unchanged(base, resumed)
 
 
+@functools.lru_cache(maxsize=None)
+def _pipeline_reference(kind: str) -> dict[str, torch.Tensor]:
+    """Plain Lightning's adapters after 4 bf16-mixed steps accumulating a pipeline's 2 micro-batches of 4, in the shuffled
+    order Lightning's distributed sampler gives one replica (a pipeline's ranks read it too)."""
+    reference, _, _ = _start(kind)
+    sampler = list(DistributedSampler(lm_loader().dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision="bf16-mixed", accumulate_grad_batches=2,
+    )
+    trainer.fit(reference, DataLoader(lm_loader().dataset, batch_size=4, sampler=sampler))
+    return adapters(reference.net)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.user_script import run_user_script
+def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-rank LoRA / QLoRA worker's outputs; while its ranks run, this process fits the plain references of the
+    session's test_gpipe_distributed_trains_adapters_like_plain_lightning cases (one after the other before)."""
+    from tests.support.user_script import start_user_script
 
     out = tmp_path_factory.mktemp("finetune")
-    worker = WORKERS / "finetune_worker.py"
-    result = run_user_script(worker, [str(out)], 300, "2-process LoRA / QLoRA")
+    job = start_user_script(WORKERS / "finetune_worker.py", [str(out)], 300, "2-process LoRA / QLoRA")
+    try:
+        for kind in dict.fromkeys(i.callspec.params["kind"] for i in request.session.items
+                                  if getattr(i, "function", None) is test_gpipe_distributed_trains_adapters_like_plain_lightning):
+            _pipeline_reference(kind)
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -221,16 +243,9 @@ def test_gpipe_distributed_trains_adapters_like_plain_lightning(two_ranks: Path,
     """2 gloo ranks, Lightning's distributed sampler left on (a pipeline is one replica: its ranks read the same
     shuffled order, which the reference reads too), against plain Lightning accumulating the same micro-batches."""
     task, start, base = _start(kind)
-    sampler = list(DistributedSampler(lm_loader().dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
-    reference = copy.deepcopy(task)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, precision="bf16-mixed", accumulate_grad_batches=2,
-    )
-    trainer.fit(reference, DataLoader(lm_loader().dataset, batch_size=4, sampler=sampler))
     task.load_state_dict(torch.load(two_ranks / f"{kind}.ckpt", weights_only=False)["state_dict"], strict=True)
     assert_frozen_unchanged(base, task.net)
-    assert relative_update_difference(start, adapters(reference.net), adapters(task.net)) == 0.0
+    assert relative_update_difference(start, _pipeline_reference(kind), adapters(task.net)) == 0.0
     state = state_entries(torch.load(two_ranks / f"{kind}.ckpt", weights_only=False)["state_dict"])
     gathered = {type(state[n]).__name__ for n in base}  # as stored: an NF4 weight is not dequantized on the way
     assert gathered == ({"Tensor", "NF4Tensor"} if kind == "nf4" else {"Tensor"})
@@ -269,19 +284,24 @@ def test_l2l_offload_ddp_trains_adapters_on_an_nf4_base_like_plain_lightning(tmp
     """2 gloo ranks, the host step partitioned, Lightning's distributed sampler: each rank's base stays NF4 and
     bit-identical (set-up broadcasts it as its codes and scalers, not dequantized), and the averaged adapters equal
     plain Lightning accumulating over the ranks' shards in turn (the same per-shard bf16 arithmetic)."""
-    from tests.support.user_script import run_user_script
+    from tests.support.user_script import start_user_script
 
-    result = run_user_script(WORKERS / "finetune_ddp_worker.py", [str(tmp_path)], 300, "2-process QLoRA")
+    job = start_user_script(WORKERS / "finetune_ddp_worker.py", [str(tmp_path)], 300, "2-process QLoRA")
+    try:  # the reference fits while the ranks run
+        task, start, _ = _start("nf4")
+        dataset = lm_loader().dataset
+        shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+        order = [i for b in range(2) for shard in shards for i in shard[4 * b : 4 * b + 4]]  # rank 0's batch, rank 1's, ...
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, precision="bf16-mixed", accumulate_grad_batches=2,
+        )
+        trainer.fit(task, DataLoader(dataset, batch_size=4, sampler=order))
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
-    task, start, _ = _start("nf4")
-    dataset = lm_loader().dataset
-    shards = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
-    order = [i for b in range(2) for shard in shards for i in shard[4 * b : 4 * b + 4]]  # rank 0's batch, rank 1's, ...
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, precision="bf16-mixed", accumulate_grad_batches=2,
-    )
-    trainer.fit(task, DataLoader(dataset, batch_size=4, sampler=order))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert relative_update_difference(start, adapters(task.net), got["adapters"]) < 1e-5

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import subprocess
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from lightning_accel.models import MLP
 from lightning_accel.pipeline.step_report import reduce_logs
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from tests.support.gpipe_models import CLIP, gpt_loader, gpt_task, stage_names, val_loader
-from tests.support.user_script import run_user_script
+from tests.support.user_script import UserScript, start_user_script
 from tests.support.workers import WORKERS
 from tests.support.workers.gpipe_lightning_worker import CASES, RESUMED
 
@@ -51,10 +50,30 @@ def _plain_fit(epochs: int, ckpt_path=None, save=None, n: int = 32):
     return losses.returned, {n: p.detach().clone() for n, p in task.named_parameters()}, val
 
 
-def _launch(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None, warm: bool = True) -> subprocess.CompletedProcess:
-    """Run the user script; Lightning starts rank 1 from it."""
+def _start(out: Path, timeout: float = 90.0, script: str = "gpipe_lightning_worker.py", args=None, warm: bool = True) -> UserScript:
+    """Start the user script (Lightning starts rank 1 from it); its ``result()`` waits for it."""
     args = args if args is not None else [str(out), ",".join([*SCHEDULES, "auto"]), "1"]
-    return run_user_script(WORKERS / script, args, timeout, "2-process pipeline training", warm=warm)
+    return start_user_script(WORKERS / script, args, timeout, "2-process pipeline training", warm=warm)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The module's two 2-rank launches, started together at the first test that needs either (the workers' ranks wait on
+    each other much of the time, the step report's are mostly a fresh interpreter's imports), while this process fits
+    the plain references: one after another, the two launches and the references took a minute of CI's two cores with
+    one mostly idle. Timeouts (hang guards): twice the one launch's alone, as the launches share the cores."""
+    gpipe, steps = tmp_path_factory.mktemp("gpipe2"), tmp_path_factory.mktemp("step_results")
+    # only the launches this session's tests of this module read (a -k selection may need one)
+    needed = {name for i in request.session.items if getattr(i, "module", None) is request.module for name in getattr(i, "fixturenames", ())}
+    jobs = {}
+    if "two_ranks" in needed:
+        jobs["gpipe"] = (gpipe, _start(gpipe, timeout=180.0))
+    if "step_results" in needed:  # a fresh interpreter (warm=False): the worker counts threads at its exit after the strategy
+        # module's exit hook, which holds only where the worker's hook is registered before that module is imported
+        jobs["steps"] = (steps, _start(steps, timeout=180.0, script="step_report_worker.py", args=[str(steps)], warm=False))
+    yield jobs
+    for _out, job in jobs.values():
+        job.kill()  # one still running when a test failed before waiting for it
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +85,10 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpipe2")
-    result = _launch(out)
+def two_ranks(launched, request):
+    out, job = launched["gpipe"]
+    request.getfixturevalue("reference")  # fitted while the ranks run
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
     (out / "stdout.txt").write_text(result.stdout)
     return out
@@ -232,12 +252,10 @@ def test_logged_values_keep_their_reduce_fx_over_micro_batches(fx, expected):
 
 
 @pytest.fixture(scope="module")
-def step_results(tmp_path_factory):
+def step_results(launched):
     """tests/support/workers/step_report_worker.py on 2 ranks: what each rank logged and returned per step."""
-    out = tmp_path_factory.mktemp("step_results")
-    # a fresh interpreter (warm=False): the worker counts threads at its exit after the strategy module's exit hook,
-    # which holds only where the worker's hook is registered before that module is imported
-    result = _launch(out, script="step_report_worker.py", args=[str(out)], warm=False)
+    out, job = launched["steps"]
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return ranks, [int((out / f"threads-at-exit-rank{r}.txt").read_text()) for r in range(2)]

@@ -4,6 +4,7 @@ own seeded build (run again whole, where it fits), and training equals plain Lig
 
 from __future__ import annotations
 
+import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -12,18 +13,41 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-from tests.support.user_script import run_user_script
+from tests.support.user_script import start_user_script
 from tests.support.workers import WORKERS
 
 NAMES = ["gpt", "llama", "litgpt"]
 
 
+@functools.lru_cache(maxsize=None)
+def _plain(name: str) -> tuple[dict[str, torch.Tensor], pl.LightningModule]:
+    """Plain Lightning from the user's configure_model from seed 0, whole, in one process: its initial weights, and the
+    model trained."""
+    from tests.support.real_models import fit
+    from tests.support.workers.deferred_worker import STEPS, reference
+
+    plain = reference(name)
+    start = {n: t.clone() for n, t in plain.state_dict().items()}
+    fit(plain, steps=STEPS, precision="64-true")
+    return start, plain
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(request, tmp_path_factory):
+    """The worker's outputs; while its 2 ranks run, this process trains the plain references the session's
+    test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights cases need."""
     pytest.importorskip("transformers")
     pytest.importorskip("litgpt")
     out = tmp_path_factory.mktemp("deferred")
-    result = run_user_script(WORKERS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
+    job = start_user_script(WORKERS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
+    try:
+        for name in dict.fromkeys(i.callspec.params["name"] for i in request.session.items if getattr(i, "function", None)
+                                  is test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights):
+            _plain(name)
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -38,12 +62,10 @@ def _blocks_of(task: nn.Module) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights(two_ranks, name):
-    from tests.support.workers.deferred_worker import STEPS, reference
-    from tests.support.real_models import assert_same_weights, fit
+    from tests.support.real_models import assert_same_weights
+    from tests.support.workers.deferred_worker import reference
 
-    plain = reference(name)  # the user's configure_model from seed 0, whole, in one process: the initial weights
-    start = {n: t.clone() for n, t in plain.state_dict().items()}
-    fit(plain, steps=STEPS, precision="64-true")
+    start, plain = _plain(name)  # the user's configure_model from seed 0, whole, in one process: the initial weights, then trained
     assert any(not torch.equal(start[n], t) for n, t in plain.state_dict().items())  # it trained
     piped = reference(name)
     piped.load_state_dict(torch.load(two_ranks / f"{name}.ckpt", weights_only=False)["state_dict"], strict=True)

@@ -7,6 +7,7 @@ micro-batches of a shuffled batch hold different numbers of padded tokens, which
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ pytest.importorskip("litgpt")
 
 from tests.support.real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
 from tests.support.regression_models import ROWS, max_difference, tolerance  # noqa: E402
-from tests.support.user_script import run_user_script  # noqa: E402
+from tests.support.user_script import start_user_script  # noqa: E402
 from tests.support.workers import WORKERS  # noqa: E402
 from tests.support.workers.real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, VAL_SAMPLES, task  # noqa: E402
 
@@ -49,11 +50,30 @@ def sampled(dataset=None):
     return DataLoader(dataset, batch_size=8 // CHUNKS, sampler=shuffled_order(len(dataset)))
 
 
+@functools.lru_cache(maxsize=None)
+def _plain(name: str) -> torch.nn.Module:
+    """Plain Lightning's float64 run of ``name`` on the pipeline's micro-batches: one per model, whatever the schedule."""
+    reference = task(name)
+    fit(reference, steps=STEPS, precision="64-true", loader=sampled(), accumulate_grad_batches=CHUNKS)
+    return reference
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(request, tmp_path_factory):
+    """The worker's output directory. While its 2 ranks run (together about one core busy), this process fits the plain
+    references the session's test_real_models_train_like_plain_lightning cases need; one after the other, those waited
+    for the ranks' whole launch."""
     out = tmp_path_factory.mktemp("real_models")
     cases = ",".join(f"{m}:{s}" for m, s in CASES + ENCODER_DECODER_CASES + ROW_CASES)
-    result = run_user_script(WORKERS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
+    job = start_user_script(WORKERS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
+    try:
+        for name in dict.fromkeys(i.callspec.params["name"] for i in request.session.items
+                                  if getattr(i, "function", None) is test_real_models_train_like_plain_lightning):
+            _plain(name)
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -68,9 +88,7 @@ def _loaded(name: str, checkpoint: Path, build=task) -> torch.nn.Module:
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "schedule"), CASES)
 def test_real_models_train_like_plain_lightning(two_ranks, name, schedule):
-    reference = task(name)
-    fit(reference, steps=STEPS, precision="64-true", loader=sampled(), accumulate_grad_batches=CHUNKS)
-    assert_same_weights(reference, _loaded(name, two_ranks / f"{name}-{schedule}.ckpt"), rtol=1e-9, atol=1e-11)
+    assert_same_weights(_plain(name), _loaded(name, two_ranks / f"{name}-{schedule}.ckpt"), rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.slow
@@ -154,16 +172,21 @@ def test_two_replicas_of_a_two_stage_llama_train_like_plain_lightning_on_the_glo
 
     from tests.support.workers.dp_pp_real_worker import PER_RANK, STEPS, dataset
 
-    result = run_user_script(WORKERS / "dp_pp_real_worker.py", [str(tmp_path)], 300, "4-process DP x PP Llama")
-    assert result.returncode == 0, result.stdout[-4000:]
-    data = dataset()
-    shards = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
-    order = [i for b in range(len(shards[0]) // PER_RANK) for shard in shards for i in shard[b * PER_RANK : (b + 1) * PER_RANK]]
-    reference = task("llama")
     import lightning.pytorch as pl
 
-    pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, precision="64-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    ).fit(reference, DataLoader(data, batch_size=2 * PER_RANK, sampler=order))
+    job = start_user_script(WORKERS / "dp_pp_real_worker.py", [str(tmp_path)], 300, "4-process DP x PP Llama")
+    try:  # the reference trains while the ranks run
+        data = dataset()
+        shards = [list(DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+        order = [i for b in range(len(shards[0]) // PER_RANK) for shard in shards for i in shard[b * PER_RANK : (b + 1) * PER_RANK]]
+        reference = task("llama")
+        pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=STEPS, precision="64-true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        ).fit(reference, DataLoader(data, batch_size=2 * PER_RANK, sampler=order))
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
+    assert result.returncode == 0, result.stdout[-4000:]
     assert_same_weights(reference, _loaded("llama", tmp_path / "llama-dp-pp.ckpt"), rtol=1e-9, atol=1e-11)

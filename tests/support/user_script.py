@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,11 +16,43 @@ from lightning_accel.comm.rendezvous import held_store, store_env
 from tests.support.warm_python import python as warm_python
 
 
-def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str, warm: bool = True) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``args`` as a fresh job; kill its whole process group (every rank) after ``timeout`` seconds
-    and fail the test, so a hang never stalls CI. ``what`` names the job in that failure. The ranks meet in a store
-    this process holds (:func:`~lightning_accel.comm.rendezvous.held_store`), not on a port Lightning picks and frees.
-    ``warm``: started by the tests' warm Python (:mod:`tests.support.warm_python`), every rank; else fresh interpreters."""
+class UserScript:
+    """A user script started by :func:`start_user_script`, running while the caller works; :meth:`result` waits for it."""
+
+    def __init__(self, proc: subprocess.Popen[str], store: object, timeout: float, what: str) -> None:
+        self.proc, self._store, self._what = proc, store, what
+        self._deadline = time.monotonic() + timeout
+        self._timeout = timeout
+        self._done: subprocess.CompletedProcess | None = None
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Its outcome, once it ended; past its ``timeout`` (counted from its start) its whole process group is killed
+        and the test fails."""
+        if self._done is None:
+            try:
+                stdout, _ = self.proc.communicate(timeout=max(1.0, self._deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.communicate()
+                pytest.fail(f"{self._what} still running after {self._timeout} s: a hang")
+            finally:
+                self._store = None
+            self._done = subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout)
+        return self._done
+
+    def kill(self) -> None:
+        """End it now, every rank (a fixture's teardown, when a test never waited for it)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.communicate()
+        self._store = None
+
+
+def start_user_script(script: Path, args: Sequence[str], timeout: float, what: str, warm: bool = True) -> UserScript:
+    """:func:`run_user_script`, started and not waited for: the caller computes its references meanwhile."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for var in ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
@@ -31,12 +64,12 @@ def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str
         [warm_python() if warm else sys.executable, str(script), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{what} still running after {timeout} s: a hang")
-    finally:
-        del store
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout)
+    return UserScript(proc, store, timeout, what)
+
+
+def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str, warm: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``args`` as a fresh job; kill its whole process group (every rank) after ``timeout`` seconds
+    and fail the test, so a hang never stalls CI. ``what`` names the job in that failure. The ranks meet in a store
+    this process holds (:func:`~lightning_accel.comm.rendezvous.held_store`), not on a port Lightning picks and frees.
+    ``warm``: started by the tests' warm Python (:mod:`tests.support.warm_python`), every rank; else fresh interpreters."""
+    return start_user_script(script, args, timeout, what, warm).result()
