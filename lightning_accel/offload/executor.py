@@ -128,6 +128,7 @@ class L2LExecutor(HostSteps):
         block steps during the backward); the host bytes no longer count what went to disk."""
         self.tier = tier
         self.streamer.disk = tier.weights if tier.weights.spans else None  # the masters the compute runs on, read ahead
+        self.streamer.disk_keys = {RESIDENT: len(self.plan.blocks)} if self.plan.offload_resident else {}  # tier_units' order
         self._watch.settle(self.model, self.store)  # the parameters now hold the tier's views: the baseline
         self.stats.peak_host_bytes = 0  # what the store held before its bytes went to disk is no peak of the tier's
         self.update_host_bytes()

@@ -78,6 +78,7 @@ class Streamer:
         self._staging: dict[nn.Parameter, Tensor] = {}
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copy intervals
         self.disk: WeightReads | None = None  # the NVMe tier's reads of masters on disk, for the units it covers
+        self.disk_keys: dict[int, int] = {}  # this streamer's unit index -> the tier's, where they differ (the resident unit)
 
     # -- weights, host -> device ------------------------------------------------------
     def prefetch(self, index: int, unit: Unit) -> None:
@@ -88,10 +89,10 @@ class Streamer:
             self._prefetch(index, unit)
 
     def _prefetch(self, index: int, unit: Unit) -> None:
-        if self.disk is not None and self.disk.covers(index):
+        if self.disk is not None and self.disk.covers(self.disk_keys.get(index, index)):
             # the read starts now; the copy (or the aliasing) waits for it at acquire, not here: a prefetch must not
             # hold the compute of the block before it
-            self.disk.start(index)
+            self.disk.start(self.disk_keys.get(index, index))
             self.on_device[index] = _OnDevice({}, {}, from_disk=True)
             self._track_peak()
             return
@@ -170,7 +171,7 @@ class Streamer:
         until its release; copied, the buffer goes back once the copy has read it."""
         assert self.disk is not None
         waited = time.perf_counter()
-        views = self.disk.take(index)
+        views = self.disk.take(self.disk_keys.get(index, index))
         self.stats.wait_seconds += time.perf_counter() - waited
         if self.alias:
             snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
@@ -179,7 +180,7 @@ class Streamer:
         if self.cuda:  # the device copies are the unit's now; on the CPU frozen weights compute on the buffer itself
             if entry.ready is not None:
                 entry.ready.synchronize()
-            self.disk.drop(index)
+            self.disk.drop(self.disk_keys.get(index, index))
         return entry
 
     def release(self, index: int, unit: Unit) -> None:
@@ -197,8 +198,9 @@ class Streamer:
     def _release(self, index: int, entry: _OnDevice, unit: Unit) -> None:
         for param in entry.params:
             param.data = self.store.master[param]
-        if self.disk is not None and self.disk.covers(index):
-            self.disk.drop(index)  # aliased: the block no longer computes on the buffer; not taken: its read-ahead goes
+        key = self.disk_keys.get(index, index)
+        if self.disk is not None and self.disk.covers(key):
+            self.disk.drop(key)  # aliased: the block no longer computes on the buffer; not taken: its read-ahead goes
         for owner, name, _ in unit.buffers:
             pair = entry.buffers.get((id(owner), name))
             if pair is not None and entry.swapped:

@@ -226,6 +226,10 @@ def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool
         tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path)), "bf16-mixed")
     _assert_same(in_memory, tiered)
     assert "optimizer state of 4/4 units, fp32 masters of 4/4" in caplog.text
+    # the resident unit's weights too are read through the tier, once a step (held from the forward to the step)
+    plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
+    assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0
+    assert stats.nvme_read_bytes == 3 * plan.step_read_bytes
     if overlap:  # blocks step as their gradients land: at most 4 units' gradients counted (the resident's always)
         assert tiered[1].strategy._tier_plan.grads_in_flight == 4
 
