@@ -221,19 +221,11 @@ def _pipeline_reference(kind: str) -> dict[str, torch.Tensor]:
 def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-rank LoRA / QLoRA worker's outputs; while its ranks run, this process fits the plain references of the
     session's test_gpipe_distributed_trains_adapters_like_plain_lightning cases (one after the other before)."""
-    from tests.support.user_script import start_user_script
+    from tests.support.user_script import finish_beside, params_of_collected, start_user_script
 
     out = tmp_path_factory.mktemp("finetune")
     job = start_user_script(WORKERS / "finetune_worker.py", [str(out)], 300, "2-process LoRA / QLoRA")
-    try:
-        for kind in dict.fromkeys(i.callspec.params["kind"] for i in request.session.items
-                                  if getattr(i, "function", None) is test_gpipe_distributed_trains_adapters_like_plain_lightning):
-            _pipeline_reference(kind)
-    except BaseException:
-        job.kill()
-        raise
-    result = job.result()
-    assert result.returncode == 0, result.stdout[-4000:]
+    finish_beside(job, lambda: [_pipeline_reference(v) for v in params_of_collected(request, test_gpipe_distributed_trains_adapters_like_plain_lightning, "kind")])
     return out
 
 

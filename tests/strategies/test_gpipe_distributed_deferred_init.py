@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
-from tests.support.user_script import start_user_script
+from tests.support.user_script import finish_beside, params_of_collected, start_user_script
 from tests.support.workers import WORKERS
 
 NAMES = ["gpt", "llama", "litgpt"]
@@ -40,15 +40,7 @@ def two_ranks(request, tmp_path_factory):
     pytest.importorskip("litgpt")
     out = tmp_path_factory.mktemp("deferred")
     job = start_user_script(WORKERS / "deferred_worker.py", [str(out), ",".join(NAMES)], 240, "2-process deferred init")
-    try:
-        for name in dict.fromkeys(i.callspec.params["name"] for i in request.session.items if getattr(i, "function", None)
-                                  is test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights):
-            _plain(name)
-    except BaseException:
-        job.kill()
-        raise
-    result = job.result()
-    assert result.returncode == 0, result.stdout[-4000:]
+    finish_beside(job, lambda: [_plain(v) for v in params_of_collected(request, test_configure_model_networks_train_like_plain_lightning_from_the_same_initial_weights, "name")])
     return out
 
 

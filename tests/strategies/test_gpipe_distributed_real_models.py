@@ -19,7 +19,7 @@ pytest.importorskip("litgpt")
 
 from tests.support.real_models import assert_same_weights, fit, lm_loader, seq2seq_data, seq2seq_task, shuffled_order  # noqa: E402
 from tests.support.regression_models import ROWS, max_difference, tolerance  # noqa: E402
-from tests.support.user_script import start_user_script  # noqa: E402
+from tests.support.user_script import finish_beside, params_of_collected, start_user_script  # noqa: E402
 from tests.support.workers import WORKERS  # noqa: E402
 from tests.support.workers.real_models_worker import CHUNKS, SEQ2SEQ_SAMPLES, STEPS, VAL_SAMPLES, task  # noqa: E402
 
@@ -66,15 +66,7 @@ def two_ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("real_models")
     cases = ",".join(f"{m}:{s}" for m, s in CASES + ENCODER_DECODER_CASES + ROW_CASES)
     job = start_user_script(WORKERS / "real_models_worker.py", [str(out), cases], 300, "2-process real models")
-    try:
-        for name in dict.fromkeys(i.callspec.params["name"] for i in request.session.items
-                                  if getattr(i, "function", None) is test_real_models_train_like_plain_lightning):
-            _plain(name)
-    except BaseException:
-        job.kill()
-        raise
-    result = job.result()
-    assert result.returncode == 0, result.stdout[-4000:]
+    finish_beside(job, lambda: [_plain(v) for v in params_of_collected(request, test_real_models_train_like_plain_lightning, "name")])
     return out
 
 

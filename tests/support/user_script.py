@@ -73,3 +73,20 @@ def run_user_script(script: Path, args: Sequence[str], timeout: float, what: str
     this process holds (:func:`~lightning_accel.comm.rendezvous.held_store`), not on a port Lightning picks and frees.
     ``warm``: started by the tests' warm Python (:mod:`tests.support.warm_python`), every rank; else fresh interpreters."""
     return start_user_script(script, args, timeout, what, warm).result()
+
+
+def params_of_collected(request: pytest.FixtureRequest, function: object, name: str) -> list[object]:
+    """The values of parameter ``name`` of the session's collected cases of test ``function``, in order, once each."""
+    return list(dict.fromkeys(i.callspec.params[name] for i in request.session.items if getattr(i, "function", None) is function))
+
+
+def finish_beside(job: UserScript, work: object) -> None:
+    """While ``job`` runs, call ``work()`` (references fitted in this process); then wait for ``job``, which must
+    succeed. ``work`` raising kills ``job`` first."""
+    try:
+        work()  # type: ignore[operator]
+    except BaseException:
+        job.kill()
+        raise
+    result = job.result()
+    assert result.returncode == 0, result.stdout[-4000:]
