@@ -91,6 +91,7 @@ from lightning_accel.pipeline.step_failure import StepFailure, peer_said, stand_
 from lightning_accel.pipeline.step_recorder import Mark, StepRecorder
 from lightning_accel.pipeline.timeline import Event
 from lightning_accel.pipeline.torch_stage import PipeStage
+from lightning_accel.pipeline.whole_step import entry_module
 
 __all__ = [
     "RankPipeline",
@@ -165,6 +166,8 @@ class StageModule(nn.Module):
             return stand_in(None if last else self.out_metas, self.pipe.device)
         finally:
             self.pipe._forwarding = False
+        if last and self.pipe._whole is not None:  # the whole step: the output is kept, the schedule gets a stand-in
+            out = self.pipe._whole.keep(index, out, self.pipe.device)
         if last:
             if not isinstance(out, Tensor) or out.numel() != 1:
                 raise ValueError(
@@ -299,6 +302,8 @@ class RankPipeline:
         self.blocks = [b.module for b in found]
         self.block_names = [b.name for b in found]
         self.shared_params = _check_stage_tensors(net, found, self.balance)
+        # the module whose call runs the blocks: the user's step runs once a batch around it (lightning_accel.pipeline.whole_step)
+        self.entry = entry_module(net, self.blocks)
         # per shared parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
         # first step that gives it one; () until then (see _sum_shared)
         self.users: list[tuple[int, ...]] = [() for _ in self.shared_params]
@@ -324,6 +329,8 @@ class RankPipeline:
             m.recorder = self.recorder
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
+        self._whole: Any = None  # a whole step's last-stage outputs (lightning_accel.pipeline.whole_step), between its phases
+        self._phased: Any = None  # that step's schedule
         # what a stage of this rank raised in this step, and whether a peer did (lightning_accel.pipeline.step_failure)
         key = "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
         self.failure = StepFailure(key, self._global(self.rank), group if failure_group == "pipeline" else failure_group, self.device)
@@ -364,6 +371,8 @@ class RankPipeline:
     def _loss(self, output: Tensor, _target: Tensor) -> Tensor:
         """The last stage returns the micro-batch's loss itself; the schedule's loss function only scales it."""
         output = output.reshape(())
+        if self._whole is not None:  # a whole step's stand-in (lightning_accel.pipeline.whole_step): its gradients are exact
+            return output.sum()  # not a view: torch's stage detaches the loss in place after its backward
         if self._inferring:
             # torch's shape inference runs the last stage once more, only for the shapes of the gradients it sends back
             return output
@@ -377,9 +386,12 @@ class RankPipeline:
             PipeStage(m, s, len(self.balance), self.device, group=self.group)
             for m, s in zip(self.modules, self.indices)
         ]
-        schedule: Any = SCHEDULE_TABLE[self.schedule_name].build(
-            stages, n_microbatches=chunks, loss_fn=self._loss, scale_grads=False
-        )
+        if self.schedule_name == "gpipe":  # torch's, its step also runnable in two halves (the whole step's last rank)
+            from lightning_accel.pipeline.split_gpipe import SplitGPipe
+
+            schedule: Any = SplitGPipe(stages[0], n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
+        else:
+            schedule = SCHEDULE_TABLE[self.schedule_name].build(stages, n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
         initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
         if initialize is not None:
 
@@ -396,7 +408,8 @@ class RankPipeline:
                     self._inferring = False
                     with torch.no_grad():
                         for b, value in saved:
-                            b.copy_(value)
+                            if not torch.equal(b, value):  # an unchanged buffer keeps its version (a view of it may be saved for a backward)
+                                b.copy_(value)
                     self._restart_microbatches()  # the inference's forwards were not micro-batches of the step
 
             schedule._initialize_pp_stages = inferring
@@ -444,7 +457,10 @@ class RankPipeline:
             )
         return count
 
-    def train_step(self, forward: Callable[[int], Tensor], shape: Any = None, chunks: int | None = None) -> Tensor | None:
+    def train_step(
+        self, forward: Callable[[int], Tensor], shape: Any = None, chunks: int | None = None, failed: Exception | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> Tensor | None:
         """Forward and backward of one batch in ``chunks`` micro-batches (default: the pipeline's; a ragged batch's
         count from :meth:`microbatches`); every rank of the pipeline calls it.
 
@@ -453,8 +469,58 @@ class RankPipeline:
         at their stage's end). ``shape``: a hashable key, equal on every rank, that changes
         when the batch shapes do; a new key gets a schedule of its own (stages fix their
         activation shapes at their first step). Without it, a batch shaped unlike the first
-        one is refused. Returns the mean of the micro-batch losses on the last stage's rank.
+        one is refused. ``failed``: what this rank's step raised before the schedule (the user's code before the model's
+        call): the schedule runs on stand-ins and every rank raises it. ``after``: run once the schedule's backwards are
+        done (the backward of the step's code before the model's call), unless the step failed; what it raises is the
+        step's. Returns the mean of the micro-batch losses on the last stage's rank.
         """
+        schedule, chunks = self._prepare(forward, shape, chunks, failed)
+        index = torch.arange(chunks, device=self.device)
+        try:
+            schedule.step(
+                *((index,) if self.holds_first else ()),
+                target=index if self.holds_last else None,
+                losses=[] if self.holds_last else None,
+            )
+        except Exception as err:  # noqa: BLE001  # a transport error (a stage's own is kept by self.failure): name the ranks
+            raise self._exchange_error("step", err) from err
+        finally:
+            self._forward = lambda i: None
+        return self._finish(chunks, after)
+
+    def forward_phase(self, forward: Callable[[int], Any], whole: Any, shape: Any, chunks: int) -> None:
+        """The first half of a GPipe :meth:`train_step` on the last stage's rank: every micro-batch's forward, the last
+        stage's outputs kept by ``whole`` (:class:`~lightning_accel.pipeline.whole_step.WholeOutputs`) instead of
+        being losses; :meth:`backward_phase` ends the step. The other ranks run :meth:`train_step` as usual."""
+        schedule, chunks = self._prepare(forward, shape, chunks, None)
+        self._whole, self._phased = whole, schedule
+        index = torch.arange(chunks, device=self.device)
+        try:
+            schedule.forward_phase(*((index,) if self.holds_first else ()), target=index, losses=[])
+        except Exception as err:  # noqa: BLE001
+            self._whole, self._phased, self._forward = None, None, lambda i: None
+            raise self._exchange_error("step", err) from err
+
+    def record_failure(self, err: Exception, backward: bool) -> None:
+        """An error of the step's own code on this rank between :meth:`forward_phase` and :meth:`backward_phase` (after
+        the model's call): the backward runs on stand-ins and every rank raises it."""
+        self.failure.record(err, self.indices[-1], backward=backward)
+
+    def backward_phase(self, after: Callable[[], None] | None = None) -> Tensor | None:
+        """The second half of :meth:`forward_phase`'s step: every micro-batch's backward, from the gradients the whole
+        batch's loss gave the kept outputs."""
+        schedule, chunks = self._phased, self.step_chunks
+        assert schedule is not None, "backward_phase without forward_phase"
+        try:
+            schedule.backward_phase(losses=[])
+        except Exception as err:  # noqa: BLE001
+            raise self._exchange_error("step", err) from err
+        finally:
+            self._whole, self._phased, self._forward = None, None, lambda i: None
+        return self._finish(chunks, after)
+
+    def _prepare(self, forward: Callable[[int], Any], shape: Any, chunks: int | None, failed: Exception | None) -> tuple[Any, int]:
+        """The schedule for this step's shape and micro-batch count, made ready to run ``forward``."""
         chunks = self.chunks if chunks is None else chunks
         if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
             self._trainable, self._by_shape = self._requires_grad(), {}
@@ -477,18 +543,17 @@ class RankPipeline:
             self.recorder.reset()
         self._restart_microbatches()
         self._forward = forward
-        index = torch.arange(chunks, device=self.device)
         self.failure.start()
-        try:
-            schedule.step(
-                *((index,) if self.holds_first else ()),
-                target=index if self.holds_last else None,
-                losses=[] if self.holds_last else None,
-            )
-        except Exception as err:  # noqa: BLE001  # a transport error (a stage's own is kept by self.failure): name the ranks
-            raise self._exchange_error("step", err) from err
-        finally:
-            self._forward = lambda i: None
+        if failed is not None:
+            self.failure.record(failed, self.indices[0], backward=False)
+        return schedule, chunks
+
+    def _finish(self, chunks: int, after: Callable[[], None] | None = None) -> Tensor | None:
+        if after is not None and not self.failure.stopped():
+            try:
+                after()
+            except Exception as err:  # noqa: BLE001  # the step's own backward (detect_anomaly): every rank raises it
+                self.failure.record(err, self.indices[0], backward=True)
         failed = self.failure.settle()  # every rank: did any stage raise?
         if failed is not None:
             # its shapes may be stand-ins' (a failure in the first step's shape inference): fresh stages next time
@@ -570,7 +635,8 @@ class RankPipeline:
             "(one probably died or timed out)"
         )
 
-    def evaluate(self, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
+    def evaluate(self, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True,
+                 failed: Exception | None = None) -> Any:
         """Evaluation of a batch of ``size`` samples (every rank of the pipeline calls it), no gradients.
 
         ``run(i)`` runs the model's own code on micro-batch ``i`` of the batch split by
@@ -580,9 +646,10 @@ class RankPipeline:
         batch (so the user's step sees the batch it was given); returns that there, ``None``
         elsewhere. ``whole_on_last=False``: the last stage runs per micro-batch too and returns
         the micro-batches' outputs concatenated (for a model that treats samples
-        independently in eval mode, the whole batch's output).
+        independently in eval mode, the whole batch's output). ``failed``: what this rank's step raised before the
+        model's call; the batch ends on every rank with it.
         """
-        return stream_evaluate(self, size, run, whole_on_last)
+        return stream_evaluate(self, size, run, whole_on_last, failed)
 
     def forward(self, inputs: Any) -> Any:
         """:meth:`evaluate` of ``net(inputs)``: every rank passes the batch; the output on the last stage's rank."""

@@ -101,7 +101,8 @@ def _learn_structures(pipe: Any, sent: Tensor) -> None:
 
 
 @torch.no_grad()
-def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True) -> Any:
+def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whole_on_last: bool = True,
+                    failed: Exception | None = None) -> Any:
     """Evaluation of a batch of ``size`` samples on ``pipe`` (a :class:`lightning_accel.pipeline.RankPipeline`; every
     rank of the pipeline calls it), no gradients; see :meth:`RankPipeline.evaluate`. The user's step raising on one rank
     ends the batch on every rank with that error, as in training (:mod:`lightning_accel.pipeline.step_failure`): its
@@ -110,6 +111,8 @@ def stream_evaluate(pipe: Any, size: int, run: Callable[[int | None], Any], whol
     m = pipe.eval_chunks(size)
     failure = pipe.failure
     failure.start()
+    if failed is not None:  # the step raised before the model's call on this rank (lightning_accel.pipeline.rank_step)
+        failure.record(failed, pipe.indices[0], backward=False)
     ready: dict[tuple[int, int], Tensor] = {}  # (stage, micro-batch) -> its input, when this rank already has it
     arrived: list[Tensor] = []  # the last stage's inputs, in micro-batch order
     router = pipe.router if count > 1 else None  # a router loss: each stage's sums ride last (router_carry), as in training

@@ -3,7 +3,10 @@
 Every rank of a pipeline runs the user's step (a LightningModule's ``training_step``,
 ``validation_step``, ...) with the model's own forward, which its stage boundaries cut
 short on ranks that do not hold the last stage. Training
-(:func:`train_step`): the step runs once per micro-batch inside the schedule, its logs are
+(:func:`train_step`): where the model's blocks run inside a module's call (:mod:`.whole_step`), every rank runs the
+step once, up to that call, whose arguments the schedule's micro-batches split, and under GPipe the last stage's rank
+runs it to its end on the whole batch's output; otherwise (other schedules on the last stage's rank, or blocks the
+step calls itself) the step runs once per micro-batch inside the schedule, its logs are
 recorded per micro-batch, its loss (scaled by a ``GradScaler`` when there is one) drives
 the schedule's backward, and the gradients are set aside for the trainer's own backward;
 the last rank reduces the loss and the logs over the micro-batches like plain training's
@@ -29,6 +32,7 @@ from lightning_accel.pipeline.kept_outputs import Appended, KeptLists
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.step_report import EvalLogs, MicroBatchLogs, StepResult, silenced
+from lightning_accel.pipeline.whole_step import Captured, EntryCall, Left, WholeOutputs
 
 __all__ = ["eval_step", "kept_on_cpu", "train_step"]
 
@@ -49,6 +53,8 @@ def train_step(
     module's lists around the step with, on the last stage's rank, what the whole batch's step appends to them (to send
     to the others; every rank then calls :meth:`KeptLists.settle`). ``constant_sizes``: the logged names whose
     ``batch_size`` is a constant, kept by the caller across steps (:func:`~lightning_accel.pipeline.step_report.reduce_logs`)."""
+    if pipe.entry is not None and (not pipe.holds_last or pipe.schedule_name == "gpipe"):
+        return _whole_step(pipe, module, step, batch, shape, loss_reduction, scaler, constant_sizes)
     chunks = pipe.microbatches(batch_size(batch))  # pipe.chunks, or equal micro-batches of a ragged batch
     micro = scatter(batch, chunks)
     sizes = [batch_size(mb) for mb in micro]
@@ -79,6 +85,95 @@ def train_step(
     return result, grads, kept, kept.merged(sizes, loss_reduction)
 
 
+def _whole_step(
+    pipe: RankPipeline,
+    module: nn.Module,
+    step: Callable[[Any], Any],
+    batch: Any,
+    shape: Any,
+    loss_reduction: str,
+    scaler: Any,
+    constant_sizes: set[str] | None,
+) -> tuple[StepResult | None, list[Tensor | None], KeptLists, Appended]:
+    """:func:`train_step` with the user's step run once on the whole batch (:mod:`lightning_accel.pipeline.whole_step`):
+    on a rank without the last stage up to the entry's call, whose arguments the schedule's micro-batches split; on the
+    last stage's rank (GPipe) to its end, the entry's call running every forward and the step's loss every backward."""
+    assert pipe.entry is not None
+    call = EntryCall(*pipe.entry)
+    logs = MicroBatchLogs(1)
+    kept = KeptLists(module)
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=pipe.device))  # ranks without the loss need the scale too
+    size = [batch_size(batch)]
+
+    def chunks_for(n: int) -> int:
+        size[0] = n
+        return pipe.microbatches(n)
+
+    with set_aside(pipe.parameters()) as grads:
+        if not pipe.holds_last:
+            failed: Exception | None = None
+            with logs.recording(module, 0), call.capturing():
+                try:
+                    step(batch)
+                    failed = ValueError(_NO_CALL.format(call.name))
+                except Captured as captured:
+                    try:
+                        call.split(captured.call_args, captured.call_kwargs, chunks_for)
+                    except Exception as err:  # noqa: BLE001
+                        failed = err
+                except Exception as err:  # noqa: BLE001  # the step's code before the model's call
+                    failed = err
+            chunks = len(call.parts) if failed is None else pipe.microbatches(size[0])
+            pipe.train_step(call.micro, shape=shape, chunks=chunks, failed=failed, after=call.backward_before)
+            return None, grads, kept, {}
+        whole: WholeOutputs | None = None
+
+        def drive(args: tuple, kwargs: dict[str, Any]) -> Any:
+            nonlocal whole
+            chunks = call.split(args, kwargs, chunks_for)
+            whole = WholeOutputs(chunks)
+            pipe.forward_phase(call.micro, whole, shape, chunks)
+            if pipe.failure.stopped():
+                raise Left()  # a forward failed (here or on a peer): the step does not go on
+            return whole.joined(call.sizes)
+
+        out: Any = None
+        with logs.recording(module, 0), kept.recording(), call.driving(drive):
+            try:
+                out = step(batch)
+            except Left:
+                pass
+            except Exception as err:  # noqa: BLE001
+                if whole is None:  # before the model's call: no forward ran; the schedule runs on stand-ins
+                    pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=err)
+                    raise AssertionError("unreachable: train_step raises what failed") from err
+                pipe.record_failure(err, backward=False)
+        if whole is None:
+            pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=ValueError(_NO_CALL.format(call.name)))
+            raise AssertionError("unreachable")
+        if not pipe.failure.stopped():
+            if out is None:
+                pipe.record_failure(ValueError("training_step returned None (skip the batch), but the pipeline has already run its "
+                                               "forward; skip a batch before calling the model"), backward=False)
+            else:
+                loss = out["loss"] if isinstance(out, Mapping) else out
+                logs.mark_loss(0, loss)
+                try:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                except Exception as err:  # noqa: BLE001  # the step's own backward (detect_anomaly's NaN gradient)
+                    pipe.record_failure(err, backward=True)
+        pipe.backward_phase(after=call.backward_before)  # raises, on every rank, what failed
+    reduced = reduce_outputs([out], size, loss_reduction)
+    loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
+    result = (loss.detach().cpu(), logs.reduced(size, loss_reduction, constant_sizes), isinstance(reduced, Mapping))
+    return result, grads, kept, kept.merged(size, loss_reduction)
+
+
+_NO_CALL = ("training_step returned without calling {0} (the module that runs the pipelined blocks); the pipeline runs "
+            "the blocks inside that call: call the model in training_step")
+
+
 def kept_on_cpu(appended: Appended) -> Appended:
     """What crosses to the other ranks: detached CPU copies."""
     return {name: [map_tensors(item, lambda t: t.detach().cpu()) for item in items] for name, items in appended.items()}
@@ -107,10 +202,28 @@ def eval_step(
         if i is None:
             with logs.recording(), kept.recording():
                 return step(batch)
+        if split is not None:
+            return split.micro(i)
         with silenced(module):
             return step(parts[i])
 
-    out = pipe.evaluate(size, run)
+    failed: Exception | None = None
+    split: EntryCall | None = None  # the model's call of the step run once, split into the streamed micro-batches
+    if pipe.entry is not None and not pipe.holds_last:  # the step once, up to the model's call, whose micro-batches stream
+        call = EntryCall(*pipe.entry)
+        with silenced(module), call.capturing():
+            try:
+                step(batch)
+                failed = ValueError(_NO_CALL.format(call.name).replace("training_step", hook))
+            except Captured as captured:
+                try:
+                    call.split(captured.call_args, captured.call_kwargs, lambda n: len(parts))
+                    split = call
+                except Exception as err:  # noqa: BLE001
+                    failed = err
+            except Exception as err:  # noqa: BLE001  # the step's code before the model's call
+                failed = err
+    out = pipe.evaluate(size, run, failed=failed)
     sent = map_tensors(out, lambda t: t.detach().cpu()) if pipe.holds_last else None
     appended = kept.merged([size], "mean") if pipe.holds_last else {}
     records, output, appended = logs.exchange(sent, src, pipe.group, kept_on_cpu(appended))

@@ -68,9 +68,14 @@ class RouterCarry:
         self._logits: list[Tensor] | None = None  # router logits of this micro-batch's forward (None: not capturing)
         self._mask: Tensor | None = None
         self._handles = [r.register_forward_hook(self._record) for r in routers]
-        self._handles.append(owner.register_forward_pre_hook(self._record_mask, with_kwargs=True))
-        names = list(inspect.signature(owner.forward).parameters)  # bound: without self, as a pre-hook's args
-        self._mask_position = names.index("attention_mask") if "attention_mask" in names else None
+        # the mask as the model's call gets it; and as its base model's call does (a pipeline step that runs once a batch
+        # calls the base model per micro-batch: lightning_accel.pipeline.whole_step)
+        base = getattr(owner, "base_model", owner)
+        for module in (owner, base) if isinstance(base, nn.Module) and base is not owner else (owner,):
+            names = list(inspect.signature(module.forward).parameters)  # bound: without self, as a pre-hook's args
+            position = names.index("attention_mask") if "attention_mask" in names else None
+            self._handles.append(module.register_forward_pre_hook(
+                lambda _m, args, kwargs, position=position: self._record_mask(args, kwargs, position), with_kwargs=True))
 
     @classmethod
     def of(cls, net: nn.Module) -> RouterCarry | None:
@@ -104,12 +109,12 @@ class RouterCarry:
         if self._logits is not None and not logits.is_meta:  # another stage's router run for shapes: not this stage's
             self._logits.append(logits)
 
-    def _record_mask(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _record_mask(self, args: tuple, kwargs: dict, position: int | None) -> None:
         if self._logits is None:
             return
         mask = kwargs.get("attention_mask")
-        if mask is None and self._mask_position is not None and len(args) > self._mask_position:
-            mask = args[self._mask_position]
+        if mask is None and position is not None and len(args) > position:
+            mask = args[position]
         self._mask = mask
 
     def _sums(self, carried: Tensor | None, device: torch.device) -> Tensor:

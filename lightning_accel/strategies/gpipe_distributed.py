@@ -20,8 +20,10 @@ replicas. A world size that is not a multiple of ``pp`` fails when the ``Trainer
 (:meth:`DistributedGPipeStrategy.check_layout`; preflight asks it of ``trainer.devices`` first).
 
 A training step: every rank of a pipeline loads the same batch and runs
-:class:`~lightning_accel.pipeline.RankPipeline`'s schedule, and with it the user's
-``training_step`` once per micro-batch, the model's own forward included: its stages' blocks
+:class:`~lightning_accel.pipeline.RankPipeline`'s schedule over the model's own forward: under ``schedule="gpipe"``
+the user's ``training_step`` once per batch on every rank, the call of the module that runs the blocks split into the
+micro-batches (:mod:`~lightning_accel.pipeline.whole_step`); under the other schedules once per micro-batch on the last
+stage's rank. Its stages' blocks
 (``blocks=``) compute, the other ranks' blocks are receive and send points
 (:mod:`~lightning_accel.pipeline.boundaries`), so transformers and litgpt models run
 unchanged (their ``config.use_cache`` off for training). The last rank's loss and logs,

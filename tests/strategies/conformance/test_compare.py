@@ -56,3 +56,6 @@ def test_a_refusal_counts_only_before_the_first_batch_and_in_one_line() -> None:
     prelaunch = {**refused, "prelaunch": True}
     assert verdict([SEEN, SEEN], [prelaunch, None], STRATEGIES["l2l_offload_ddp"]).startswith("refused: ")
     assert verdict([SEEN, SEEN], [SEEN, None], STRATEGIES["l2l_offload_ddp"]) == "rank 1 saved nothing"
+    crash = {**refused, "error": "AttributeError: Ordered has no attribute `blocks`"}
+    assert verdict([SEEN], [crash], STRATEGIES["l2l_offload"]) == (
+        "rank 0: AttributeError: Ordered has no attribute `blocks` (a crash, not a refusal)")

@@ -16,17 +16,13 @@ from tests.support.conformance.compare import verdict
 _DDP_THAW = ("the reference is wrong here: DDP does not average a parameter that starts to require grad after it wrapped the model "
              "(its reducer's parameters are fixed then), so DDP's ranks drift; l2l_offload_ddp averages it and equals one "
              "process on the global batches (tests/strategies/test_l2l_unfreeze.py): 1e-4 from DDP")
-_PER_MICRO_BATCH = "training_step runs once per micro-batch, so "
 # (feature, strategy) -> what differs today; each is a strict xfail, so a fix shows up as a failure to remove it here
 KNOWN: dict[tuple[str, str], str] = {
     ("base_finetuning", "l2l_offload_ddp"): _DDP_THAW,
     ("backbone_finetuning", "l2l_offload_ddp"): _DDP_THAW,
-    ("log_dict", "gpipe_distributed"): _PER_MICRO_BATCH + "a logged loss**2 is the micro-batches' mean of squares: 1.417 vs 1.054",
-    ("hook_order", "gpipe_distributed"): "rank 0 calls training/validation/test/predict_step once per micro-batch (training once more at the first "
-                                         "step): 94 hooks and steps vs 81",
     ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) is refused in one line "
-                                                         "at its first micro-batch, not before the first step (before: it "
-                                                         "trained 4e-3 off): nothing before the network runs tells",
+                                                         "inside its first training_step, on every rank, not before it: "
+                                                         "nothing before the step runs tells",
 }
 
 

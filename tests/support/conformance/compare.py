@@ -70,6 +70,11 @@ def _reference_for(rank: int, reference: list[Seen | None]) -> Seen | None:
     return None if first is None else {k: v for k, v in first.items() if not k.startswith("r0:")}
 
 
+# what a refusal is never raised as: these are a strategy's own bug, whenever they come
+_CRASHES = frozenset({"AttributeError", "KeyError", "IndexError", "AssertionError", "ZeroDivisionError", "UnboundLocalError",
+                      "NameError", "RecursionError"})
+
+
 def verdict(reference: list[Seen | None], got: list[Seen | None], strategy: Strategy) -> str:
     """``equal``, ``refused: <its line>`` (every rank that raised did so before any training batch, in one line), or
     what differs, in one line. A reference that failed is the suite's own error (AssertionError)."""
@@ -83,10 +88,12 @@ def verdict(reference: list[Seen | None], got: list[Seen | None], strategy: Stra
                 continue  # rank 0 refused before rank 1 existed
             return f"rank {rank} saved nothing"
         if "error" in seen:
-            if seen["refused"] and seen["lines"] == 1:
+            crashed = seen["error"].split(":", 1)[0] in _CRASHES
+            if seen["refused"] and seen["lines"] == 1 and not crashed:
                 refused.append(seen["error"])
                 continue
-            return f"rank {rank}: {seen['error']} ({'after training began' if not seen['refused'] else 'in several lines'})"
+            how = "after training began" if not seen["refused"] else "a crash, not a refusal" if crashed else "in several lines"
+            return f"rank {rank}: {seen['error']} ({how})"
         found = first_difference(want, seen, share=strategy.holds_share)
         if found:
             return f"rank {rank}: {found}"
