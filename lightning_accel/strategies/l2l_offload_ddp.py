@@ -55,13 +55,19 @@ the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
 beside step t+1's compute as on one device; the updated weights go to every rank once it has
 landed (after step t+1's backward, or before validation, a checkpoint, the end of fit).
 
+``nvme_path`` / ``host_budget`` (the NVMe tier, :mod:`~lightning_accel.offload.tier`): each rank lays out its own
+tier, in a scratch directory of its own under ``nvme_path``, once the owners are known: partitioned, its files hold
+the optimizer state of its own units and every unit's masters (and shadows), as its memory would. ``host_budget`` is
+per rank (per process), and the plan line said is rank 0's. An owner finishes its tier's writes before it sends the
+updated masters; the others write them through their maps. Bit for bit the same run as in memory.
+
 The user's ``on_after_backward`` and ``on_before_optimizer_step`` see DDP's gradients: averaged after the backward
 that ends an accumulation (with ``on_after_backward`` overridden the averaging is joined before that hook instead of
 at the step), the rank's own inside one; partitioned, a rank holds only its own blocks' averages, says so once, and
 :meth:`L2LOffloadDDPStrategy.grad_norm` gives the whole model's norm.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
-no wrapper). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
+no wrapper), ``nvme_path`` with ``delayed_update`` (as on one device). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
 work as on one device; with ``OffloadPrecision("16-mixed")`` each rank's ``GradScaler`` checks the
 gradients that rank steps, and the ranks agree (any overflow: every rank skips the step and
 lowers the scale), as DDP's ranks do on their common gradient.
@@ -111,6 +117,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             each owner applies its blocks' update one step late and then sends their weights.
         timeout: as for :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper` (30 minutes by
             default, Lightning's; a number is seconds).
+        nvme_path, host_budget: as for ``L2LOffloadStrategy``, on each rank: its own files under ``nvme_path`` (its own
+            units' optimizer state when partitioned), and ``host_budget`` is what each rank (process) may keep.
         process_group_backend, start_method, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
     """
