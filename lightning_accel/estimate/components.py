@@ -76,7 +76,7 @@ class Plan:
     stages_per_rank: int = 1
     loader_bytes: int = 0  # bytes of the batches a rank's loader holds at once
     step_scratch: int = 0  # the most bytes the optimizer step creates and frees, all trainable parameters (measured)
-    tier: TierPlan | None = None  # l2l_offload with host_budget / nvme_path: the NVMe tier's plan (estimate/tier.py)
+    tier: TierPlan | None = None  # l2l_offload(_ddp) with host_budget / nvme_path: the NVMe tier's plan (one rank's; estimate/tier.py)
     notes: tuple[str, ...] = ()
 
 
@@ -178,7 +178,9 @@ def _tier(tier: TierPlan, blocks: list[Tensors], rank: RankEstimate) -> None:
     n = range(len(blocks))
     for name, on_disk, host_bytes, disk_bytes in (
         ("masters (fp32)", tier.masters_on_disk, [b.trainable * FP32 for b in blocks], [u.masters for u in tier.units]),
-        ("optimizer state", tier.state_on_disk, [b.optimizer_bytes for b in blocks], [u.state for u in tier.units]),
+        # (a unit without state in the plan: another rank's, partitioned; this rank holds none of it)
+        ("optimizer state", tier.state_on_disk, [b.optimizer_bytes * bool(u.state) for b, u in zip(blocks, tier.units)],
+         [u.state for u in tier.units]),
     ):
         left = rank.host.get(name, 0) - sum(host_bytes[i] for i in n if on_disk[i])
         if left > 0:

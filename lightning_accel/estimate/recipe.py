@@ -215,10 +215,15 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters, scratch=not masters)
     inv = inventory(net, blocks, stored, optimizer.state)
     # the NVMe tier's plan, from the fp32 masters as the strategy's host store holds them (refused as it would be)
-    tier = strategy_tier(strategy, module, net, low, cuda=not plan.on_cpu, stored=stored,
-                         trainer=cfg.get("trainer") or {}) if plan.strategy == L2L else None
+    tier = strategy_tier(strategy, module, net, low, cuda=not plan.on_cpu, stored=stored, trainer=cfg.get("trainer") or {},
+                         world=plan.world) if plan.strategy in (L2L, L2L_DDP) else None
+    if tier is not None and plan.strategy == L2L_DDP:
+        notes.append("the NVMe tier: each rank its own files under nvme_path; the plan and the disk column are one rank's"
+                     + (" (the one stepping the most; partitioned, a rank's files hold its own blocks' optimizer state)"
+                        if plan.partitioned and plan.world > 1 else ""))
     if tier is not None and tier.budget is not None:
-        notes.append(f"host_budget {gb(tier.budget)} bounds what the offload keeps (the plan: {gb(tier.host_bytes)}); the host "
+        per_rank = " on each rank" if plan.strategy == L2L_DDP else ""
+        notes.append(f"host_budget {gb(tier.budget)} bounds what the offload keeps{per_rank} (the plan: {gb(tier.host_bytes)}); the host "
                      "column also counts what no plan moves (activations on a CPU device, the loader's batches, the resident unit)")
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))

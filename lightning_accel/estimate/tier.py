@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from lightning_accel.config.errors import UserError
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.host_store import HostStore
+from lightning_accel.offload.partition import partition_units
 from lightning_accel.offload.plan import make_plan
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
 from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, WEIGHT_BUFFERS_BEYOND_PREFETCH, check_tier_optimizers,
@@ -40,13 +41,15 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
               compute_dtype: torch.dtype = torch.float32, host_budget: int | None = None, nvme_path: str | None = None,
               cuda: bool = False, stored: Mapping[str, int] | None = None, owner: str = "L2LOffloadStrategy",
               steps_in_backward: bool = False, checkpoint_blocks: bool = True, offload_activations: bool = False,
-              prefetch_blocks: int = 1) -> TierPlan:
+              prefetch_blocks: int = 1, world: int = 1) -> TierPlan:
     """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
     spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
     budget); ``steps_in_backward``: every step runs block by block during the backward (the strategy then counts
     :data:`~lightning_accel.offload.tier_setup.BLOCKS_IN_FLIGHT` blocks' gradients at once); ``stored``: stored bytes of
     frozen weights that differ from their tensors (a QLoRA base left unquantized
-    on meta: :func:`~lightning_accel.estimate.params.nf4_weights`), by name in ``net``.
+    on meta: :func:`~lightning_accel.estimate.params.nf4_weights`), by name in ``net``; ``world`` (>1: data parallel,
+    the host step partitioned over that many ranks): the plan of the rank stepping the most, whose files hold the
+    optimizer state of its own units only (:func:`~lightning_accel.offload.partition.partition_units`).
 
     Builds a :class:`~lightning_accel.offload.host_store.HostStore` over ``net``'s blocks, which points each
     trainable parameter's ``data`` at its fp32 master (the tensor itself where it already is one). Raises
@@ -61,7 +64,13 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
     units = plan.blocks + ([plan.resident] if offload_resident else [])  # the executor's tier_units
     store = HostStore(units, compute_dtype, pin=False)  # pinned: same bytes
     reads = compute_reads(len(plan.blocks), offload_resident, checkpoint_blocks, offload_activations)
-    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda, reads)  # what the strategy's _setup_tier plans from
+    stepped = None
+    if world > 1:  # as L2LOffloadDDPStrategy gives the units out (UnitOwners), and as estimate's l2l() picks the rank
+        numels = [sum(p.numel() for _, p in u.params if p.requires_grad) for u in units]
+        owners = partition_units(numels, world)
+        rank = max(range(world), key=lambda r: sum(numels[i] for i in owners.owned(r)))
+        stepped = {p for i in owners.owned(rank) for _, p in units[i].params}
+    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda, reads, stepped)  # what the strategy's _setup_tier plans from
     sizes = [_as_stored(size, u.params, store, stored or {}) for size, u in zip(sizes, units)]
     try:
         return plan_tier(sizes, host_budget, nvme=nvme_path is not None, fixed=fixed,
@@ -79,10 +88,11 @@ def _as_stored(unit: UnitBytes, params: list[tuple[str, nn.Parameter]], store: H
 
 
 def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: torch.dtype, cuda: bool,
-                  stored: Mapping[str, int], trainer: Mapping[str, Any] | None = None) -> TierPlan | None:
+                  stored: Mapping[str, int], trainer: Mapping[str, Any] | None = None, world: int = 1) -> TierPlan | None:
     """The plan an ``L2LOffloadStrategy`` with ``host_budget`` or ``nvme_path`` makes for ``module`` at set-up, ``net``'s
     parameters standing for the fp32 masters (fake tensors: nothing allocated); None without either option, or
-    without an optimizer (nothing steps: the strategy makes no tier either)."""
+    without an optimizer (nothing steps: the strategy makes no tier either). ``L2LOffloadDDPStrategy`` on ``world``
+    ranks: one rank's plan (partitioned: the rank stepping the most)."""
     from lightning_accel.estimate.params import _optimizers
 
     nvme_path, budget = getattr(strategy, "nvme_path", None), getattr(strategy, "host_budget", None)
@@ -100,4 +110,5 @@ def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: tor
                      owner=type(strategy).__name__, steps_in_backward=in_backward,
                      checkpoint_blocks=getattr(strategy, "checkpoint_blocks", True),
                      offload_activations=getattr(strategy, "offload_activations", False),
-                     prefetch_blocks=getattr(strategy, "prefetch_blocks", 1))
+                     prefetch_blocks=getattr(strategy, "prefetch_blocks", 1),
+                     world=world if getattr(strategy, "host_step", None) == "partitioned" else 1)

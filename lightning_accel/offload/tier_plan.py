@@ -160,13 +160,15 @@ class TierPlan:
         if not self.spills:
             budget = f" (host_budget {human(self.budget)})" if self.budget is not None else ""
             return f"host {human(self.host_bytes)}, disk 0 B{budget}"
-        state = sum(self.state_on_disk)
+        # of the units with optimizer state here (data parallel, partitioned: this rank's own)
+        stateful = [i for i, u in enumerate(self.units) if u.state]
+        state = sum(self.state_on_disk[i] for i in stateful)
         masters = sum(self.masters_on_disk)
         n = len(self.units)
         weights = f", weights of {sum(self.weights_on_disk)}/{n}" if any(self.weights_on_disk) else ""
         compute = f" (of which {human(self.compute_read_bytes)} by the compute)" if self.compute_read_bytes else ""
         return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers), disk {human(self.disk_bytes)} "
-                f"(optimizer state of {state}/{n} units, fp32 masters of {masters}/{n}{weights}), {human(self.step_read_bytes)} "
+                f"(optimizer state of {state}/{len(stateful)} units, fp32 masters of {masters}/{n}{weights}), {human(self.step_read_bytes)} "
                 f"read{compute} and {human(self.step_write_bytes)} written per step")
 
 

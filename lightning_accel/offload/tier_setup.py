@@ -82,12 +82,16 @@ WEIGHT_BUFFERS_BEYOND_PREFETCH = 2
 
 
 def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None, cuda: bool,
-                reads: list[int] | None = None) -> tuple[list[UnitBytes], int, dict[nn.Parameter, StateKeys]]:
+                reads: list[int] | None = None, stepped: set[nn.Parameter] | None = None,
+                ) -> tuple[list[UnitBytes], int, dict[nn.Parameter, StateKeys]]:
     """What the plan is made from, for the strategy and ``estimate`` alike: each unit's bytes, the host bytes outside
     the units that no plan moves (on CUDA the pinned staging each trainable parameter's gradient lands in, in its
-    device dtype: a shadow's, or fp32), and the per-element state keys. ``reads``: :func:`compute_reads`."""
+    device dtype: a shadow's, or fp32), and the per-element state keys. ``reads``: :func:`compute_reads`.
+    ``stepped``: the parameters this process steps, the only ones it keeps optimizer state for (data parallel with the
+    host step partitioned: its own units'); None: every one."""
     trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
-    keys = per_element_state(optimizer, trainable, {p: store.master[p].dtype for p in trainable}) if optimizer else {}
+    owned = [p for p in trainable if stepped is None or p in stepped]
+    keys = per_element_state(optimizer, owned, {p: store.master[p].dtype for p in owned}) if optimizer else {}
     fixed = sum(stored_nbytes(store.shadow[p]) for p in trainable) if cuda else 0
     reads = reads if reads is not None else [0] * len(units)
     return [unit_bytes(u, store, keys, r) for u, r in zip(units, reads, strict=True)], fixed, keys
@@ -95,13 +99,14 @@ def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None
 
 def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
               pin: bool, steps_in_backward: bool = False, held: int = 0, reads: list[int] | None = None,
-              prefetch_blocks: int = 1) -> tuple[TierPlan, NVMeTier | None]:
+              prefetch_blocks: int = 1, stepped: set[nn.Parameter] | None = None) -> tuple[TierPlan, NVMeTier | None]:
     """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
     tier itself when the plan spills (else None). ``steps_in_backward``: every step runs block by block during the
     backward (gradients held at once: :data:`BLOCKS_IN_FLIGHT` blocks'); ``held``: the last units keep theirs;
     ``reads``: :func:`compute_reads` (None: the compute never reads masters); ``prefetch_blocks``: the executor's
-    prefetch depth (blocks whose weights are read ahead of their compute)."""
-    sizes, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, reads=reads)
+    prefetch depth (blocks whose weights are read ahead of their compute); ``stepped``: as for :func:`tier_inputs` (the
+    other units' files hold their masters and weights only)."""
+    sizes, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, reads=reads, stepped=stepped)
     tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, fixed=fixed,
                           grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=held,
                           weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH + held)

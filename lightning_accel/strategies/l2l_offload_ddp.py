@@ -55,13 +55,19 @@ the device parameters' all-reduce); the GPU path has not been run on a GPU yet.
 beside step t+1's compute as on one device; the updated weights go to every rank once it has
 landed (after step t+1's backward, or before validation, a checkpoint, the end of fit).
 
+``nvme_path`` / ``host_budget`` (the NVMe tier, :mod:`~lightning_accel.offload.tier`): each rank lays out its own
+tier, in a scratch directory of its own under ``nvme_path``, once the owners are known: partitioned, its files hold
+the optimizer state of its own units and every unit's masters (and shadows), as its memory would. ``host_budget`` is
+per rank (per process), and the plan line said is rank 0's. An owner finishes its tier's writes before it sends the
+updated masters; the others write them through their maps. Bit for bit the same run as in memory.
+
 The user's ``on_after_backward`` and ``on_before_optimizer_step`` see DDP's gradients: averaged after the backward
 that ends an accumulation (with ``on_after_backward`` overridden the averaging is joined before that hook instead of
 at the step), the rank's own inside one; partitioned, a rank holds only its own blocks' averages, says so once, and
 :meth:`L2LOffloadDDPStrategy.grad_norm` gives the whole model's norm.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
-no wrapper). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
+no wrapper), ``nvme_path`` with ``delayed_update`` (as on one device). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
 work as on one device; with ``OffloadPrecision("16-mixed")`` each rank's ``GradScaler`` checks the
 gradients that rank steps, and the ranks agree (any overflow: every rank skips the step and
 lowers the scale), as DDP's ranks do on their common gradient.
@@ -111,6 +117,8 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             each owner applies its blocks' update one step late and then sends their weights.
         timeout: as for :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper` (30 minutes by
             default, Lightning's; a number is seconds).
+        nvme_path, host_budget: as for ``L2LOffloadStrategy``, on each rank: its own files under ``nvme_path`` (its own
+            units' optimizer state when partitioned), and ``host_budget`` is what each rank (process) may keep.
         process_group_backend, start_method, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
     """
@@ -135,11 +143,6 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         host_budget: int | str | None = None,
         **kwargs: Any,
     ) -> None:
-        if nvme_path is not None or host_budget is not None:
-            raise ValueError(
-                "L2LOffloadDDPStrategy does not take nvme_path / host_budget yet (the NVMe tier runs on one device: "
-                "strategy=l2l_offload); drop them, or train on one device with strategy=l2l_offload"
-            )
         check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         if host_step not in ("partitioned", "replicated"):
             raise ValueError(f"L2LOffloadDDPStrategy: host_step={host_step!r} is not one of 'partitioned', 'replicated'")
@@ -150,7 +153,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             )
         super().__init__(timeout=timeout, **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
-                           delayed_update_warmup, offload_activations)
+                           delayed_update_warmup, offload_activations, nvme_path, host_budget)
         self.host_step = host_step
         self._host_group: dist.ProcessGroup | None = None  # gloo, host tensors only, used by the sync worker
         self._grad_sync: HostGradientSync | None = None
@@ -163,6 +166,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         self.gathered_bytes = 0  # weights broadcast after the last step (partitioned)
         self.reduced_in_backward = 0  # blocks whose averaging the last step launched before its backward had ended
         self._weights_pending = False  # delayed_update: owners' updates landing later are still to be sent
+        self._owners_moved = False  # the owners changed when the NVMe tier was laid out again, before _after_changes
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -244,11 +248,19 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         return self._owners.units
 
     @override
+    def _retier(self) -> None:
+        # the new files hold optimizer state for the units this rank steps from now on: the owners first
+        if self._grad_sync is not None:
+            self._owners_moved = self._plan_units() or self._owners_moved
+        super()._retier()
+
+    @override
     def _after_changes(self) -> str:
         # which parameters train changed between steps: the averaging, the owners and the device all-reduce follow
         if self._grad_sync is None:  # (not fitting)
             return ""
-        moved = self._plan_units()
+        moved = self._plan_units() or self._owners_moved
+        self._owners_moved = False
         self._grad_sync.set_units(self._units, self._owners.owners)
         for optimizer in self.optimizers:  # state another rank holds (a checkpoint's, kept until the owner was known)
             for param in self._owners.others(self.global_rank):
@@ -316,6 +328,14 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         self.reduced_bytes = (self._grad_sync.bytes_reduced if self._grad_sync is not None else 0) + self._resident_bytes
 
     @override
+    def _tier_stepped(self) -> set[nn.Parameter] | None:
+        return set(self.owned_parameters()) if self._partition is not None else None
+
+    @override
+    def _tier_label(self) -> str:
+        return f"NVMe tier of rank {self.global_rank} (its own files; host_budget is per rank)"
+
+    @override
     def _cpu_budget(self) -> CpuBudget | None:
         # Lightning's launcher does not export the ranks per host; a launcher that does (torchrun, SLURM) is believed
         return cpu_budget(self.num_processes if local_ranks()[1] == "default" else None)
@@ -381,13 +401,17 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         if self._partition is None:
             return
         assert self._executor is not None
-        store = self._executor.store
+        store, tier = self._executor.store, self._executor.tier
+        if tier is not None:  # the owner's masters are views of its files: what they send is what its step wrote
+            tier.finish_step()
         received, self.gathered_bytes = broadcast_units(
             [[store.master[p] for p in unit] for unit in self._units], self._partition.owners, self._host_group
         )
         params = [p for i in received for p in self._units[i]]
         if params:
             self._executor.refresh_shadows(params)
+        if tier is not None and params:  # written through the maps: to the files, and no weights read before kept
+            tier.sync()
 
     # -- what each rank holds, and checkpoints ----------------------------------------------------
 
@@ -396,9 +420,11 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         return self._owners.stepped_by(self.global_rank)
 
     def host_optimizer_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds for host parameters (1/N of all when partitioned)."""
+        """Bytes of optimizer state this rank holds in host memory for host parameters (1/N of all when partitioned;
+        what the NVMe tier keeps in its files not counted)."""
         host = [p for unit in self._owners.held for p in unit]
-        return sum(state_bytes(o, host) for o in self.optimizers)
+        tier = self._executor.tier if self._executor is not None else None
+        return sum(state_bytes(o, host) - (tier.state_bytes_on_disk(o) if tier is not None else 0) for o in self.optimizers)
 
     def host_weight_bytes(self) -> int:
         """Bytes of host weights this rank holds (fp32 masters, low-precision copies, frozen tensors as stored; not partitioned)."""
@@ -422,10 +448,10 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if self._partition is not None:
-                state = keep_state(state, self._kept_indices(optimizer))
-            optimizer.load_state_dict(state)
+        if self._partition is not None:  # this rank's shard (then, with the tier, into its files)
+            states = [keep_state(s, self._kept_indices(o)) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def teardown(self) -> None:

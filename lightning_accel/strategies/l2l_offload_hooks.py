@@ -252,8 +252,9 @@ class L2LOffloadHooks(Strategy):
         executor = self._executor
         if executor is None or (self.nvme_path is None and self.host_budget is None) or not self.optimizers:
             return []  # (validate/test/predict alone: nothing steps, nothing to stream)
+        label = self._tier_label()
         if executor.tier is not None:  # fit, then validate: set up once per placement
-            return [f"NVMe tier: {executor.tier.plan.describe()}"]
+            return [f"{label}: {executor.tier.plan.describe()}"]
         if self.nvme_path is not None and self.optimizers:
             check_tier_optimizers(self.optimizers, type(self).__name__)
         store, plan = executor.store, executor.plan
@@ -263,7 +264,8 @@ class L2LOffloadHooks(Strategy):
             tier_plan, tier = make_tier(executor.tier_units(), store, optimizer, self.host_budget,
                                         self.nvme_path if optimizer else None, pin=self.root_device.type == "cuda",
                                         steps_in_backward=in_backward, held=1 if plan.offload_resident else 0,
-                                        reads=executor.compute_reads(), prefetch_blocks=plan.prefetch_blocks)
+                                        reads=executor.compute_reads(), prefetch_blocks=plan.prefetch_blocks,
+                                        stepped=self._tier_stepped())
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan
@@ -272,8 +274,16 @@ class L2LOffloadHooks(Strategy):
         executor.retier = self._retier
         if tier is not None:
             executor.attach_tier(tier)
-            return [f"NVMe tier: {tier_plan.describe()} under {tier.directory}"]
-        return [f"NVMe tier: {tier_plan.describe()}"]
+            return [f"{label}: {tier_plan.describe()} under {tier.directory}"]
+        return [f"{label}: {tier_plan.describe()}"]
+
+    def _tier_label(self) -> str:
+        """What the plan line calls the tier's part (data parallel: whose plan it is)."""
+        return "NVMe tier"
+
+    def _tier_stepped(self) -> set[nn.Parameter] | None:
+        """The host parameters this process steps, the only ones whose optimizer state the tier lays out; None: all."""
+        return None
 
     def _retier(self) -> None:
         """The parameters changed during fit (unfrozen, frozen again, replaced): the tier is planned and laid out again from

@@ -80,6 +80,10 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload", "strategy.prefetch_blocks=4"],
      r"^strategy.prefetch_blocks=4: the model has 4 blocks \(GPTBlock\), so at most 3 can be copied ahead"),
     ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload_ddp", "trainer.devices=2", "strategy.prefetch_blocks=9"], r"^strategy.prefetch_blocks=9: the model has 4 blocks"),
+    ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload_ddp", "trainer.devices=2", "strategy.delayed_update=true", "strategy.nvme_path=/tmp"],
+     r"^strategy.nvme_path=/tmp: strategy.nvme_path with delayed_update=True is not supported: .*; set delayed_update=False or drop nvme_path"),
+    ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload_ddp", "trainer.devices=2", "strategy.host_budget=lots"],
+     r"^strategy.host_budget='lots' is not a size"),
     ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload", "strategy.prefetch_blocks=true"],
      r"^strategy.prefetch_blocks=True: L2LOffloadStrategy: prefetch_blocks takes an int >= 0 .*got the bool True"),
     ("strategy", "gpt-tiny_cpu", ["strategy=l2l_offload", "strategy.offload_resident=maybe"],
@@ -152,6 +156,7 @@ def test_run_refuses_it_in_one_line_and_makes_no_run_directory(kind: str, overri
     ["trainer.max_epochs=2", "trainer.max_steps=20", "trainer.min_epochs=2", "trainer.min_steps=20"],
     ["trainer.limit_train_batches=0.5", "trainer.val_check_interval=1", "trainer.max_time=00:01:30:00", "seed=0", "trainer.devices=-1"],
     ["strategy=l2l_offload", "strategy.prefetch_blocks=3"],
+    ["strategy=l2l_offload_ddp", "trainer.devices=2", "strategy.nvme_path=/tmp", "strategy.host_budget=8GB"],
 ], ids=" ".join)
 def test_values_at_their_limits_pass(overrides: list[str]) -> None:
     """The checks refuse what is wrong only (a check that refused every value would pass the cases above)."""

@@ -81,3 +81,20 @@ def test_cli_prints_the_tiers_and_refuses_in_one_line(tmp_path: Path, capsys: py
     assert main([*args[:-1], "strategy.host_budget=1kB"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "L2LOffloadStrategy: strategy.host_budget=1.00 kB is less than" in err
+
+
+def test_data_parallel_the_plan_is_one_ranks_with_its_own_share_of_the_state(tmp_path: Path) -> None:
+    """l2l_offload_ddp on 2 ranks, partitioned: each rank's files hold every block's masters and the optimizer state of
+    its own 2 of the 4 equal blocks (the strategy's own plan: tests/strategies/test_l2l_offload_ddp.py); replicated,
+    all of it, as on one device. The budget is per rank."""
+    one = estimate_recipe(RECIPE, [*SMALL, f"strategy.nvme_path={tmp_path}"])
+    ddp = ["strategy=l2l_offload_ddp", "trainer.devices=2", f"strategy.nvme_path={tmp_path}"]
+    part, repl = (estimate_recipe(RECIPE, [*SMALL, *ddp, f"strategy.host_step={how}"]) for how in ("partitioned", "replicated"))
+    (one_rank,), (part_rank,), (repl_rank,) = one.ranks, part.ranks, repl.ranks
+    assert repl_rank.disk == one_rank.disk and repl.tier == one.tier
+    assert part_rank.disk == {"masters (fp32)": one_rank.disk["masters (fp32)"], "optimizer state": one_rank.disk["optimizer state"] // 2}
+    assert "optimizer state of 2/2 units, fp32 masters of 4/4" in part.tier.describe()
+    assert "optimizer state" not in part_rank.host and part_rank.host_bytes == one_rank.host_bytes
+    assert any(n.startswith("the NVMe tier: each rank its own files under nvme_path") for n in part.notes)
+    budget = estimate_recipe(RECIPE, [*SMALL, *ddp, "strategy.host_budget=13MB"])
+    assert any("bounds what the offload keeps on each rank" in n for n in budget.notes)

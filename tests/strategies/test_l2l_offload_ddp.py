@@ -16,7 +16,7 @@ from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 from lightning_accel.strategies.l2l_offload_ddp import L2LOffloadDDPStrategy
 from tests.support.user_script import run_user_script
 from tests.support.workers import WORKERS
-from tests.support.workers.l2l_ddp_worker import FP16_SCALE, PER_RANK_BATCH, GlobalBatches, gpt_data, gpt_task
+from tests.support.workers.l2l_ddp_worker import FP16_SCALE, PER_RANK_BATCH, TIER_BUDGET, GlobalBatches, gpt_data, gpt_task
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> pl.Trainer:
@@ -68,6 +68,9 @@ def test_the_data_parallel_strategy_runs_lightnings_mixed_flag_as_the_offload_pl
     ({"overlap_step": True}, r"overlap_step=True\): a block's host step needs its gradients averaged.*; leave overlap_step unset"),
     ({"find_unused_parameters": True}, r"does not wrap the model in DistributedDataParallel, so find_unused_parameters=\.\.\. would be ignored"),
     ({"ddp_comm_hook": print}, r"so ddp_comm_hook=\.\.\. would be ignored"),
+    ({"nvme_path": "/tmp", "delayed_update": True}, r"^strategy.nvme_path with delayed_update=True is not supported: .*; set "
+                                                    r"delayed_update=False or drop nvme_path"),
+    ({"host_budget": "lots"}, r"^strategy.host_budget='lots' is not a size"),
 ])
 def test_data_parallel_options_it_cannot_honour_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -94,6 +97,9 @@ CASES = [
     "gpt64-part-act", "gpt64-part-resident", "gpt64-part-delayed", "gpt64-repl-delayed", "gpt16-ddp", "gpt16-part", "gpt16-repl", "gpt32-ddp", "gpt32-part", "gptbf16-ddp", "gptbf16-part",
     "llama64-ddp", "llama64-part", "llama64-repl",
     "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
+    # the NVMe tier (both ranks under one nvme_path), each against the case above without it
+    "gpt32-part-tier", "gptbf16-part-tier", "gpt16-part-tier", "gpt64-repl-tier", "gpt64-part-accclip-tier",
+    "gpt64-part-resident-tier", "gpt64-part-tier", "gpt64-part-tier-resumed", "gpt32-part-budget",
 ]
 
 
@@ -252,3 +258,55 @@ def test_delayed_update_equals_one_device_delayed_on_the_global_batches(two_rank
     # and it is not the undelayed run
     undelayed = _ranks(two_ranks, "gpt64-part")[0]["weights"]
     assert max((undelayed[k] - want[k]).abs().max() for k in want) > 1e-4
+
+
+# -- the NVMe tier on each rank ---------------------------------------------------------------------------
+
+
+TIERED = [("gpt32-part", "gpt32-part-tier"), ("gptbf16-part", "gptbf16-part-tier"), ("gpt16-part", "gpt16-part-tier"),
+          ("gpt64-repl", "gpt64-repl-tier"), ("gpt64-part-accclip", "gpt64-part-accclip-tier"),
+          ("gpt64-part-resident", "gpt64-part-resident-tier"), ("gpt64-part", "gpt64-part-tier"),
+          ("gpt64-part-resumed", "gpt64-part-tier-resumed"), ("gpt32-part", "gpt32-part-budget")]
+
+
+@pytest.mark.parametrize(("in_memory", "tiered"), TIERED, ids=[t for _, t in TIERED])
+def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(two_ranks: Path, in_memory: str, tiered: str) -> None:
+    """Each rank's weights and optimizer state (its shard, partitioned), the losses, the fp16 scale and rank 0's
+    checkpoint (every rank's state gathered) equal the same 2-rank run in memory's; resumed from the tiered run's
+    checkpoint, the same as resumed from the in-memory one's."""
+    for want, got in zip(_ranks(two_ranks, in_memory), _ranks(two_ranks, tiered)):
+        _assert_close(got["weights"], want["weights"], rtol=0, atol=0)
+        assert got["optimizer_state"].keys() == want["optimizer_state"].keys()
+        for index, state in want["optimizer_state"].items():
+            for key, value in state.items():
+                assert torch.equal(torch.as_tensor(got["optimizer_state"][index][key]), torch.as_tensor(value)), (index, key)
+        assert got["losses"] == want["losses"] and got["scale"] == want["scale"] and got["owned"] == want["owned"]
+    saved = {c: torch.load(two_ranks / f"{c}.ckpt", weights_only=False) for c in (in_memory, tiered)}
+    for key in ("state_dict", "optimizer_states"):
+        torch.testing.assert_close(saved[tiered][key], saved[in_memory][key], rtol=0, atol=0)
+
+
+def test_each_rank_keeps_its_own_files_with_the_state_of_its_own_units(two_ranks: Path) -> None:
+    """Both ranks under one nvme_path: each its own scratch directory (a file per block), gone after fit. Partitioned, a
+    rank's files hold its own blocks' optimizer state and every block's masters; replicated, every block's state."""
+    part, repl = _ranks(two_ranks, "gpt64-part-tier"), _ranks(two_ranks, "gpt64-repl-tier")
+    directories = [Path(r["tier_directory"]) for r in part]
+    assert directories[0] != directories[1] and all(d.parent == two_ranks / "nvme" for d in directories)
+    assert all(r["tier_files"] == ["owner.json", *(f"unit-{i:05d}.bin" for i in range(4))] for r in part)
+    assert not list((two_ranks / "nvme").iterdir())
+    assert all("optimizer state of 2/2 units, fp32 masters of 4/4)" in r["tier_plan"] for r in part)
+    assert all("optimizer state of 4/4 units, fp32 masters of 4/4)" in r["tier_plan"] for r in repl)
+    # 4 equal blocks, AdamW (two moments: twice the masters' bytes): a rank's disk holds every master and half the state
+    masters = repl[0]["nvme_bytes"] // 3
+    assert [r["nvme_bytes"] for r in repl] == [3 * masters] * 2 and [r["nvme_bytes"] for r in part] == [2 * masters] * 2
+
+
+def test_the_host_budget_is_per_rank_and_counts_the_ranks_own_state(two_ranks: Path, tmp_path: Path) -> None:
+    """gpt32 keeps 642.30 kB on one host with every block's AdamW state (393.22 kB of it); partitioned, a rank keeps its
+    own half of the state: 445.70 kB, within a 500 kB budget per rank, nothing on disk. One process under that budget
+    cannot keep the model even with everything on disk (the tier's buffers), and is refused before the first step."""
+    for rank in _ranks(two_ranks, "gpt32-part-budget"):
+        assert rank["tier_plan"] == f"host 445.70 kB, disk 0 B (host_budget {TIER_BUDGET[:-2]}.00 kB)"
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=500.00 kB is less than the 642.30 kB"):
+        _trainer(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=TIER_BUDGET), devices=1,
+                 max_steps=1).fit(gpt_task(torch.float32), _gpt_loader())

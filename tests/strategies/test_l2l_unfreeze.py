@@ -118,7 +118,8 @@ def test_cuda_thawed_masters_are_pinned_and_train_as_plain_lightning(case: str) 
 
 # -- two gloo ranks -------------------------------------------------------------------------------------------------
 
-DDP_CASES = [*(f"{case}-part" for case in CASES), "finetune-repl", "pruning-ddp", "finetune-part-bf16", "refreeze-part-delayed"]
+DDP_CASES = [*(f"{case}-part" for case in CASES), "finetune-repl", "pruning-ddp", "finetune-part-bf16", "refreeze-part-delayed",
+             "finetune-part-tier", "refreeze-part-tier"]
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,21 @@ def test_thawed_blocks_get_owners_and_the_checkpoint_holds_plain_state(two_ranks
     for index, state in want["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=1e-12, msg=f"{index}.{key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["finetune", "refreeze"])
+def test_two_ranks_with_the_tier_lay_it_out_again_and_equal_the_run_in_memory(two_ranks: Path, case: str) -> None:
+    """Blocks thawed (and frozen again) during fit under the NVMe tier: each rank lays its files out again, with the
+    state of the units it steps from then on (a thawed block's new owner), and every rank's weights and rank 0's
+    checkpoint equal the 2-rank run in memory's bit for bit."""
+    for want, got in zip(_ranks(two_ranks, f"{case}-part"), _ranks(two_ranks, f"{case}-part-tier")):
+        _assert_equal(got["weights"], want["weights"])
+        assert got["owned"] == want["owned"] and got["nvme_bytes"] > 0
+        if case == "finetune":  # the moments of every unit the rank steps in the files, a thawed one's too (a unit frozen
+            # again keeps its state in memory, as on one device: the tier lays out the parameters that train)
+            assert got["state_in_memory"] <= 8 * len(got["owned"]) < want["state_in_memory"] / 10
+    saved = [torch.load(two_ranks / f"{c}.ckpt", weights_only=False) for c in (f"{case}-part", f"{case}-part-tier")]
+    for key in ("state_dict", "optimizer_states"):
+        torch.testing.assert_close(saved[1][key], saved[0][key], rtol=0, atol=0)
+    assert not list((two_ranks / "nvme").iterdir())

@@ -13,7 +13,11 @@ Case names: ``{model}-{how}[-{extra}]``; model ``gpt64`` (zoo GPT, float64), ``g
 the embeddings and head stream from the host too, a fifth unit of the partition), ``delayed``
 (delayed_update after 1 warm-up step), ``2ep`` (two epochs),
 ``resumed`` (two epochs from ``gpt64-part.ckpt``), ``hooks`` (a callback records what ``on_after_backward`` shows:
-every parameter's gradient and the whole model's norm), ``acc`` (accumulate 2 batches).
+every parameter's gradient and the whole model's norm), ``acc`` (accumulate 2 batches), ``tier`` (the NVMe tier,
+both ranks under ``OUT_DIR/nvme`` with no host budget: every block's optimizer state, masters and shadows on disk;
+``resumed`` then starts from ``{model}-{how}-tier.ckpt``), ``budget`` (the tier under a host budget per rank that
+keeps part of it in memory). Rank-local results also hold the rank's optimizer state and, with the tier, its plan
+line and its scratch directory during the fit.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ PER_RANK_BATCH = 4
 SEQUENCES = 32
 CLIP = 0.05  # below the first steps' gradient norm (~0.3): clipping acts
 FP16_SCALE = 2.0**19  # the first steps' scaled fp16 gradients overflow: skipped steps, a lowered scale
+TIER_BUDGET = "500kB"  # per rank, gpt32: a rank's own half of the AdamW state fits beside every master (all of it would not)
 
 
 def gpt_task(dtype: torch.dtype = torch.float64) -> LanguageModelTask:
@@ -122,6 +127,19 @@ class AfterBackward(pl.Callback):
             self.norms.append(float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]))
 
 
+class TierSeen(pl.Callback):
+    """The rank's NVMe tier directory while it trains (its files are gone after fit)."""
+
+    def __init__(self) -> None:
+        self.directory: str | None = None
+        self.files: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        tier = trainer.strategy._executor.tier
+        if tier is not None and self.directory is None:
+            self.directory, self.files = tier.directory, sorted(os.listdir(tier.directory))
+
+
 def fit(out: str, devices: int, case: str) -> None:
     model, how, *extras = case.split("-")
     task = llama_task() if model == "llama64" else gpt_task(torch.float32 if model in ("gpt32", "gptbf16", "gpt16") else torch.float64)
@@ -139,21 +157,25 @@ def fit(out: str, devices: int, case: str) -> None:
         if model == "gpt16":  # Lightning's 16-mixed on the CPU has no scaler; give it one
             plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)))
     else:
+        tier = {"nvme_path": os.path.join(out, "nvme")} if {"tier", "budget"} & set(extras) else {}
+        if "budget" in extras:
+            tier["host_budget"] = TIER_BUDGET
         strategy = L2LOffloadDDPStrategy(host_step="partitioned" if how == "part" else "replicated",
                                          offload_activations="act" in extras, offload_resident="resident" in extras, timeout=60,
-                                         **({"delayed_update": True, "delayed_update_warmup": 1} if "delayed" in extras else {}))
+                                         **({"delayed_update": True, "delayed_update_warmup": 1} if "delayed" in extras else {}),
+                                         **tier)
         if model == "gptbf16":
             plugins.append(OffloadPrecision("bf16-mixed"))
         if model == "gpt16":
             plugins.append(OffloadPrecision("16-mixed", init_scale=FP16_SCALE))
     epochs = 2 if {"2ep", "resumed"} & set(extras) else 1
-    losses, after_backward = Losses(), AfterBackward()
+    losses, after_backward, tier_seen = Losses(), AfterBackward(), TierSeen()
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=devices, strategy=strategy, plugins=plugins, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[losses, *([after_backward] if "hooks" in extras else [])], **kwargs,
+        callbacks=[losses, *([after_backward] if "hooks" in extras else []), *([tier_seen] if how != "ddp" else [])], **kwargs,
     )
-    ckpt = os.path.join(out, f"{model}-{how}.ckpt") if "resumed" in extras else None
+    ckpt = os.path.join(out, f"{model}-{how}{'-tier' if 'tier' in extras else ''}.ckpt") if "resumed" in extras else None
     if "resumed" in extras and how == "ddp":
         ckpt = os.path.join(out, "gpt64-part.ckpt")  # DDP resumes from the partitioned strategy's checkpoint
     trainer.fit(task, data, ckpt_path=ckpt)
@@ -177,6 +199,11 @@ def fit(out: str, devices: int, case: str) -> None:
             owned=sorted(names[id(p)] for p in strategy.owned_parameters()),
             reduced_bytes=strategy.reduced_bytes, gathered_bytes=strategy.gathered_bytes,
             reduced_in_backward=strategy.reduced_in_backward,
+            optimizer_state={i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                             for i, s in trainer.optimizers[0].state_dict()["state"].items()},
+            tier_plan=strategy._tier_plan.describe() if strategy._tier_plan is not None else None,
+            tier_directory=tier_seen.directory, tier_files=tier_seen.files,
+            nvme_bytes=strategy.offload_stats.nvme_bytes, nvme_read_bytes=strategy.offload_stats.nvme_read_bytes,
         )
     torch.save(result, os.path.join(out, f"{case}-rank{trainer.global_rank}.pt"))
 
