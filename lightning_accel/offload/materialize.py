@@ -109,11 +109,12 @@ class _Route:
 def _route(model: nn.Module) -> _Route:
     route = _Route()
     named = list(model.named_modules())
-    for name, module in named:  # pre-order: an inner registration or transformers model wins over an outer one
-        for sub_name, sub in module.named_modules():
-            if module in _CHECKPOINTS:
-                route.checkpoint[sub] = (_CHECKPOINTS[module], sub_name)
-            if _is_hf_model(module):
+    for _, module in named:  # pre-order: an inner registration or transformers model wins over an outer one
+        checkpoint, hf = _CHECKPOINTS.get(module), _is_hf_model(module)
+        for sub_name, sub in module.named_modules() if checkpoint is not None or hf else ():
+            if checkpoint is not None:
+                route.checkpoint[sub] = (checkpoint, sub_name)
+            if hf:
                 route.hf_owner[sub] = module
     # the order the CPU would initialize in: transformers' initialize_weights applies children first, Lightning's
     # FSDP materialization (and a plain module's construction) goes parent first

@@ -17,6 +17,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install 'lig
 
 from lightning_accel.models import LanguageModelTask  # noqa: E402
 from lightning_accel.models.hf import hf_causal_lm  # noqa: E402
+from lightning_accel.plugins.precision import OffloadPrecision  # noqa: E402
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy  # noqa: E402
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -33,9 +34,10 @@ def _data() -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
 
 
-def _fit(module: pl.LightningModule, strategy: L2LOffloadStrategy, steps: int = 3) -> pl.Trainer:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_steps=steps)
+def _fit(module: pl.LightningModule, strategy: L2LOffloadStrategy, steps: int = 3, **kwargs: Any) -> pl.Trainer:
+    trainer = pl.Trainer(accelerator=kwargs.pop("accelerator", "cpu"), devices=1, strategy=strategy, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=steps,
+                         **kwargs)
     trainer.fit(module, _data())
     return trainer
 
@@ -72,6 +74,19 @@ def test_a_pretrained_model_loaded_by_block_under_the_tier_trains_as_the_model_l
     for name, value in reference.state_dict().items():
         assert torch.equal(module.state_dict()[name], value), name
     assert module.net.lm_head.weight is module.net.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_model_loaded_by_block_trains_in_bf16_as_the_model_loaded_in_memory(saved: Path, tmp_path: Path) -> None:
+    reference = Task(hf_causal_lm(pretrained_path=str(saved)))
+    _fit(reference, L2LOffloadStrategy(), accelerator="gpu", plugins=[OffloadPrecision("bf16-mixed")])
+    module = Task(hf_causal_lm(pretrained_path=str(saved), load_by_block=True))
+    trainer = _fit(module, L2LOffloadStrategy(nvme_path=str(tmp_path / "nvme")), accelerator="gpu",
+                   plugins=[OffloadPrecision("bf16-mixed")])
+    assert trainer.strategy.offload_stats.nvme_read_bytes > 0
+    for name, value in reference.state_dict().items():
+        assert torch.equal(module.state_dict()[name].cpu(), value.cpu()), name
 
 
 class ConfigureModel(pl.LightningModule):
