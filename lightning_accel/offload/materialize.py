@@ -148,10 +148,15 @@ def check(model: nn.Module, owner: str) -> None:
     lacks (or holds in another shape), or a tensor of a module with no initializer."""
     route = _route(model)
     names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    parent = {id(c): m for m in model.modules() for c in m.children()}
     for _, module in route.order:
         own = _own_meta(module)
         if not own:
             continue
+        if _peft(module) or _peft(parent.get(id(module))):
+            # an adapter's layers have inits of peft's own (LoRA's B starts at zero) that neither initializer here knows
+            raise ValueError(f"{owner}: {names[id(own[0][1])]} is on the meta device inside a peft adapter's layer, which only "
+                             "peft can initialize; build the adapted model on the CPU (load_by_block=false)")
         found = route.checkpoint.get(module)
         for name, tensor, is_param in own:
             key = f"{found[1]}.{name}" if found and found[1] else name
@@ -170,6 +175,10 @@ def check(model: nn.Module, owner: str) -> None:
                     f"{owner}: {kind} {names[id(tensor)]} is on the meta device and {type(module).__name__} has no "
                     "reset_parameters() to initialize it; give it one, build the model on the CPU (no torch.device('meta') "
                     "or empty_init in configure_model), or load its weights with lightning_accel.offload.materialize.load_by_block")
+
+
+def _peft(module: nn.Module | None) -> bool:
+    return module is not None and type(module).__module__.startswith("peft.")
 
 
 def _tied_elsewhere(model: nn.Module, tensor: Tensor, checkpoint: Checkpoint, route: _Route) -> bool:

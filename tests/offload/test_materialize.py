@@ -116,3 +116,11 @@ def test_settle_brings_the_staged_parameters_the_tier_kept_into_memory(tmp_path:
     assert torch.equal(model[0].weight, values)
     staging.close()
     assert not staging.ranges
+
+
+def test_an_adapter_on_meta_is_refused_peft_alone_can_initialize_it() -> None:
+    peft = pytest.importorskip("peft")
+    with torch.device("meta"):
+        model = peft.get_peft_model(_llama(meta=True), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"q_proj\.base_layer\.weight is on the meta device inside a peft adapter's layer"):
+        materialize(model, {}, [], None)
