@@ -43,6 +43,7 @@ def hf_causal_lm(
     pretrained_path: str | None = None,
     dtype: str = "float32",
     attn_implementation: str | None = None,
+    load_by_block: bool = False,
 ) -> nn.Module:
     """A transformers ``*ForCausalLM`` model; its forward returns ``CausalLMOutputWithPast``.
 
@@ -60,6 +61,11 @@ def hf_causal_lm(
             masters expect), ``bfloat16``, ``float16`` or ``float64``. Mixed precision is
             the trainer's job, not this one.
         attn_implementation: ``sdpa`` (transformers' default), ``eager``, ... passed on.
+        load_by_block: with ``pretrained_path``, a model bigger than host memory: built on the meta device from
+            ``config.json`` (its tensor names checked as above) and filled from the safetensors files one offload
+            unit at a time by ``strategy=l2l_offload`` (with ``nvme_path``, the blocks that do not fit
+            ``host_budget`` go to disk as they arrive: see docs/offload.md). The same weights as a plain load, bit
+            for bit. Needs that strategy: any other would find the weights still on meta.
     """
     if dtype not in DTYPES:
         raise UserError(f"hf_causal_lm dtype={dtype!r} is not one of {', '.join(DTYPES)}{close_matches(dtype, DTYPES)}")
@@ -72,7 +78,12 @@ def hf_causal_lm(
                 f"hf_causal_lm got both pretrained_path={pretrained_path!r} and a config; the directory brings its own "
                 "config: set model.net.config=null"
             )
+        if load_by_block:
+            return _on_meta(Path(pretrained_path), kwargs)
         return _from_directory(Path(pretrained_path), kwargs)
+    if load_by_block:
+        raise UserError("hf_causal_lm load_by_block=true loads a pretrained_path; a model from a config is built on meta by "
+                        "trainer.init_module(empty_init=True) under strategy=l2l_offload, or set model.net.load_by_block=false")
     if config is None:
         raise UserError("hf_causal_lm needs a config (model_type plus its keys) or a pretrained_path; set model.net.config")
     return AutoModelForCausalLM.from_config(make_config(config), **kwargs)
@@ -170,3 +181,16 @@ def _from_directory(path: Path, kwargs: dict[str, Any]) -> nn.Module:
     # from_pretrained returns eval mode (for inference) and Lightning keeps the modes it finds,
     # so a fine-tune would run without its dropout; train mode, as from_config gives
     return model.train()
+
+
+def _on_meta(path: Path, kwargs: dict[str, Any]) -> nn.Module:
+    """The model of a ``save_pretrained`` directory on the meta device, marked to be filled from its safetensors
+    files unit by unit (:func:`lightning_accel.offload.materialize.load_by_block`); its files checked first."""
+    from lightning_accel.offload.materialize import load_by_block
+
+    with torch.device("meta"):
+        model = _from_directory(path, kwargs)
+    try:
+        return load_by_block(model, path).train()
+    except ValueError as err:
+        raise UserError(f"{where(path)}: {err}") from None

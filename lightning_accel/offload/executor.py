@@ -123,6 +123,11 @@ class L2LExecutor(HostSteps):
         # host (data parallel: launch that block's reduction, :mod:`.grad_sync`); None: nothing
         self.grads_landed: Callable[[int], None] | None = None
 
+    def baseline(self) -> None:
+        """The caller moved the parameters' tensors, and the store's tables with them (a model materialized from meta,
+        settled into memory after the tier's set-up): what the next steps compare with, not a change of the user's."""
+        self._watch.settle(self.model, self.store)
+
     def attach_tier(self, tier: NVMeTier) -> None:
         """From now on the spilled units of ``tier`` step through its buffers (:meth:`step_spilled`, and the
         block steps during the backward); the host bytes no longer count what went to disk."""

@@ -5,12 +5,17 @@ The hooks, and what each adds, are :class:`~lightning_accel.strategies.l2l_offlo
 ``"l2l_offload_ddp"``). This class adds them to ``SingleDeviceStrategy``, picks the device
 (``device=``, else the Trainer's: ``devices=[1]`` is cuda:1), and refuses, when the ``Trainer``
 is built, ``devices``, ``num_nodes`` or a launcher's ``WORLD_SIZE`` above 1: it would train on
-one device and silently drop the rest; the error names the data-parallel strategy.
+one device and silently drop the rest; the error names the data-parallel strategy. A model built on the meta device
+(``trainer.init_module(empty_init=True)``, ``torch.device("meta")`` in ``configure_model``, or
+:func:`~lightning_accel.offload.materialize.load_by_block`) is materialized unit by unit in ``setup``
+(:mod:`lightning_accel.strategies.l2l_materialize`): with ``nvme_path`` it is never in host memory whole.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -83,6 +88,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
     """
 
     strategy_name = "l2l_offload"
+    _materializes_meta = True
 
     def __init__(
         self,
@@ -106,6 +112,18 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         self._device_given = device is not None
         self._devices: list[torch.device] = []  # what Trainer(devices=...) asked for (see parallel_devices)
         self._num_nodes = 1
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # trainer.init_module(empty_init=True) builds on meta, as under FSDP: setup materializes it unit by unit
+        # (lightning_accel.strategies.l2l_materialize), so a model bigger than host memory is never built whole
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @property
     @override

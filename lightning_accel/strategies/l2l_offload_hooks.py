@@ -85,12 +85,14 @@ from lightning_accel.offload.host_optimizer import PER_PARAMETER, check_delayed_
 from lightning_accel.offload.host_step import HostKernel, choose_host_kernel, host_update, step_params
 from lightning_accel.offload.host_store import KEEP_IT_FROZEN, cannot_train
 from lightning_accel.offload.host_threads import HostThreads
+from lightning_accel.offload.materialize import Materialized
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
 from lightning_accel.offload.tier_setup import BLOCKS_IN_FLIGHT, check_tier_optimizers, make_tier
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
+from lightning_accel.strategies.l2l_materialize import kept_on_meta, materialize_meta, settle_in_memory
 from lightning_accel.strategies.user_hooks import overrides
 
 
@@ -100,6 +102,8 @@ class L2LOffloadHooks(Strategy):
     (:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy`): combined with
     ``SingleDeviceStrategy`` or ``DDPStrategy``, never used alone. The data-parallel strategy
     fills in :meth:`_base_setup`, :meth:`_gradients_ready` and :meth:`_after_update`."""
+
+    _materializes_meta = False  # a model built on meta is materialized unit by unit (:mod:`.l2l_materialize`)
 
     def _init_offload(
         self,
@@ -152,6 +156,7 @@ class L2LOffloadHooks(Strategy):
         self._host_kernels: dict[int, HostKernel] = {}  # id(optimizer) -> how its host parameters step
         self._threads: HostThreads | None = None
         self._kv_cache = KVCacheSwitch("L2LOffloadStrategy", "recomputing")  # use_cache off for fit, restored at teardown
+        self._materialized: Materialized | None = None  # a model built on meta, given its tensors unit by unit
 
     @property
     def offload_stats(self) -> OffloadStats:
@@ -215,6 +220,7 @@ class L2LOffloadHooks(Strategy):
             kernel = self._host_kernels[id(optimizer)] = choose_host_kernel(optimizer)
             kernels.append(kernel.why)
         tier = self._setup_tier()
+        settle_in_memory(self._materialized, self._executor, fitting=bool(self.optimizers))
         said = "; ".join([self._plan_text, *kernels, *tier])
         if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
             self._plan_said = said
@@ -312,6 +318,9 @@ class L2LOffloadHooks(Strategy):
         assert self.model is not None
         if self._executor is not None:
             self._executor.detach()
+        materialized = materialize_meta(self.model, self.blocks, self.prefetch_blocks, self.offload_resident, self.nvme_path,
+                                        type(self).__name__, supported=self._materializes_meta)
+        self._materialized = materialized or self._materialized
         try:
             plan = make_plan(self.model, self.blocks, self.prefetch_blocks, self.offload_resident)
         except ValueError as err:
@@ -348,6 +357,7 @@ class L2LOffloadHooks(Strategy):
             self._threads.describe(),
         ]
         # said in setup, once the optimizers' host kernels are known: one line per fit
+        extras += [materialized.describe()] if materialized is not None else []
         self._plan_text = f"{type(self).__name__}: {plan.describe()}; {copies}" + "".join(f"; {e}" for e in extras)
 
     def _begin_step(self) -> None:
@@ -592,7 +602,8 @@ class L2LOffloadHooks(Strategy):
             self._threads.restore()
             self._threads = None
         self._kv_cache.restore()
-        super().teardown()
+        with kept_on_meta(self.lightning_module):  # (a model refused before it was materialized has nothing to move)
+            super().teardown()
 
     def _base_setup(self, trainer: Trainer) -> None:
         """The base strategy's setup (device, model placement, optimizers)."""

@@ -297,3 +297,20 @@ def test_validate_reports_the_missing_extra_as_one_line(monkeypatch: pytest.Monk
     assert cli.main(["validate", "llama-tiny_cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].endswith('pip install "lightning-accel[hf]"'), err
+
+
+def test_load_by_block_builds_on_meta_and_loads_only_from_safetensors(tmp_path) -> None:
+    from lightning_accel.offload.materialize import materialize
+
+    saved = _saved(tmp_path, dtype="bfloat16")
+    net = hf_causal_lm(pretrained_path=str(tmp_path), load_by_block=True)
+    assert {p.device.type for p in net.parameters()} == {"meta"} and net.training
+    materialize(net, {}, [], None)  # what strategy=l2l_offload does, unit by unit
+    torch.testing.assert_close(net.state_dict(), _load(tmp_path, meta=False).state_dict(), rtol=0, atol=0)
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    with pytest.raises(UserError, match="load_by_block=true loads a pretrained_path"):
+        hf_causal_lm(TINY_LLAMA, load_by_block=True)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(saved.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"has no model\.safetensors .* reads safetensors files only"):
+        hf_causal_lm(pretrained_path=str(tmp_path), load_by_block=True)
