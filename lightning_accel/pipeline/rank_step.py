@@ -128,12 +128,17 @@ def _whole_step(
             pipe.train_step(call.micro, shape=shape, chunks=chunks, failed=failed, after=call.backward_before)
             return None, grads, kept, {}
         whole: WholeOutputs | None = None
+        transport: list[Exception] = []  # the exchange itself failed (a peer died): raised as it is, nothing more runs
 
         def drive(args: tuple, kwargs: dict[str, Any]) -> Any:
             nonlocal whole
             chunks = call.split(args, kwargs, chunks_for)
             whole = WholeOutputs(chunks)
-            pipe.forward_phase(call.micro, whole, shape, chunks)
+            try:
+                pipe.forward_phase(call.micro, whole, shape, chunks)
+            except Exception as err:  # noqa: BLE001
+                transport.append(err)
+                raise Left() from None
             if pipe.failure.stopped():
                 raise Left()  # a forward failed (here or on a peer): the step does not go on
             return whole.joined(call.sizes)
@@ -149,6 +154,8 @@ def _whole_step(
                     pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=err)
                     raise AssertionError("unreachable: train_step raises what failed") from err
                 pipe.record_failure(err, backward=False)
+        if transport:
+            raise transport[0]
         if whole is None:
             pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=ValueError(_NO_CALL.format(call.name)))
             raise AssertionError("unreachable")
