@@ -100,7 +100,7 @@ PY
     if [ "$part" = tier ] || [ "$part" = all ]; then
         # issue #49: pinned O_DIRECT buffers under a CUDA device (the cuda-marked tier test compares with the run in memory)
         step "NVMe tier tests" tier-tests.log python3 -m pytest -ra -q -p no:cacheprovider tests/strategies/test_l2l_tier.py \
-            tests/offload/test_disk_io.py tests/offload/test_tier_plan.py
+            tests/strategies/test_l2l_materialize.py tests/offload/test_disk_io.py tests/offload/test_tier_plan.py
         step "torch.cuda.gds present" tier-gds.log python3 -c "import torch, torch.cuda.gds as g; print('gds', hasattr(g, 'GdsFile'))"
         step "bench offload --nvme" bench-offload-nvme.txt python3 -m lightning_accel.cli bench offload --nvme
     fi
