@@ -22,8 +22,8 @@ from lightning_accel.patching import swapped
 
 def materialize_meta(model: nn.Module, blocks: object, prefetch_blocks: int, offload_resident: bool, nvme_path: str | None,
                      owner: str, supported: bool = True) -> Materialized | None:
-    """``model``'s meta tensors given real ones (None: it had none). ``supported``: this strategy materializes meta
-    models (the data-parallel one does not yet: refused in one line)."""
+    """``model``'s meta tensors given real ones (None: it had none). ``supported``: the strategy materializes meta
+    models (both L2L strategies do; another that mixes in the hooks without saying so is refused in one line)."""
     names = meta_names(model)
     if not names:
         return None

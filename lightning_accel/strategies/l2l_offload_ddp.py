@@ -43,6 +43,10 @@ is there) and the units that start training are given out around them
 parameters that required grad when it wrapped the model, so a backbone unfrozen later is not averaged and its ranks
 drift apart; here the ranks equal one process on the global batch.
 
+A model built on meta (``configure_model``, ``trainer.init_module(empty_init=True)``, ``hf_causal_lm(load_by_block=True)``)
+is materialized unit by unit on every rank, each through its own staging files under ``nvme_path``
+(:mod:`~lightning_accel.strategies.l2l_materialize`), as under ``L2LOffloadStrategy``.
+
 At setup rank 0's weights and buffers go to every rank, as DDP does when it wraps the model;
 after that each rank keeps its own buffers (DDP's ``broadcast_buffers=False``): BatchNorm
 running statistics are per rank.
@@ -124,6 +128,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
     """
 
     strategy_name = "l2l_offload_ddp"
+    _materializes_meta = True  # every rank fills its own copy unit by unit (each through its own staging files)
     _averaging = "gradients are averaged block by block by the strategy itself"
     _fp16_hint = "OffloadPrecision('16-mixed')"
 

@@ -99,7 +99,7 @@ CASES = [
     "gpt64-part-2ep", "gpt64-part-resumed", "gpt64-ddp-resumed",
     # the NVMe tier (both ranks under one nvme_path), each against the case above without it
     "gpt32-part-tier", "gptbf16-part-tier", "gpt16-part-tier", "gpt64-repl-tier", "gpt64-part-accclip-tier",
-    "gpt64-part-resident-tier", "gpt64-part-tier", "gpt64-part-tier-resumed", "gpt32-part-budget",
+    "gpt64-part-resident-tier", "gpt64-part-tier", "gpt64-part-tier-resumed", "gpt32-part-budget", "llama64-part-block",
 ]
 
 
@@ -266,7 +266,8 @@ def test_delayed_update_equals_one_device_delayed_on_the_global_batches(two_rank
 TIERED = [("gpt32-part", "gpt32-part-tier"), ("gptbf16-part", "gptbf16-part-tier"), ("gpt16-part", "gpt16-part-tier"),
           ("gpt64-repl", "gpt64-repl-tier"), ("gpt64-part-accclip", "gpt64-part-accclip-tier"),
           ("gpt64-part-resident", "gpt64-part-resident-tier"), ("gpt64-part", "gpt64-part-tier"),
-          ("gpt64-part-resumed", "gpt64-part-tier-resumed"), ("gpt32-part", "gpt32-part-budget")]
+          ("gpt64-part-resumed", "gpt64-part-tier-resumed"), ("gpt32-part", "gpt32-part-budget"),
+          ("llama64-part", "llama64-part-block")]  # a checkpoint built on meta and loaded by block into each rank's tier
 
 
 @pytest.mark.parametrize(("in_memory", "tiered"), TIERED, ids=[t for _, t in TIERED])

@@ -16,7 +16,8 @@ the embeddings and head stream from the host too, a fifth unit of the partition)
 every parameter's gradient and the whole model's norm), ``acc`` (accumulate 2 batches), ``tier`` (the NVMe tier,
 both ranks under ``OUT_DIR/nvme`` with no host budget: every block's optimizer state, masters and shadows on disk;
 ``resumed`` then starts from ``{model}-{how}-tier.ckpt``), ``budget`` (the tier under a host budget per rank that
-keeps part of it in memory). Rank-local results also hold the rank's optimizer state and, with the tier, its plan
+keeps part of it in memory), ``block`` (``llama64`` saved with ``save_pretrained`` before the first fit, built on meta
+and loaded by block into each rank's tier: ``hf_causal_lm(load_by_block=True)``). Rank-local results also hold the rank's optimizer state and, with the tier, its plan
 line and its scratch directory during the fit.
 """
 
@@ -143,6 +144,11 @@ class TierSeen(pl.Callback):
 def fit(out: str, devices: int, case: str) -> None:
     model, how, *extras = case.split("-")
     task = llama_task() if model == "llama64" else gpt_task(torch.float32 if model in ("gpt32", "gptbf16", "gpt16") else torch.float64)
+    if "block" in extras:  # the same Llama, saved, built on meta and loaded by block into each rank's tier
+        from lightning_accel.models.hf import hf_causal_lm
+        from tests.support.real_models import CausalLM
+
+        task = CausalLM(hf_causal_lm(pretrained_path=os.path.join(out, "llama64-saved"), dtype="float64", load_by_block=True))
     data = llama_loader() if model == "llama64" else DataLoader(gpt_data(devices), batch_size=PER_RANK_BATCH)
     kwargs: dict[str, Any] = {}
     if "accclip" in extras:
@@ -157,7 +163,7 @@ def fit(out: str, devices: int, case: str) -> None:
         if model == "gpt16":  # Lightning's 16-mixed on the CPU has no scaler; give it one
             plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)))
     else:
-        tier = {"nvme_path": os.path.join(out, "nvme")} if {"tier", "budget"} & set(extras) else {}
+        tier = {"nvme_path": os.path.join(out, "nvme")} if {"tier", "budget", "block"} & set(extras) else {}
         if "budget" in extras:
             tier["host_budget"] = TIER_BUDGET
         strategy = L2LOffloadDDPStrategy(host_step="partitioned" if how == "part" else "replicated",
@@ -211,6 +217,8 @@ def fit(out: str, devices: int, case: str) -> None:
 def main() -> None:
     out, devices, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
     torch.set_num_threads(1)
+    if any("block" in c.split("-") for c in cases) and os.environ.get("LOCAL_RANK", "0") == "0":
+        llama_task().net.save_pretrained(os.path.join(out, "llama64-saved"))  # before rank 1 exists (the first fit starts it)
     for case in cases:
         fit(out, devices, case)
 
