@@ -8,14 +8,14 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.memory_cgroup import memory_cgroup
+
 WORKER = Path(__file__).parents[1] / "support" / "workers" / "tier_memory_worker.py"
-ROOT = Path("/sys/fs/cgroup/memory")
 # 16 blocks of 1536 x 1536 Linears (37.8M parameters): in memory 16 B a parameter (fp32 master, gradient, two AdamW
 # moments), 0.60 GB beside the interpreter's ~0.33 GB; with the tier the state and masters (0.45 GB) are on disk and
 # 3 buffers of one block's (0.085 GB) take their place
@@ -25,25 +25,8 @@ LIMIT = 760 * 2**20
 
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
-    if os.geteuid() != 0 or not (ROOT / "cgroup.procs").exists():
-        pytest.skip("needs root and the cgroup v1 memory controller (/sys/fs/cgroup/memory)")
-    path = ROOT / f"lightning-accel-test-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir()
-        (path / "memory.limit_in_bytes").write_text(str(LIMIT))
-    except OSError as err:
-        pytest.skip(f"cannot make a memory cgroup here: {err}")
-    try:
+    with memory_cgroup(LIMIT) as path:
         yield path
-    finally:
-        for _ in range(50):
-            try:
-                path.rmdir()
-                break
-            except OSError:
-                import time
-
-                time.sleep(0.1)
 
 
 def _start(tmp_path: Path, cgroup: Path | None, nvme: bool) -> subprocess.Popen[str]:
