@@ -509,18 +509,26 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, Split
 
     def _gather_in_step(self) -> str:
         """Why ``self.all_gather`` in ``training_step`` is refused when micro-batches run it (one line, with the fixes)."""
+        schedule = "schedule='auto'" if self._auto is not None else f"schedule={self.schedule!r}"
         return (
-            f"{type(self).__name__}(chunks={self.chunks}) runs training_step once per micro-batch: self.all_gather there "
-            "would gather one micro-batch's values, not the batch's as under DDP; gather in on_train_batch_end or "
-            "validation_step, or use chunks=1"
+            f"{type(self).__name__}(chunks={self.chunks}, {schedule}) runs training_step once per micro-batch on the last "
+            "stage's rank: self.all_gather there would gather one micro-batch's values, not the batch's as under DDP; "
+            "gather in on_train_batch_end or validation_step, use schedule='gpipe' (training_step once per batch), or "
+            "chunks=1"
         )
+
+    def _whole_steps(self) -> bool:
+        """Whether ``training_step`` runs once per batch (:mod:`~lightning_accel.pipeline.whole_step`): GPipe, not tuned to
+        another schedule during the fit."""
+        return self._auto is None and self.schedule == "gpipe"
 
     @override
     def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
         """Also: ``self.all_gather`` in a ``training_step`` that micro-batches run (read from its source; a call the source
-        does not show is refused when it is made, :meth:`all_gather`)."""
+        does not show is refused when it is made, :meth:`all_gather`). Under GPipe the step runs once per batch, and a
+        gather there is the replicas' whole batches, as under DDP."""
         super().check_fit(module, sync_batchnorm)
-        if self.chunks > 1 and calls_in(module, "training_step", "all_gather"):
+        if self.chunks > 1 and not self._whole_steps() and calls_in(module, "training_step", "all_gather"):
             raise ValueError(self._gather_in_step())
 
     @override

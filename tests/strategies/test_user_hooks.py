@@ -41,13 +41,16 @@ def test_a_call_is_read_from_the_users_own_hook_only():
 
 def test_all_gather_in_a_micro_batched_training_step_is_refused_before_the_first_step_or_when_called():
     """DDP gathers the whole batch's values; a micro-batch's training_step would gather half of them (2 vs 4 numbers
-    in the all_gather_training conformance cell). chunks=1 runs training_step once per batch: allowed."""
-    strategy = DistributedGPipeStrategy(chunks=2)
-    line = (r"^DistributedGPipeStrategy\(chunks=2\) runs training_step once per micro-batch: self.all_gather there would "
-            r"gather one micro-batch's values, not the batch's as under DDP; gather in on_train_batch_end or "
-            r"validation_step, or use chunks=1$")
+    in the all_gather_training conformance cell, before the step ran once per batch under GPipe). chunks=1, or GPipe
+    (training_step once per batch: lightning_accel.pipeline.whole_step): allowed."""
+    strategy = DistributedGPipeStrategy(chunks=2, schedule="1f1b")
+    line = (r"^DistributedGPipeStrategy\(chunks=2, schedule='1f1b'\) runs training_step once per micro-batch on the last "
+            r"stage's rank: self.all_gather there would gather one micro-batch's values, not the batch's as under DDP; "
+            r"gather in on_train_batch_end or validation_step, use schedule='gpipe' \(training_step once per batch\), or "
+            r"chunks=1$")
     with pytest.raises(ValueError, match=line):
         strategy.check_fit(Gathers(), False)
+    DistributedGPipeStrategy(chunks=2).check_fit(Gathers(), False)  # GPipe: the step runs once per batch
     strategy.check_fit(GathersInValidation(), False)  # not seen in the source: refused at the call instead
     strategy.pipeline = SimpleNamespace(_forwarding=True, step_chunks=2)
     with pytest.raises(ValueError, match=line):
