@@ -32,7 +32,7 @@ from lightning_accel.pipeline.kept_outputs import Appended, KeptLists
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.step_report import EvalLogs, MicroBatchLogs, StepResult, silenced
-from lightning_accel.pipeline.whole_step import Captured, EntryCall, Left, WholeOutputs
+from lightning_accel.pipeline.whole_step import EntryCall, Left, WholeOutputs
 
 __all__ = ["eval_step", "kept_on_cpu", "train_step"]
 
@@ -112,18 +112,8 @@ def _whole_step(
 
     with set_aside(pipe.parameters()) as grads:
         if not pipe.holds_last:
-            failed: Exception | None = None
-            with logs.recording(module, 0), call.capturing():
-                try:
-                    step(batch)
-                    failed = ValueError(_NO_CALL.format(call.name))
-                except Captured as captured:
-                    try:
-                        call.split(captured.call_args, captured.call_kwargs, chunks_for)
-                    except Exception as err:  # noqa: BLE001
-                        failed = err
-                except Exception as err:  # noqa: BLE001  # the step's code before the model's call
-                    failed = err
+            with logs.recording(module, 0):
+                failed = call.capture(step, batch, chunks_for, "training_step")
             chunks = len(call.parts) if failed is None else pipe.microbatches(size[0])
             pipe.train_step(call.micro, shape=shape, chunks=chunks, failed=failed, after=call.backward_before)
             return None, grads, kept, {}
@@ -144,21 +134,22 @@ def _whole_step(
             return whole.joined(call.sizes)
 
         out: Any = None
+        failed: Exception | None = None
         with logs.recording(module, 0), kept.recording(), call.driving(drive):
             try:
                 out = step(batch)
             except Left:
                 pass
             except Exception as err:  # noqa: BLE001
-                if whole is None:  # before the model's call: no forward ran; the schedule runs on stand-ins
-                    pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=err)
-                    raise AssertionError("unreachable: train_step raises what failed") from err
-                pipe.record_failure(err, backward=False)
+                failed = err
         if transport:
             raise transport[0]
-        if whole is None:
-            pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]), failed=ValueError(_NO_CALL.format(call.name)))
-            raise AssertionError("unreachable")
+        if whole is None:  # no forward ran (the step failed before the model's call, or never made it): on stand-ins
+            pipe.train_step(lambda i: None, shape=shape, chunks=pipe.microbatches(size[0]),
+                            failed=failed or call.not_called("training_step"))
+            raise AssertionError("unreachable: train_step raises what failed")
+        if failed is not None:  # the step's code after the model's call
+            pipe.record_failure(failed, backward=False)
         if not pipe.failure.stopped():
             if out is None:
                 pipe.record_failure(ValueError("training_step returned None (skip the batch), but the pipeline has already run its "
@@ -175,10 +166,6 @@ def _whole_step(
     loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
     result = (loss.detach().cpu(), logs.reduced(size, loss_reduction, constant_sizes), isinstance(reduced, Mapping))
     return result, grads, kept, kept.merged(size, loss_reduction)
-
-
-_NO_CALL = ("training_step returned without calling {0} (the module that runs the pipelined blocks); the pipeline runs "
-            "the blocks inside that call: call the model in training_step")
 
 
 def kept_on_cpu(appended: Appended) -> Appended:
@@ -218,18 +205,9 @@ def eval_step(
     split: EntryCall | None = None  # the model's call of the step run once, split into the streamed micro-batches
     if pipe.entry is not None and not pipe.holds_last:  # the step once, up to the model's call, whose micro-batches stream
         call = EntryCall(*pipe.entry)
-        with silenced(module), call.capturing():
-            try:
-                step(batch)
-                failed = ValueError(_NO_CALL.format(call.name).replace("training_step", hook))
-            except Captured as captured:
-                try:
-                    call.split(captured.call_args, captured.call_kwargs, lambda n: len(parts))
-                    split = call
-                except Exception as err:  # noqa: BLE001
-                    failed = err
-            except Exception as err:  # noqa: BLE001  # the step's code before the model's call
-                failed = err
+        with silenced(module):
+            failed = call.capture(step, batch, lambda n: len(parts), hook)
+        split = call if failed is None else None
     out = pipe.evaluate(size, run, failed=failed)
     sent = map_tensors(out, lambda t: t.detach().cpu()) if pipe.holds_last else None
     appended = kept.merged([size], "mean") if pipe.holds_last else {}

@@ -36,7 +36,22 @@ from torch import Tensor, nn
 from lightning_accel.patching import swapped
 from lightning_accel.pipeline.microbatch import gather_output, map_tensors, scatter_call, tensors_in
 
-__all__ = ["Captured", "EntryCall", "Left", "WholeOutputs", "entry_module"]
+__all__ = ["Captured", "EntryCall", "Left", "WholeOutputs", "as_leaves", "entry_module"]
+
+
+def as_leaves(value: Any) -> tuple[Any, list[tuple[Tensor, Tensor]]]:
+    """``value`` with each tensor that carries a gradient replaced by a detached leaf that requires one, and the
+    (tensor, leaf) pairs: a graph cut whose two sides' backwards run apart (the leaves' gradients start the other)."""
+    pairs: list[tuple[Tensor, Tensor]] = []
+
+    def leaf(t: Tensor) -> Tensor:
+        if not t.requires_grad:
+            return t
+        copy = t.detach().requires_grad_()
+        pairs.append((t, copy))
+        return copy
+
+    return map_tensors(value, leaf), pairs
 
 
 class Captured(BaseException):
@@ -101,17 +116,35 @@ class EntryCall:
         # a part computed with gradients before the call (an embedding outside the entry) enters each micro-batch as a
         # leaf of its own: the schedule's backwards give the leaves gradients, and the code before the call is
         # backpropagated once, from all of them (backward_before), as plain training runs it once
-        self.before = []
-
-        def leaf(t: Tensor) -> Tensor:
-            if not t.requires_grad:
-                return t
-            copy = t.detach().requires_grad_()
-            self.before.append((t, copy))
-            return copy
-
-        self.parts = [map_tensors(part, leaf) for part in parts]
+        self.parts, self.before = [], []
+        for part in parts:
+            leaves, pairs = as_leaves(part)
+            self.parts.append(leaves)
+            self.before += pairs
         return len(self.parts)
+
+    def capture(self, step: Callable[[Any], Any], batch: Any, chunks: Callable[[int], int], hook: str) -> Exception | None:
+        """Run ``step(batch)`` up to the entry's call and split the call (:meth:`split`); what failed instead: the step's
+        own error before the call, a call that cannot be split, or a step that never made it (``hook`` names it)."""
+        with self.capturing():
+            try:
+                step(batch)
+            except Captured as captured:
+                try:
+                    self.split(captured.call_args, captured.call_kwargs, chunks)
+                except Exception as err:  # noqa: BLE001
+                    return err
+                return None
+            except Exception as err:  # noqa: BLE001  # the step's code before the model's call
+                return err
+        return self.not_called(hook)
+
+    def not_called(self, hook: str) -> ValueError:
+        """The error of a step that returned without calling the entry."""
+        return ValueError(
+            f"{hook} returned without calling {self.name} (the module that runs the pipelined blocks); the pipeline "
+            f"runs the blocks inside that call: call the model in {hook}"
+        )
 
     def backward_before(self) -> None:
         """The backward of the step's code before the entry's call, from the gradients its micro-batches gave their
@@ -141,14 +174,7 @@ class EntryCall:
             )
 
     def capturing(self) -> Any:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._through:
-                return self.original(*args, **kwargs)
-            self._second()
-            raise Captured(args, kwargs)
-
-        self.calls = 0
-        return swapped(self.module, "forward", forward)
+        return self.driving(_capture)
 
     def driving(self, drive: Callable[[tuple, dict[str, Any]], Any]) -> Any:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -159,6 +185,10 @@ class EntryCall:
 
         self.calls = 0
         return swapped(self.module, "forward", forward)
+
+
+def _capture(args: tuple, kwargs: dict[str, Any]) -> Any:
+    raise Captured(args, kwargs)
 
 
 class _FromLeaves(torch.autograd.Function):
@@ -186,15 +216,7 @@ class WholeOutputs:
 
     def keep(self, index: int, out: Any, device: torch.device) -> Tensor:
         """Micro-batch ``index``'s output: kept; returns the stand-in loss the schedule's backward starts from."""
-        pairs: list[tuple[Tensor, Tensor]] = []
-
-        def leaf(t: Tensor) -> Tensor:
-            copy = t.detach().requires_grad_(t.requires_grad)
-            if t.requires_grad:
-                pairs.append((t, copy))
-            return copy
-
-        self.leaves[index] = map_tensors(out, leaf)
+        self.leaves[index], pairs = as_leaves(out)
         self._pairs[index] = [c for _, c in pairs]
         if not pairs:  # nothing of this micro-batch's output trains: a stand-in whose backward is empty
             return torch.zeros(1, device=device, requires_grad=True)
@@ -206,6 +228,3 @@ class WholeOutputs:
 
     def gradients(self, index: int) -> list[Tensor | None]:
         return [c.grad for c in self._pairs.get(index, [])]
-
-    def leaf_tensors(self) -> list[Tensor]:
-        return [c for index in sorted(self._pairs) for c in self._pairs[index]]

@@ -85,3 +85,26 @@ def test_gradients_from_the_joined_output_equal_the_whole_batchs() -> None:
     call.backward_before()
     for name, p in task.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_capture_says_what_failed_instead_of_a_call_it_can_split() -> None:
+    """A rank's step run up to the model's call: the step's own error before the call, a step that never makes the call,
+    a call without a batched tensor, each returned (every rank then ends the step with it), in one line."""
+    task = Task()
+    call = EntryCall("net", task.net)
+    x = torch.randn(4, 3)
+    assert call.capture(lambda b: task.net(b), x, lambda n: 2, "training_step") is None
+    assert call.sizes == [2, 2]
+
+    def raises(_: torch.Tensor) -> None:
+        raise KeyError("input_ids")
+
+    assert isinstance(call.capture(raises, x, lambda n: 2, "training_step"), KeyError)
+    never = call.capture(lambda b: b.sum(), x, lambda n: 2, "validation_step")
+    assert isinstance(never, ValueError)
+    assert str(never) == ("validation_step returned without calling net (the module that runs the pipelined blocks); the "
+                          "pipeline runs the blocks inside that call: call the model in validation_step")
+    unbatched = call.capture(lambda b: task.net(scale=1.0), x, lambda n: 2, "training_step")
+    assert isinstance(unbatched, ValueError)
+    assert str(unbatched).startswith("net was called without a batched tensor argument; the pipeline splits the call")
+    assert task.net.forward.__func__ is Net.forward  # the module's own forward again after each capture
