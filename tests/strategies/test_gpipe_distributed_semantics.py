@@ -142,6 +142,17 @@ def test_a_validation_steps_exception_ends_fit_on_every_rank_as_itself(two_ranks
         )
 
 
+def test_a_training_step_returning_none_after_the_models_call_is_refused_in_one_line_on_every_rank(two_ranks):
+    """Lightning skips a batch whose training_step returns None; the pipeline has already run the batch's forwards by
+    then (the model's call inside the step runs them), so it refuses, on every rank, naming the fix; the module is whole
+    after the fit."""
+    for r in range(2):
+        assert (two_ranks / f"raising-none-rank{r}.txt").read_text() == (
+            "ValueError: training_step returned None (skip the batch), but the pipeline has already run its forward; skip "
+            "a batch before calling the model (raised by pipeline stage 1 on rank 1) | on_exception: ValueError | whole: True"
+        )
+
+
 def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):
     """transformers' Mixtral (its experts' grouped_mm refuses meta float32) on 2 ranks, 2 micro-batches, float32: the
     next stage's rank gets the structure of the block output it receives with torch's shape metadata, so no block runs

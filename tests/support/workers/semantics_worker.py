@@ -355,11 +355,21 @@ class RaisingInValidation(BatchNormBlocks):
         self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
 
 
+class SkipsAfterTheCall(BatchNormBlocks):
+    """training_step returns None (Lightning's 'skip this batch') on its second batch, after calling the network."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
 def run_raising(out: str) -> None:
-    """Rank 1's last block raises MyError in the second step, then (a second fit) validation_step raises;
+    """Rank 1's last block raises MyError in the second step, then (a second fit) validation_step raises, then (a third)
+    training_step returns None after calling the network;
     each rank saves what reached it, what on_exception got and whether its module is whole after the fit, and exits at
     once (the last section)."""
-    for name, model, kwargs in [("raising", RaisingModel(), {}), ("raising-validation", RaisingInValidation(), {"val": True})]:
+    for name, model, kwargs in [("raising", RaisingModel(), {}), ("raising-validation", RaisingInValidation(), {"val": True}),
+                                ("raising-none", SkipsAfterTheCall(), {})]:
         strategy = DistributedGPipeStrategy(chunks=4, balance=[2, 2] if name == "raising" else [4, 3],
                                             blocks=lambda net: list(net), timeout=60)
         seen = SeesException()
