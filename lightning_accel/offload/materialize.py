@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-_ALIGN = 4096  # each staged tensor starts on a page: a unit's tensors never share one
+from lightning_accel.offload.disk_io import align_up
 
 
 def meta_names(model: nn.Module) -> list[str]:
@@ -143,10 +143,11 @@ def _initializer(route: _Route, module: nn.Module) -> Callable[[], None] | None:
     return reset if callable(reset) else None
 
 
-def check(model: nn.Module, owner: str) -> None:
+def check(model: nn.Module, owner: str, route: _Route | None = None) -> None:
     """Refuse, before anything is allocated, a meta tensor nothing here can fill: a parameter the registered checkpoint
-    lacks (or holds in another shape), or a tensor of a module with no initializer."""
-    route = _route(model)
+    lacks (or holds in another shape), or a tensor of a module with no initializer. ``route``: :func:`_route`'s, when
+    the caller has it."""
+    route = _route(model) if route is None else route
     names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
     parent = {id(c): m for m in model.modules() for c in m.children()}
     for _, module in route.order:
@@ -217,7 +218,7 @@ class Staging:
     def alloc(self, unit: int, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         mapped, fd, at = self._maps[unit]
         nbytes = shape.numel() * dtype.itemsize
-        self._maps[unit] = (mapped, fd, at + _align(nbytes))
+        self._maps[unit] = (mapped, fd, at + align_up(nbytes))  # each staged tensor starts on a page
         return torch.from_numpy(mapped[at:at + nbytes]).view(dtype).view(shape)
 
     def finish(self, unit: int) -> None:
@@ -241,10 +242,6 @@ class Staging:
         self.ranges.clear()
 
 
-def _align(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 @dataclass
 class Materialized:
     """What :func:`materialize` did: where the tensors went, and the most new bytes it held in memory at once."""
@@ -266,8 +263,8 @@ def materialize(model: nn.Module, unit_of: dict[int, int], on_disk: Iterable[int
     or buffer) -> its unit's index; ``on_disk``: the units allocated in staging files under ``staging_dir`` (the
     others in memory). Meta parameters are replaced by new ``nn.Parameter`` objects (a meta tensor cannot take CPU
     data), tied ones by the same one, so plan the units again afterwards."""
-    check(model, owner)
     route = _route(model)
+    check(model, owner, route)
     disk = set(on_disk) if staging_dir is not None else set()
     staging = Staging(staging_dir) if disk and staging_dir is not None else None
     left: dict[int, int] = {}  # unit -> its meta tensors not yet filled
@@ -279,7 +276,7 @@ def materialize(model: nn.Module, unit_of: dict[int, int], on_disk: Iterable[int
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 left[unit] = left.get(unit, 0) + 1
-                size[unit] = size.get(unit, 0) + _align(tensor.numel() * tensor.element_size())
+                size[unit] = size.get(unit, 0) + align_up(tensor.numel() * tensor.element_size())
     done = Materialized(staging)
     filling: dict[int, int] = {}  # disk unit being filled -> its bytes so far
     replaced: dict[int, nn.Parameter] = {}
