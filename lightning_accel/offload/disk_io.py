@@ -186,16 +186,24 @@ class DiskIO:
         return future
 
     def read(self, file: DirectFile, buf: Tensor, offset: int, nbytes: int, urgent: bool = False) -> Future[None]:
-        return self._submit(file, buf, offset, nbytes, os.preadv, write=False, priority=0 if urgent else 1)
+        return self.read_spans(file, buf, [(offset, 0, nbytes)], urgent)
 
     def write(self, file: DirectFile, buf: Tensor, offset: int, nbytes: int) -> Future[None]:
-        return self._submit(file, buf, offset, nbytes, os.pwritev, write=True, priority=1)
+        return self.write_spans(file, buf, [(offset, 0, nbytes)])
 
-    def _submit(self, file: DirectFile, buf: Tensor, offset: int, nbytes: int,
+    def read_spans(self, file: DirectFile, buf: Tensor, spans: list[tuple[int, int, int]], urgent: bool = False) -> Future[None]:
+        """Read each ``(file offset, buffer offset, bytes)`` of ``spans`` (aligned) into ``buf``: one future for all."""
+        return self._submit(file, buf, spans, os.preadv, write=False, priority=0 if urgent else 1)
+
+    def write_spans(self, file: DirectFile, buf: Tensor, spans: list[tuple[int, int, int]]) -> Future[None]:
+        return self._submit(file, buf, spans, os.pwritev, write=True, priority=1)
+
+    def _submit(self, file: DirectFile, buf: Tensor, spans: list[tuple[int, int, int]],
                 call: Callable[[int, list[memoryview], int], int], write: bool, priority: int) -> Future[None]:
-        parts = [self._submit_part(priority, _whole, call, file, view, at) for view, at in file.requests(buf, offset, nbytes)]
+        requests = [r for offset, at, nbytes in spans for r in file.requests(buf[at:], offset, nbytes)]
+        parts = [self._submit_part(priority, _whole, call, file, view, at) for view, at in requests]
         done: Future[None] = Future()
-        total = align_up(nbytes)
+        total = sum(align_up(nbytes) for _, _, nbytes in spans)
         remaining = [len(parts)]
         lock = threading.Lock()
 

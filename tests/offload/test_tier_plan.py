@@ -59,7 +59,8 @@ def test_a_budget_that_even_the_disk_cannot_meet_is_refused() -> None:
 
 def test_the_weights_leave_last_and_the_compute_reads_them_from_disk() -> None:
     # bf16 shadows (2 kB a unit) the compute runs on twice a step; 3 weight buffers of a unit's shadows
-    units = [UnitBytes(f"layers.{i}", state=8000, masters=4000, weights=2000, grads=4000, compute_reads=2, disk_weights=2000)
+    units = [UnitBytes(f"layers.{i}", state=8000, masters=4000, weights=2000, grads=4000, compute_reads=2, disk_weights=2000,
+                       step_weights=2000)
              for i in range(10)]
     masters = plan_tier(units, 96_000, nvme=True, weight_buffers=3)  # 10 x (2 + 4) kB + 3 x 12 kB: state and masters suffice
     assert all(masters.masters_on_disk) and not any(masters.weights_on_disk) and masters.compute_read_bytes == 0
