@@ -40,6 +40,9 @@ class TierOptions:
     cannot_overlap: tuple[str, str | None] | None = None
     resident: bool | None = False  # offload_resident as given (None: the plan's)
     cpu: bool = False  # the device is the host: the resident unit kept on it is host memory
+    # streamed, the resident unit computes as kept (a CPU device in fp32: on its masters either way; under bf16 streamed
+    # it would compute on bf16 shadows, kept on its fp32 weights under autocast: not the same run)
+    resident_alike: bool = True
     nvme: bool = False
     chunk: int | None = None  # strategy.nvme_chunk (None: the plan's)
 
@@ -56,9 +59,9 @@ Sizes = Callable[[bool], tuple[list[UnitBytes], int]]
 
 
 def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed: int = 0, weight_buffers: int = 0,
-                blocks_in_flight: int = BLOCKS_IN_FLIGHT) -> tuple[TierPlan, TierChoice]:
-    """The plan and what it chose (see the module doc). Raises :class:`~.tier_plan.BudgetRefused` naming the figures and
-    the fix."""
+                blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False) -> tuple[TierPlan, TierChoice]:
+    """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place).
+    Raises :class:`~.tier_plan.BudgetRefused` naming the figures and the fix."""
     overlap_open = options.overlap is None and options.cannot_overlap is None
     if options.overlap is not None:
         overlaps = [bool(options.overlap) and options.cannot_overlap is None]
@@ -68,8 +71,12 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         overlaps = [True]
     else:
         overlaps = list(dict.fromkeys([options.overlap_default, True]))
-    can_stream = options.cpu and options.nvme  # (on an accelerator streaming it adds host bytes; without a disk, moves none)
-    residents = [bool(options.resident)] if options.resident is not None or not can_stream else [False, True]
+    # (on an accelerator streaming it adds host bytes; without a disk it moves none)
+    can_stream = options.cpu and options.nvme and options.resident_alike
+    if streamed:
+        residents = [True]
+    else:
+        residents = [bool(options.resident)] if options.resident is not None or not can_stream else [False, True]
 
     def plan(choice: TierChoice) -> TierPlan:
         units, kept = sizes(choice.stream_resident)
@@ -93,7 +100,7 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         why, fix = options.cannot_overlap or ("overlap_step=False holds every block's gradients until the step", "leave overlap_step unset")
         if fix is not None:
             blocked.append((why, fix))
-    if can_stream and True not in residents:
+    if can_stream and True not in residents and not streamed:
         blocked.append(("offload_resident=False keeps the resident unit (its parameters, gradients and optimizer state) in host "
                         "memory on the CPU device", "leave offload_resident unset"))
     if not blocked:

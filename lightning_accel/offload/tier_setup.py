@@ -8,7 +8,6 @@ Lightning.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -147,9 +146,7 @@ def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | No
             sized = [adjust(size, unit) for size, unit in zip(sized, tier_units)]
         return sized, kept_bytes(plan.resident, keys) if options.cpu and not stream else 0
 
-    if streams:  # (already streamed: the plan has no other place for it)
-        options = dataclasses.replace(options, resident=True)
-    tier_plan, choice = choose_tier(options, sizes, budget, fixed=fixed,
+    tier_plan, choice = choose_tier(options, sizes, budget, fixed=fixed, streamed=streams,
                                     weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH)
     return tier_plan, choice, keys
 

@@ -303,7 +303,8 @@ class L2LOffloadHooks(Strategy):
         cpu = self.root_device.type == "cpu"
         options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
                               resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
-                              cpu=cpu, nvme=self.nvme_path is not None, chunk=self.nvme_chunk)
+                              cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
+                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk)
         blocks = len(executor.plan.blocks)
 
         def reads_of(streamed: bool) -> list[int]:

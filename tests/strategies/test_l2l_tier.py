@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_accel.estimate.tier import tier_plan
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.offload import tier as tier_module
+from lightning_accel.offload import tier_plan as tier_plan_module
 from lightning_accel.offload.tier_dir import PREFIX
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
@@ -137,6 +139,37 @@ def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.L
     assert stats.peak_host_bytes + stats.host_optimizer_bytes + plan.resident_kept <= 17.5e6 and stats.nvme_bytes > 0
 
 
+def test_a_budget_met_by_streaming_the_resident_unit_streams_it_and_trains_as_the_run_in_memory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # fp32 on the CPU device: the resident unit kept (0.56 MB: parameters, gradients, AdamW state) is host memory; a
+    # budget between the least the plan keeps with it kept and with it streamed: the plan streams it (the strategy's
+    # executor is made again), in chunks as the blocks, and the run is the one in memory (the resident unit kept)
+    net = Task().net
+    plans = [tier_plan(net, [ADAMW(net.parameters())], nvme_path=str(tmp_path), offload_resident=streamed, nvme_chunk=2**20)
+             for streamed in (False, True)]
+    assert plans[1].host_bytes < plans[0].host_bytes
+    budget = (plans[0].host_bytes + plans[1].host_bytes) // 2
+    in_memory = _fit(L2LOffloadStrategy())
+    with caplog.at_level("INFO"):
+        tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget))
+    _assert_same(in_memory, tiered)
+    plan = tiered[1].strategy._tier_plan
+    assert plan.held == 1 and tiered[1].strategy._executor is None  # (torn down)
+    assert "the plan chose: the blocks step during the backward (4 blocks' gradients at once), the resident unit streamed " \
+           "through the tier" in caplog.text and "resident unit of 35,072 parameters (streamed)" in caplog.text
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
+                                         r"offload_resident=False keeps the resident unit .*: leave offload_resident unset, or "
+                                         r"raise host_budget to at least"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget, offload_resident=False))
+    # six blocks' gradients held after the backward where the budget needs four at once: named, with the fix
+    six = functools.partial(Task, ADAMW, False, 6)
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
+                                         r"gradient_clip_val=0.5 needs every gradient before any block steps .*: drop "
+                                         r"gradient_clip_val, or raise host_budget"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget="10MB"), task=six, gradient_clip_val=0.5)
+    assert not list(tmp_path.iterdir())
+
+
 def test_blocks_stepped_in_the_backward_hold_the_gradients_the_plan_counted(tmp_path: Path) -> None:
     # 6 blocks stepping as their gradients land: the backward holds back beyond 4 blocks' gradients, and what the
     # offload keeps (OffloadStats.host_bytes, its peak) is the plan's figure, not a gradient buffer for every block
@@ -227,15 +260,22 @@ def test_what_the_tier_cannot_do_is_refused_before_any_work(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
-def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # every unit, the resident one (embedding, head: 0.49 MB of bf16 shadows, fp32 masters and AdamW state) too, stepped in
+    # chunks of 256 KiB (a test's chunk: below the least a user may give, so that this small model's units are cut)
+    monkeypatch.setattr(tier_plan_module, "MIN_CHUNK", 64 << 10)
     in_memory = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap), "bf16-mixed")
     with caplog.at_level("INFO"):
-        tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path)), "bf16-mixed")
+        tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path), nvme_chunk="256KiB"),
+                      "bf16-mixed")
     _assert_same(in_memory, tiered)
     assert "optimizer state of 4/4 units, fp32 masters of 4/4" in caplog.text
-    # the resident unit's weights too are read through the tier, once a step (held from the forward to the step)
+    # the resident unit's weights too are read through the tier, once a step (held from the forward to the step), into a
+    # buffer of its own; every unit's step through three buffers of 256 KiB
     plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
-    assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0
+    assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0 and plan.step_span(3) > 256 << 10
+    assert plan.step_buffer == 256 << 10 and plan.buffer_bytes == 3 * (256 << 10) + 3 * plan.weight_buffer + plan.compute_span(3)
     assert stats.nvme_read_bytes == 3 * plan.step_read_bytes
     if overlap:  # blocks step as their gradients land: at most 4 units' gradients counted (the resident's always)
         assert tiered[1].strategy._tier_plan.grads_in_flight == 4
