@@ -62,6 +62,10 @@ class SlicedStep:
         of: dict[nn.Parameter, Slice] = {}
         try:
             for part in slices:
+                if id(part.param) not in group_of:  # (a parameter the optimizer was not given: it does not step it)
+                    if part.shadow is not None:
+                        part.shadow.copy_(part.master)
+                    continue
                 grad = part.param.grad
                 assert grad is not None, "a slice of a parameter without a gradient"
                 piece = nn.Parameter(part.master, requires_grad=True)
@@ -77,6 +81,8 @@ class SlicedStep:
                 groups.setdefault(group_of[id(part.param)], []).append(piece)
                 pieces.append(piece)
                 of[piece] = part
+            if not pieces:
+                return
             saved = optimizer.param_groups
             optimizer.param_groups = [{**saved[n], "params": params} for n, params in sorted(groups.items())]
             try:
