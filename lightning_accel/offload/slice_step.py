@@ -32,7 +32,8 @@ UnitStep = Callable[[list[nn.Parameter], dict[nn.Parameter, Tensor], dict[nn.Par
 @dataclass
 class Slice:
     """Elements ``start:stop`` of ``param``: where its master's range is (``master``, 1-D), each per-element state key's
-    range (``state``), and its shadow's range (None: the master is what the device computes on)."""
+    range (``state``), its shadow's range (None: the master is what the device computes on), and its gradient where
+    it is not ``param.grad`` (a parameter the compute still holds: its ``.grad`` takes only the compute's dtype)."""
 
     param: nn.Parameter
     start: int
@@ -40,6 +41,7 @@ class Slice:
     master: Tensor
     state: dict[str, Tensor]
     shadow: Tensor | None = None
+    grad: Tensor | None = None  # the parameter's whole gradient (None: ``param.grad``)
 
 
 class SlicedStep:
@@ -66,7 +68,7 @@ class SlicedStep:
                     if part.shadow is not None:
                         part.shadow.copy_(part.master)
                     continue
-                grad = part.param.grad
+                grad = part.grad if part.grad is not None else part.param.grad
                 assert grad is not None, "a slice of a parameter without a gradient"
                 piece = nn.Parameter(part.master, requires_grad=True)
                 piece.grad = grad.view(-1)[part.start:part.stop]

@@ -113,6 +113,7 @@ class NVMeTier:
         self.files: dict[int, _UnitFile] = {}
         self._maps: list[np.memmap] = []
         self.buffers: StepBuffers | None = None
+        self._partial: dict[Key, list[tuple[int, int, int]]] = {}  # chunks a step needs part of: the requests of that part
         try:
             layouts = {i: self._layout(units[i], plan, i, state_keys, store) for i in range(len(units)) if plan.unit_disk_bytes(i)}
             need = sum(align_up(layout[0]) for layout in layouts.values())
@@ -129,7 +130,8 @@ class NVMeTier:
                                             plan.step_buffer) if plan.step_buffer else []
                 self.files[i] = unit_file
             if plan.step_buffer:
-                self.buffers = StepBuffers(self.io, plan.slots, plan.step_buffer, pin, self._read_chunk)
+                held = frozenset(i for i in range(len(units) - plan.held, len(units)) if i in self.files)
+                self.buffers = StepBuffers(self.io, plan.slots, plan.step_buffer, pin, self._read_chunk, own_units=held)
             for unit_file in self.files.values():
                 self._spill(unit_file)
             # the compute's reads of the masters it runs on (:mod:`.tier_weights`)
@@ -278,37 +280,59 @@ class NVMeTier:
 
     def _read_chunk(self, key: Key, buffer: Tensor) -> Future[None]:
         unit_file = self.files[key[0]]
-        return self.io.read_spans(unit_file.file, buffer, list(unit_file.chunks[key[1]].spans))
+        return self.io.read_spans(unit_file.file, buffer, self._partial.get(key) or list(unit_file.chunks[key[1]].spans))
+
+    def _spans(self, unit_file: _UnitFile, pieces: list[Piece]) -> list[tuple[int, int, int]]:
+        """The requests of ``pieces`` alone (file offset, buffer offset, bytes), adjacent ones merged."""
+        ranges = sorted((s.offset + piece.start * s.itemsize, piece.at[s.key], align_up((piece.stop - piece.start) * s.itemsize))
+                        for piece in pieces for s in self._strands(unit_file, unit_file.params[piece.param]) if s.key in piece.at)
+        spans: list[list[int]] = []
+        for offset, at, nbytes in ranges:
+            if spans and spans[-1][0] + spans[-1][2] == offset and spans[-1][1] + spans[-1][2] == at:
+                spans[-1][2] += nbytes
+            else:
+                spans.append([offset, at, nbytes])
+        return [(o, a, n) for o, a, n in spans]
 
     def step_unit(self, index: int, params: list[nn.Parameter], shadows: dict[nn.Parameter, Tensor],
-                  low_grads: dict[nn.Parameter, Tensor], step: UnitStep) -> None:
+                  low_grads: dict[nn.Parameter, Tensor], step: UnitStep, computing: bool = False,
+                  grads: dict[nn.Parameter, Tensor] | None = None) -> None:
         """Step ``params`` (the unit's parameters with gradients) of spilled unit ``index`` through the step buffers,
         chunk by chunk: take the chunk (read ahead, or read now), step its ranges (:class:`.SlicedStep`: ``step`` on
         them, the shadows the step did not write refreshed), write it back; then give each parameter its state as
         the file's views. Thread-safe against other units' calls (the block steps run on the host-step thread). A step
-        that raises leaves the chunks before it stepped in the file and the rest as they were; every buffer is freed."""
+        that raises leaves the chunks before it stepped in the file and the rest as they were; every buffer is freed.
+        Chunks holding none of ``params`` are neither read nor written. ``computing``: the compute still holds the unit
+        (a streamed resident unit, its parameters stepping as their gradients land), on weights read before: it keeps
+        them (it reads none of ``params`` again); ``grads``: their gradients, where not ``param.grad``."""
         unit_file = self.files[index]
-        self.weights.forget(index)  # a read-ahead of the masters as they are now would be stale after this step
+        # a read-ahead of the weights as they are now would be stale after this step
+        self.weights.forget(index, keep_taken=computing)
         wanted = {id(p) for p in params}
         stepping = SlicedStep(self.optimizer, step)
         assert self.buffers is not None
         for number, chunk in enumerate(unit_file.chunks):
-            slot = self.buffers.take((index, number))
+            pieces = [piece for piece in chunk.pieces if id(unit_file.params[piece.param]) in wanted]
+            if not pieces:
+                self.buffers.skip((index, number))
+                continue
+            # part of a chunk (a resident unit's parameter stepping alone): its ranges alone are read and written
+            spans = list(chunk.spans) if len(pieces) == len(chunk.pieces) else self._spans(unit_file, pieces)
+            self._partial[(index, number)] = spans
             try:
-                slices = [self._slice(unit_file, piece, slot.buffer, shadows) for piece in chunk.pieces
-                          if id(unit_file.params[piece.param]) in wanted]
-                if slices:
-                    stepping.run(slices, low_grads)
+                slot = self.buffers.take((index, number))
+            finally:
+                del self._partial[(index, number)]
+            try:
+                stepping.run([self._slice(unit_file, piece, slot.buffer, shadows, grads) for piece in pieces], low_grads)
             except BaseException:
                 self.buffers.freed(slot)
                 raise
-            if slices:
-                self.buffers.write_back(slot, self.io.write_spans(unit_file.file, slot.buffer, list(chunk.spans)))
-            else:
-                self.buffers.freed(slot)
+            self.buffers.write_back(slot, self.io.write_spans(unit_file.file, slot.buffer, spans))
         stepping.finish(lambda param, key: unit_file.rest[(param, key)])
 
-    def _slice(self, unit_file: _UnitFile, piece: Piece, buffer: Tensor, shadows: dict[nn.Parameter, Tensor]) -> Slice:
+    def _slice(self, unit_file: _UnitFile, piece: Piece, buffer: Tensor, shadows: dict[nn.Parameter, Tensor],
+               grads: dict[nn.Parameter, Tensor] | None = None) -> Slice:
         """``piece``'s ranges: in ``buffer`` where its tensors are on disk, else of the tensors in memory."""
         param = unit_file.params[piece.param]
         count = piece.stop - piece.start
@@ -329,7 +353,7 @@ class NVMeTier:
                 state[key] = ranged(None, held[key])
         shadow = shadows.get(param)
         return Slice(param, piece.start, piece.stop, ranged(("master", param), self.store.master[param]), state,
-                     ranged(("shadow", param), shadow) if shadow is not None else None)
+                     ranged(("shadow", param), shadow) if shadow is not None else None, (grads or {}).get(param))
 
     def finish_step(self) -> None:
         """After the optimizer step: every write done (the views read what was written), read-ahead dropped."""

@@ -81,6 +81,8 @@ class UnitBytes:
     compute_masters: int = 0
     disk_weights: int = 0  # the weights that can live in a file (plain tensors: shadows, frozen weights not quantized)
     step_weights: int = 0  # of disk_weights, the shadows the host step rewrites with their masters (frozen: never read)
+    # each trainable parameter's gradient bytes: a held unit in the tier steps parameter by parameter during the backward
+    param_grads: tuple[int, ...] = ()
 
 
 # the host step's buffers: one chunk stepping, one read ahead, one being written back
@@ -173,9 +175,11 @@ class TierPlan:
 
     @property
     def buffer_bytes(self) -> int:
-        """The reusable host buffers the step streams through, and those the compute's weights are read into."""
-        held = sum(self.compute_span(i) for i in range(len(self.units) - self.held, len(self.units)))
-        return self.slots * self.step_buffer + self.weight_buffers * self.weight_buffer + held
+        """The reusable host buffers the step streams through (one more for a held unit in the tier: its parameters step
+        out of the blocks' order), and those the compute's weights are read into."""
+        held = range(len(self.units) - self.held, len(self.units))
+        steps = self.slots + (1 if any(self.unit_disk_bytes(i) for i in held) else 0)
+        return steps * self.step_buffer + self.weight_buffers * self.weight_buffer + sum(self.compute_span(i) for i in held)
 
     @property
     def disk_bytes(self) -> int:
@@ -189,12 +193,22 @@ class TierPlan:
 
     @property
     def grad_bytes(self) -> int:
-        """The gradient buffers held at once (see ``grads_in_flight``)."""
+        """The gradient buffers held at once (see ``grads_in_flight``): the largest ``grads_in_flight`` of the blocks'
+        and, for a held unit in the tier (a streamed resident unit, each parameter stepping as its gradient lands: the
+        head's at the start of the backward, the embedding's at its end), of its parameters'; a held unit in memory
+        keeps all of its gradients to the step."""
         if self.grads_in_flight is None:
             return sum(u.grads for u in self.units)
-        streamed = self.units[:len(self.units) - self.held]
-        sizes = sorted((u.grads for u in streamed), reverse=True)
-        return sum(sizes[:self.grads_in_flight]) + sum(u.grads for u in self.units[len(streamed):])
+        blocks = len(self.units) - self.held
+        items = [u.grads for u in self.units[:blocks]]
+        kept = 0
+        for i in range(blocks, len(self.units)):
+            unit = self.units[i]
+            if self.unit_disk_bytes(i) and unit.param_grads:
+                items += unit.param_grads
+            else:
+                kept += unit.grads
+        return sum(sorted(items, reverse=True)[:self.grads_in_flight]) + kept
 
     @property
     def compute_read_bytes(self) -> int:

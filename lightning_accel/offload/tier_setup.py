@@ -42,6 +42,7 @@ def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys]
     low-precision shadow). A unit the store does not hold (a resident unit kept on the device) is sized as the store
     would hold it streamed: a trainable matrix gets a shadow where the compute dtype is a low precision."""
     state = masters = weights = grads = on_masters = on_disk = shadows = 0
+    param_grads = []
     for _, param in unit.params:
         held = param in store.master
         if (param in store.frozen) if held else not param.requires_grad:
@@ -53,6 +54,7 @@ def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys]
         nbytes = param.numel() * dtype.itemsize
         masters += align_up(nbytes)
         grads += nbytes
+        param_grads.append(nbytes)
         state += sum(align_up(state_nbytes(((k, d),), param.numel())) for k, d in keys.get(param, ()))
         if held:
             shadow = None if store.shadow[param] is store.master[param] else stored_nbytes(store.shadow[param])
@@ -66,7 +68,7 @@ def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys]
         else:
             on_masters += align_up(nbytes)
     return UnitBytes(unit.name, state, masters, weights, grads, reads if reads and (on_masters or on_disk) else 0, on_masters,
-                     on_disk, shadows)
+                     on_disk, shadows, tuple(param_grads))
 
 
 def kept_bytes(unit: Unit, keys: dict[nn.Parameter, StateKeys]) -> int:
@@ -118,7 +120,8 @@ def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None
     it keeps optimizer state for (data parallel with the host step partitioned: its own units'); None: every one."""
     trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
     extra = [p for _, p in kept.params if p.requires_grad and p not in store.master] if kept is not None else []
-    owned = [p for p in [*trainable, *extra] if stepped is None or p in stepped]
+    # (a resident unit kept on the device steps on every rank: its state is each rank's)
+    owned = [p for p in trainable if stepped is None or p in stepped] + extra
     keys = per_element_state(optimizer, owned, {p: _master_dtype(p, store) for p in owned}) if optimizer else {}
     fixed = sum(stored_nbytes(store.shadow[p]) for p in trainable) if cuda else 0
     reads = reads if reads is not None else [0] * len(units)

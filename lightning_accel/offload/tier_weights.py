@@ -115,12 +115,16 @@ class WeightReads:
             if buffer is not None:
                 self._settle(buffer)
 
-    def forget(self, index: int) -> None:
-        """``index``'s file is about to change (its host step): a read-ahead of the old masters goes."""
+    def forget(self, index: int, keep_taken: bool = False) -> None:
+        """``index``'s file is about to change (its host step): a read-ahead of the old masters goes. Taken (the compute
+        holds it), it stays where ``keep_taken`` (the caller knows the compute reads none of what steps), else that is
+        an error."""
         with self._lock:
             buffer = self._holding(index)
             if buffer is not None:
                 if buffer.taken:
+                    if keep_taken:
+                        return
                     raise RuntimeError(f"unit {index}'s masters are stepped while its block still computes on them")
                 self._settle(buffer)
 

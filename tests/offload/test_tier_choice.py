@@ -54,11 +54,12 @@ def test_with_a_disk_the_resident_unit_is_streamed_where_the_budget_needs_it() -
     kept, choice = choose_tier(_options(nvme=True), sizes, 100 * MB, weight_buffers=3)
     assert choice == TierChoice(True, False) and kept.resident_kept == KEPT and kept.host_bytes == 99_145_728
     # everything on disk, the resident unit kept: 16 MB + 3 x 1 MiB + 3 weight buffers of a block's masters + 32 MB =
-    # 63.15 MB; streamed, it keeps its gradients (8 MB) and what the plan did not need to spill: every unit's state and 7
-    # blocks' masters on disk, the last block's and the resident's masters (4 + 8 MB) in memory
+    # 63.15 MB; streamed, it keeps its gradients (8 MB), a step buffer of its own (its parameters step out of the
+    # blocks' order) and what the plan did not need to spill: every unit's state and 7 blocks' masters on disk, the last
+    # block's and the resident's masters (4 + 8 MB) in memory
     streamed, choice = choose_tier(_options(nvme=True), sizes, 55 * MB, weight_buffers=3)
     assert choice == TierChoice(True, True) and streamed.held == 1 and streamed.resident_kept == 0
-    assert streamed.host_bytes == (16 + 8) * MB + 3 * MIN_CHUNK + 3 * 4 * MB + (4 + 8) * MB
+    assert streamed.host_bytes == (16 + 8) * MB + 4 * MIN_CHUNK + 3 * 4 * MB + (4 + 8) * MB
     assert streamed.masters_on_disk == (True,) * 7 + (False, False) and all(streamed.state_on_disk)
     assert "the resident unit streamed through the tier" in streamed.describe()
     with pytest.raises(BudgetRefused, match=r"offload_resident=False keeps the resident unit .* in host memory on the CPU device "

@@ -111,3 +111,13 @@ def test_gradients_held_at_once_count_once_blocks_step_as_they_land() -> None:
     assert held.grad_bytes == 40_000 + 4000 + 4000
     with pytest.raises(ValueError, match=r"gradient buffers 44.00 kB \(2 units' at once\)"):
         plan_tier(units, 1000, nvme=False, grads_in_flight=2)
+
+
+def test_a_streamed_resident_unit_in_the_tier_holds_one_parameter_s_gradient_at_a_time() -> None:
+    # its parameters step as their gradients land (the head's at the start of the backward, the embedding's at its end):
+    # each is one more gradient in flight among the blocks', not the whole unit's held to the step
+    resident = UnitBytes("resident", state=80_000, masters=40_000, weights=0, grads=40_000, param_grads=(30_000, 10_000))
+    units = _units() + [resident]
+    in_memory = plan_tier(units, None, nvme=False, grads_in_flight=3, held=1)
+    on_disk = plan_tier(units, None, nvme=True, grads_in_flight=3, held=1)
+    assert in_memory.grad_bytes == 3 * 4000 + 40_000 and on_disk.grad_bytes == 30_000 + 10_000 + 4000

@@ -27,8 +27,9 @@ SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
 class Task(LanguageModelTask):
-    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] = ADAMW, freeze: bool = False, n_layer: int = 3) -> None:
-        super().__init__(GPT("tiny", n_layer=n_layer, block_size=16))
+    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] = ADAMW, freeze: bool = False, n_layer: int = 3,
+                 vocab_size: int = 256) -> None:
+        super().__init__(GPT("tiny", n_layer=n_layer, block_size=16, vocab_size=vocab_size))
         self.optimizer = optimizer
         if freeze:  # a fine-tune's shape: each block's attention frozen, its MLP trained
             for block in self.net.blocks:
@@ -141,26 +142,30 @@ def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.L
 
 def test_a_budget_met_by_streaming_the_resident_unit_streams_it_and_trains_as_the_run_in_memory(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # fp32 on the CPU device: the resident unit kept (0.56 MB: parameters, gradients, AdamW state) is host memory; a
-    # budget between the least the plan keeps with it kept and with it streamed: the plan streams it (the strategy's
-    # executor is made again), in chunks as the blocks, and the run is the one in memory (the resident unit kept)
-    net = Task().net
+    # fp32 on the CPU device: the resident unit kept (a 4096-token embedding tied to the head: 8.5 MB of parameters,
+    # gradients and AdamW state) is host memory; a budget between the least the plan keeps with it kept and with it
+    # streamed: the plan streams it (the strategy's executor is made again), its parameters stepping as their gradients
+    # land, and the run is the one in memory (the resident unit kept)
+    task = functools.partial(Task, ADAMW, False, 3, 4096)
+    net = task().net
     plans = [tier_plan(net, [ADAMW(net.parameters())], nvme_path=str(tmp_path), offload_resident=streamed, nvme_chunk=2**20)
              for streamed in (False, True)]
     assert plans[1].host_bytes < plans[0].host_bytes
     budget = (plans[0].host_bytes + plans[1].host_bytes) // 2
-    in_memory = _fit(L2LOffloadStrategy())
+    in_memory = _fit(L2LOffloadStrategy(), task=task)
     with caplog.at_level("INFO"):
-        tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget))
+        tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget), task=task)
     _assert_same(in_memory, tiered)
-    plan = tiered[1].strategy._tier_plan
+    plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
     assert plan.held == 1 and tiered[1].strategy._executor is None  # (torn down)
     assert "the plan chose: the blocks step during the backward (4 blocks' gradients at once), the resident unit streamed " \
-           "through the tier" in caplog.text and "resident unit of 35,072 parameters (streamed)" in caplog.text
+           "through the tier" in caplog.text and "resident unit of 526,592 parameters (streamed)" in caplog.text
+    # one gradient of the resident unit at a time (its 2.1 MB embedding's), and each of its bytes read once a step
+    assert plan.grad_bytes < 4 * plan.units[0].grads + plan.units[-1].grads and stats.nvme_read_bytes == 3 * plan.step_read_bytes
     with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
                                          r"offload_resident=False keeps the resident unit .*: leave offload_resident unset, or "
                                          r"raise host_budget to at least"):
-        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget, offload_resident=False))
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget, offload_resident=False), task=task)
     # six blocks' gradients held after the backward where the budget needs four at once: named, with the fix
     six = functools.partial(Task, ADAMW, False, 6)
     with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
@@ -272,10 +277,10 @@ def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool
     _assert_same(in_memory, tiered)
     assert "optimizer state of 4/4 units, fp32 masters of 4/4" in caplog.text
     # the resident unit's weights too are read through the tier, once a step (held from the forward to the step), into a
-    # buffer of its own; every unit's step through three buffers of 256 KiB
+    # buffer of its own; every unit's step through three buffers of 256 KiB, the resident unit's through one more
     plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
     assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0 and plan.step_span(3) > 256 << 10
-    assert plan.step_buffer == 256 << 10 and plan.buffer_bytes == 3 * (256 << 10) + 3 * plan.weight_buffer + plan.compute_span(3)
+    assert plan.step_buffer == 256 << 10 and plan.buffer_bytes == 4 * (256 << 10) + 3 * plan.weight_buffer + plan.compute_span(3)
     assert stats.nvme_read_bytes == 3 * plan.step_read_bytes
     if overlap:  # blocks step as their gradients land: at most 4 units' gradients counted (the resident's always)
         assert tiered[1].strategy._tier_plan.grads_in_flight == 4
