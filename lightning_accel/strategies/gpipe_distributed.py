@@ -77,8 +77,6 @@ the last rank runs the user's step once on the whole batch and every rank logs w
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -86,42 +84,37 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.comm.gradients import clip_grad_norm_over, grad_norm_over
 from lightning_accel.models.block_policy import BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.patching import Patch, remove_all, swapped
 from lightning_accel.pipeline.deferred_init import has_meta_tensors
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
-from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.mesh import check_ranks_per_pipeline, check_world_size, hold_mesh, mesh_coordinates
 from lightning_accel.pipeline.mesh import process_mesh, rank_layout, ranks_per_pipeline
-from lightning_accel.pipeline.microbatch import batch_size
 from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptions
 from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
-from lightning_accel.pipeline.rank_step import eval_step, kept_on_cpu, train_step
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
-from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas, restore_metric_sync
+from lightning_accel.pipeline.step_report import restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
 from lightning_accel.strategies.gpipe_configure_model import ConfigureModelReplay
+from lightning_accel.strategies.gpipe_distributed_ranks import ReplicaCollectives
+from lightning_accel.strategies.gpipe_distributed_steps import PipelineSteps
 from lightning_accel.strategies.gpipe_split_state import SplitModuleState
 from lightning_accel.strategies.options_check import check_options
-from lightning_accel.strategies.user_hooks import calls_in, overrides
+from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
 
@@ -131,14 +124,9 @@ def _to_device(module: nn.Module, device: torch.device) -> None:
     module._apply(lambda t: t if t.is_meta else t.to(device))
 
 
-def _shapes(batch: Any) -> tuple:
-    """The shapes of a batch's tensors: the same on every rank (every rank loads the same batch)."""
-    found: list[tuple[int, ...]] = []
-    apply_to_collection(batch, Tensor, lambda t: found.append(tuple(t.shape)))
-    return tuple(found)
-
-
-class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, SplitModuleState, DDPWithoutWrapper):
+class DistributedGPipeStrategy(
+    ReadsPipelineOptions, PipelineSteps, ReplicaCollectives, ConfigureModelReplay, SplitModuleState, DDPWithoutWrapper
+):
     """Pipeline parallelism over processes: the model's blocks in one stage per rank, batches in ``chunks`` micro-batches.
 
     Args:
@@ -193,8 +181,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, Split
     strategy_name = "gpipe_distributed"
     _averaging = "each stage's gradients are averaged over the replicas by the strategy itself"
     _needs_automatic = "the pipeline schedule runs forward and backward itself"
-    # the last step's result signature (_step_signature), the same on every rank of a pipeline
-    _step_signature_cache: tuple | None = None
 
     def __init__(
         self,
@@ -288,12 +274,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, Split
     def _layout(self) -> RankLayout:
         """This rank on the mesh, as the placement and checkpoint mechanisms take it."""
         return rank_layout(self._mesh, self.global_rank, self.root_device)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # the ranks of one pipeline are the stages of one model: they see the same batch; each replica its own shard
-        return {"num_replicas": self.data_parallel_size, "rank": self._coords[1]}
 
     def _net(self) -> nn.Module:
         module = self.lightning_module
@@ -407,218 +387,6 @@ class DistributedGPipeStrategy(ReadsPipelineOptions, ConfigureModelReplay, Split
         """Give every rank the current values of what lives outside the stages (all ranks must call this)."""
         if self._split_state is not None and self.lightning_module is not None and dist.is_initialized():
             self._split_state.sync_shared(self.lightning_module, self._layout)  # also after fit: save_checkpoint
-
-    # -- one training step --------------------------------------------------------------------
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        module, pipe = self.lightning_module, self.pipeline
-        assert module is not None and pipe is not None
-        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        assert self._split_state is not None
-        self._split_state.follow_param_groups(self.optimizers, self._layout)  # a group a callback added: this rank's share
-        tuner = self._tuner if self._tuner is not None and not self._tuner.done else None
-        if tuner is not None:
-            tuner.before_step(batch_size(batch))
-        start = time.perf_counter()
-        try:
-            with self.precision_plugin.train_step_context():
-                result, self._pending, kept, appended = train_step(
-                    pipe, module, lambda mb: module.training_step(mb, *rest, **kwargs), batch, _shapes(batch),
-                    self.loss_reduction, getattr(self.precision_plugin, "scaler", None), self._constant_sizes,
-                )
-        except Exception as err:
-            # every rank of the pipeline raises it and reaches teardown: the module is made whole there, as after DDP
-            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1
-            if not pipe.failure.in_backward:
-                raise  # training_step's own error: raised where Lightning's training_step raises it
-            # a backward's (detect_anomaly's NaN gradient): raised where plain Lightning raises it, in backward, after
-            # on_before_backward; the step's logs are dropped there too (the batch never ends)
-            self._backward_error = err
-            return torch.zeros((), device=self.root_device)
-        choice = tuner.after_step(time.perf_counter() - start) if tuner is not None else None
-        if choice is not None:  # the next step runs the choice (its placement is this one's)
-            self.schedule, chunks = choice.chosen
-            self.options = dataclasses.replace(self.options, chunks=chunks)
-            rank_zero_info(f"DistributedGPipeStrategy: {choice.report()}")
-        # the last rank has the loss and the logs: every rank returns and logs the same
-        layout = self._layout
-        (loss, records, as_dict), self._step_signature_cache, appended = broadcast_step_result(
-            result, self._step_signature_cache, layout.pp_global(self._last_rank()), layout.pp_group, self.root_device,
-            kept_on_cpu(appended),
-        )
-        kept.settle(appended or {}, self.root_device)  # what the step appended to the module's lists: one item a batch
-        for name, value, kw in records:
-            module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
-        loss = loss.to(self.root_device)
-        return {"loss": loss} if as_dict else loss
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """A training loader: its batches' sizes are checked before the first step (:meth:`_check_batch_sizes`)."""
-        dataloader = super().process_dataloader(dataloader)
-        module = self.lightning_module
-        if module is not None and module._trainer is not None and module.trainer.training:  # evaluation: any size
-            self._check_batch_sizes(dataloader)
-        return dataloader
-
-    def _check_batch_sizes(self, loader: object) -> None:
-        """Every batch trains (none is left out): one ``chunks`` does not divide runs in equal micro-batches of another
-        count (fewer when it is smaller; :func:`~lightning_accel.pipeline.schedule.equal_microbatches`). Refused here,
-        before the first step, is a batch size (``batch_size``, or the last batch's, from the sampler's length) that no
-        count the schedule runs divides; said once is a ``batch_size`` that ``chunks`` does not divide (every step then
-        runs fewer micro-batches than asked)."""
-        size = getattr(loader, "batch_size", None)
-        if not isinstance(size, int):
-            return  # a batch sampler of its own: sizes are known only as batches come (RankPipeline.microbatches checks)
-        stages = len(stage_indices(0, self.pipeline_parallel_size, self.schedule)) * self.pipeline_parallel_size
-        count = self.options.check_batch_size(size, self.schedule, stages)
-        sampler = getattr(loader, "sampler", None)
-        samples = len(sampler) if sampler is not None and hasattr(sampler, "__len__") else None
-        if samples is not None and samples % size and not getattr(loader, "drop_last", False):
-            self.options.check_batch_size(samples % size, self.schedule, stages, what="last batch")
-        if count != self.chunks:
-            rank_zero_warn(
-                f"DistributedGPipeStrategy: the training batch_size={size} is not a multiple of chunks={self.chunks}; "
-                f"each batch runs as {count} equal micro-batches of {size // count} (torch's stages take one shape per "
-                f"step); a batch_size that is a multiple of {self.chunks} pipelines {self.chunks}"
-            )
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """The schedule ran backward in ``training_step``: add its gradients now (Lightning has zeroed them)."""
-        assert self.lightning_module is not None and self.pipeline is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        if self._backward_error is not None:  # what the schedule's backward raised, on every rank (training_step)
-            err, self._backward_error, self._pending = self._backward_error, None, []
-            raise err
-        add_gradients(self.pipeline.parameters(), self._pending, self.lightning_module.trainer.accumulate_grad_batches)
-        self._pending = []
-        if self._sync_grads and self.data_parallel_size > 1:  # as DDP: the replicas' mean, once per optimizer step
-            assert self.optimizers
-            mine = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
-            average_gradients(mine, self._layout.dp_group)
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """``self.log(..., sync_dist=True)``: over the replicas (a pipeline's ranks log the same value)."""
-        if group is None and self._mesh is not None:
-            group = self._mesh.get_group("dp")
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def _gather_in_step(self) -> str:
-        """Why ``self.all_gather`` in ``training_step`` is refused when micro-batches run it (one line, with the fixes)."""
-        schedule = "schedule='auto'" if self._auto is not None else f"schedule={self.schedule!r}"
-        return (
-            f"{type(self).__name__}(chunks={self.chunks}, {schedule}) runs training_step once per micro-batch on the last "
-            "stage's rank: self.all_gather there would gather one micro-batch's values, not the batch's as under DDP; "
-            "gather in on_train_batch_end or validation_step, use schedule='gpipe' (training_step once per batch), or "
-            "chunks=1"
-        )
-
-    def _whole_steps(self) -> bool:
-        """Whether ``training_step`` runs once per batch (:mod:`~lightning_accel.pipeline.whole_step`): GPipe, not tuned to
-        another schedule during the fit."""
-        return self._auto is None and self.schedule == "gpipe"
-
-    @override
-    def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
-        """Also: ``self.all_gather`` in a ``training_step`` that micro-batches run (read from its source; a call the source
-        does not show is refused when it is made, :meth:`all_gather`). Under GPipe the step runs once per batch, and a
-        gather there is the replicas' whole batches, as under DDP."""
-        super().check_fit(module, sync_batchnorm)
-        if self.chunks > 1 and not self._whole_steps() and calls_in(module, "training_step", "all_gather"):
-            raise ValueError(self._gather_in_step())
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """``self.all_gather(...)``: over the replicas, each on its own shard, as DDP's ranks are (a pipeline's ranks hold
-        one step; its last rank alone reaches the end of the user's step, so a gather over every rank would wait). The
-        LightningModule passes ``group.WORLD`` when the user names none: that means the replicas too. Inside a training
-        micro-batch of several: refused (:meth:`check_fit` refuses it before the first step where the source shows it)."""
-        pipe = self.pipeline
-        if pipe is not None and pipe._forwarding and pipe.step_chunks > 1:
-            raise ValueError(self._gather_in_step())
-        if (group is None or group is dist.group.WORLD) and self._mesh is not None:
-            group = self._mesh.get_group("dp")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # every rank's vote (early stopping, checkpointing), not the replicas' that ``reduce`` sums
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = self.reduce(flag, group=dist.group.WORLD if dist.is_initialized() else None, reduce_op="sum")
-        return bool(flag == self.world_size) if all else bool(flag)
-
-    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
-        """The whole model's gradient norm, from every stage: what ``lightning.pytorch.utilities.grad_norm(module,
-        norm_type)`` reports as its total under DDP (each rank here holds only its own stages' gradients). A collective
-        over the pipeline's ranks: call it on every rank, e.g. in ``on_before_optimizer_step``."""
-        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        split, layout = self._split_state, self._layout
-        assert split is not None
-        counted = [split.counted_here(p, layout) for p in params]
-        return grad_norm_over([p.grad for p in params], counted, float(norm_type), layout.pp_group, self.root_device)
-
-    @override
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over every stage: squared norms summed across the pipeline's ranks, what
-        is outside the blocks counted once, on a rank that uses it (a tied weight's gradient, summed between its users,
-        on the first of them; the replicas hold the same averaged gradients, so summing over them too would count each
-        stage ``dp`` times)."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        split, layout = self._split_state, self._layout
-        assert split is not None
-        counted = [split.counted_here(p, layout) for p in params]  # a tied weight's summed gradient: on one user
-        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), layout.pp_group, self.root_device)
-
-    # -- evaluation ---------------------------------------------------------------------------
-
-    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        """The batch through the stages in micro-batches; the user's ``hook`` on the whole batch at the last stage (its
-        logs replayed and its output returned on every rank). Every rank runs ``hook`` up to its stages' ends, its
-        logging silenced."""
-        module, pipe = self.lightning_module, self.pipeline
-        assert module is not None and pipe is not None
-        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        layout = self._layout
-        try:
-            return eval_step(
-                pipe, module, hook, batch, lambda b: getattr(module, hook)(b, *rest, **kwargs),
-                layout.pp_global(self._last_rank()), self.root_device,
-            )
-        except Exception:
-            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1  # every rank raised it
-            raise
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.val_step_context():
-            return self._eval_step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self.precision_plugin.test_step_context():
-            return self._eval_step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._eval_step("predict_step", args, kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        self.sync_weights()
-        assert self.lightning_module is not None
-        dp_group = self._mesh.get_group("dp") if self.data_parallel_size > 1 else None
-        metrics_over_replicas(self.lightning_module, dp_group, self.data_parallel_size, self._sync_on_compute)
-
-    on_test_start = on_validation_start  # the same: weights current, metrics synced over the replicas only
-
-    @override
-    def on_predict_start(self) -> None:
-        self.sync_weights()
 
     def _unpatch(self) -> None:
         remove_all(self._patches)
