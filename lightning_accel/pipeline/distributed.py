@@ -76,7 +76,8 @@ from torch import Tensor, nn
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.boundaries import StageBoundaries
-from lightning_accel.pipeline.gradients import average_gradients, gradient_presence, sum_over_users
+from lightning_accel.pipeline.gradients import average_gradients, sum_over_users
+from lightning_accel.pipeline.shared_params import SharedParams
 from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
@@ -184,13 +185,18 @@ class RankPipeline:
         self.blocks = [b.module for b in found]
         self.block_names = [b.name for b in found]
         self.shared_params = shared_parameters(net, found, self.balance)
-        # the module whose call runs the blocks: the user's step runs once a batch around it (lightning_accel.pipeline.whole_step)
+        # who steps each of them, and who keeps it current (lightning_accel.pipeline.shared_params)
+        self.shared = SharedParams(net, self.shared_params, self.rank, group, self._global)
+        self.shared_owner = self.shared.owner  # id -> the rank whose value counts (its first user), once known
+        # the module whose call runs the blocks: the user's step runs once a batch around it (lightning_accel.pipeline.whole_step);
+        # where the model adds a router loss outside that module, the module that adds it (the loss needs every stage's sums)
+        self.router = RouterCarry.of(net)  # a mixture of experts' router loss: its sums carried between stages
         self.entry = entry_module(net, self.blocks)
-        # per shared parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
-        # first step that gives it one; () until then (see _sum_shared)
-        self.users: list[tuple[int, ...]] = [() for _ in self.shared_params]
-        self.shared_owner: dict[int, int] = {}  # id -> the rank whose value counts (its first user), once known
-        self.summed_bytes = 0  # gradient bytes this rank put into sums at the last step
+        if self.router is not None and self.entry is not None:
+            self.entry = next(((n, m) for n, m in net.named_modules() if m is self.router.owner and n), self.entry)
+        inside = {id(m) for m in self.entry[1].modules()} if self.entry is not None else set()
+        # what the user's step may read after the model's call: every parameter outside the entry's module
+        self.outside = {id(p) for m in net.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
         for k, block in enumerate(self.blocks):  # other ranks' blocks: names, shapes and dtypes stay, storage goes
             if not any(k in self._stage_range(s) for s in self.indices):
                 block.to("meta")
@@ -203,7 +209,6 @@ class RankPipeline:
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         self.checkpoint = checkpoint
         self.step_chunks = chunks  # the micro-batches of the current step (fewer or more for a ragged batch)
-        self.router = RouterCarry.of(net)  # a mixture of experts' router loss: its sums carried between stages
         self.modules = [StageModule(self, s, checkpoint_stop(checkpoint, chunks)) for s in self.indices]
         self.recorder = StepRecorder() if record else None
         self._shapes: Any = None
@@ -211,8 +216,7 @@ class RankPipeline:
             m.recorder = self.recorder
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
-        self._whole: Any = None  # a whole step's last-stage outputs (lightning_accel.pipeline.whole_step), between its phases
-        self._phased: Any = None  # that step's schedule
+        self._whole: Any = None  # a whole step's last-stage outputs (lightning_accel.pipeline.whole_step), in its forward phase
         # what a stage of this rank raised in this step, and whether a peer did (lightning_accel.pipeline.step_failure)
         key = "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
         self.failure = StepFailure(key, self._global(self.rank), group if failure_group == "pipeline" else failure_group, self.device)
@@ -339,9 +343,22 @@ class RankPipeline:
             )
         return count
 
+    @property
+    def users(self) -> list[tuple[int, ...]]:
+        """Per parameter outside the blocks: the pipeline ranks that step it (:class:`SharedParams`)."""
+        return self.shared.users
+
+    @property
+    def summed_bytes(self) -> int:
+        """Gradient bytes this rank put into sums between a shared weight's users at the last step."""
+        return self.shared.summed_bytes
+
+    def begin_step(self) -> None:
+        """A step of the user's code begins on every rank of the pipeline: nothing has failed yet."""
+        self.failure.start()
+
     def train_step(
         self, forward: Callable[[int], Tensor], shape: Any = None, chunks: int | None = None, failed: Exception | None = None,
-        after: Callable[[], None] | None = None,
     ) -> Tensor | None:
         """Forward and backward of one batch in ``chunks`` micro-batches (default: the pipeline's; a ragged batch's
         count from :meth:`microbatches`); every rank of the pipeline calls it.
@@ -351,12 +368,13 @@ class RankPipeline:
         at their stage's end). ``shape``: a hashable key, equal on every rank, that changes
         when the batch shapes do; a new key gets a schedule of its own (stages fix their
         activation shapes at their first step). Without it, a batch shaped unlike the first
-        one is refused. ``failed``: what this rank's step raised before the schedule (the user's code before the model's
-        call): the schedule runs on stand-ins and every rank raises it. ``after``: run once the schedule's backwards are
-        done (the backward of the step's code before the model's call), unless the step failed; what it raises is the
-        step's. Returns the mean of the micro-batch losses on the last stage's rank.
+        one is refused. ``failed``: what this rank's step raised before the schedule: the schedule runs on stand-ins and
+        every rank raises it. Returns the mean of the micro-batch losses on the last stage's rank.
         """
-        schedule, chunks = self._prepare(forward, shape, chunks, failed)
+        self.failure.start()
+        if failed is not None:
+            self.failure.record(failed, self.indices[0], backward=False)
+        schedule, chunks = self._ready(forward, shape, chunks)
         index = torch.arange(chunks, device=self.device)
         try:
             schedule.step(
@@ -368,40 +386,69 @@ class RankPipeline:
             raise self._exchange_error("step", err) from err
         finally:
             self._forward = lambda i: None
-        return self._finish(chunks, after)
+        self.settle()
+        self.batch_norm.commit()  # deferred: the whole batch's statistics, once
+        self.shared.sum_gradients()
+        losses = self._losses[-chunks:]
+        return torch.stack(losses).mean() if self.holds_last and losses else None
 
-    def forward_phase(self, forward: Callable[[int], Any], whole: Any, shape: Any, chunks: int) -> None:
-        """The first half of a GPipe :meth:`train_step` on the last stage's rank: every micro-batch's forward, the last
-        stage's outputs kept by ``whole`` (:class:`~lightning_accel.pipeline.whole_step.WholeOutputs`) instead of
-        being losses; :meth:`backward_phase` ends the step. The other ranks run :meth:`train_step` as usual."""
-        schedule, chunks = self._prepare(forward, shape, chunks, None)
-        self._whole, self._phased = whole, schedule
+    # -- GPipe in two phases: one call of the model inside the user's step (lightning_accel.pipeline.whole_step)
+
+    def forward_phase(self, forward: Callable[[int], Any], shape: Any, chunks: int, whole: Any = None) -> Any:
+        """Every micro-batch's forward of one call of the model, on every rank of the pipeline (GPipe's first half:
+        :class:`~lightning_accel.pipeline.split_gpipe.SplitGPipe`); on the last stage's rank ``whole``
+        (:class:`~lightning_accel.pipeline.whole_step.WholeOutputs`) keeps the outputs. A stage's error is raised here on
+        every rank. Returns the schedule, for :meth:`backward_phase`; BatchNorm statistics (deferred) are the batch's."""
+        schedule, chunks = self._ready(forward, shape, chunks)
+        self._whole = whole
         index = torch.arange(chunks, device=self.device)
         try:
-            schedule.forward_phase(*((index,) if self.holds_first else ()), target=index, losses=[])
-        except Exception as err:  # noqa: BLE001
-            self._whole, self._phased, self._forward = None, None, lambda i: None
-            raise self._exchange_error("step", err) from err
-
-    def record_failure(self, err: Exception, backward: bool) -> None:
-        """An error of the step's own code on this rank between :meth:`forward_phase` and :meth:`backward_phase` (after
-        the model's call): the backward runs on stand-ins and every rank raises it."""
-        self.failure.record(err, self.indices[-1], backward=backward)
-
-    def backward_phase(self, after: Callable[[], None] | None = None) -> Tensor | None:
-        """The second half of :meth:`forward_phase`'s step: every micro-batch's backward, from the gradients the whole
-        batch's loss gave the kept outputs."""
-        schedule, chunks = self._phased, self.step_chunks
-        assert schedule is not None, "backward_phase without forward_phase"
-        try:
-            schedule.backward_phase(losses=[])
+            schedule.forward_phase(*((index,) if self.holds_first else ()), target=index if self.holds_last else None,
+                                   losses=[] if self.holds_last else None)
         except Exception as err:  # noqa: BLE001
             raise self._exchange_error("step", err) from err
         finally:
-            self._whole, self._phased, self._forward = None, None, lambda i: None
-        return self._finish(chunks, after)
+            self._whole, self._forward = None, lambda i: None
+        self.settle()
+        self.batch_norm.commit()  # deferred: this call's whole batch's statistics, once
+        return schedule
 
-    def _prepare(self, forward: Callable[[int], Any], shape: Any, chunks: int | None, failed: Exception | None) -> tuple[Any, int]:
+    def backward_phase(self, schedule: Any, after: Callable[[], None] | None = None) -> None:
+        """The second half of :meth:`forward_phase`'s call: every micro-batch's backward (on the last stage's rank from
+        the gradients its outputs got), then ``after`` (the backward of the code before the call); every rank raises
+        what failed."""
+        try:
+            schedule.backward_phase(losses=[] if self.holds_last else None)
+        except Exception as err:  # noqa: BLE001
+            raise self._exchange_error("step", err) from err
+        if after is not None and not self.failure.stopped():
+            try:
+                after()
+            except Exception as err:  # noqa: BLE001  # the step's own backward (detect_anomaly): every rank raises it
+                self.failure.record(err, self.indices[0], backward=True)
+        self.settle()
+
+    @staticmethod
+    def discard(schedule: Any) -> None:
+        """Forget a :meth:`forward_phase` whose backward will not run (the step returned no loss, or failed)."""
+        schedule._internal_losses.clear()
+        schedule._stage.clear_runtime_states()
+
+    def record_failure(self, err: Exception, backward: bool) -> None:
+        """An error of the step's own code on this rank: the rest of the step runs on stand-ins and every rank raises it
+        at the next :meth:`settle`."""
+        self.failure.record(err, self.indices[-1], backward=backward)
+
+    def settle(self) -> None:
+        """Every rank of the pipeline: raise what a rank's stage or step raised since the step began (a collective)."""
+        failed = self.failure.settle()
+        if failed is not None:
+            # its shapes may be stand-ins' (a failure in the first step's shape inference): fresh stages next time
+            self._trainable, self._by_shape = self._requires_grad(), {}
+            self.schedule = self._build_schedule(self.chunks)
+            raise failed from None
+
+    def _ready(self, forward: Callable[[int], Any], shape: Any, chunks: int | None) -> tuple[Any, int]:
         """The schedule for this step's shape and micro-batch count, made ready to run ``forward``."""
         chunks = self.chunks if chunks is None else chunks
         if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
@@ -425,59 +472,7 @@ class RankPipeline:
             self.recorder.reset()
         self._restart_microbatches()
         self._forward = forward
-        self.failure.start()
-        if failed is not None:
-            self.failure.record(failed, self.indices[0], backward=False)
         return schedule, chunks
-
-    def _finish(self, chunks: int, after: Callable[[], None] | None = None) -> Tensor | None:
-        if after is not None and not self.failure.stopped():
-            try:
-                after()
-            except Exception as err:  # noqa: BLE001  # the step's own backward (detect_anomaly): every rank raises it
-                self.failure.record(err, self.indices[0], backward=True)
-        failed = self.failure.settle()  # every rank: did any stage raise?
-        if failed is not None:
-            # its shapes may be stand-ins' (a failure in the first step's shape inference): fresh stages next time
-            self._trainable, self._by_shape = self._requires_grad(), {}
-            self.schedule = self._build_schedule(self.chunks)
-            raise failed from None
-        self.batch_norm.commit()  # deferred: the whole batch's statistics, once
-        self._sum_shared()
-        losses = self._losses[-chunks:]
-        return torch.stack(losses).mean() if self.holds_last and losses else None
-
-    def _sum_shared(self) -> None:
-        """Sum the gradients of what is outside the blocks between the ranks that used it, and only those.
-
-        Who uses a parameter is observed, not guessed: after the step's backward a rank holds a gradient of exactly
-        the parameters its stages' part of the forward used (a later rank recomputes the embedding, but the boundary
-        replaces its output, so no gradient reaches it; the first rank stops before the head). Where the forward
-        stops is known statically, but not which code before or after the blocks reads which parameter (a tied head,
-        a residual from the embedding, a model's own helper): the gradient says. Each parameter's users are fixed at
-        the first step that gives it a gradient (every rank sees the same, one small all-gather per step); a rank
-        outside them never gets a gradient of it, so its optimizer leaves it (and makes no state for it), and its
-        value that counts (checkpoints, :attr:`shared_owner`) is its first user's. A later step in which another
-        rank uses it is refused: that rank's copy and optimizer state would be stale."""
-        if not self.shared_params:
-            return
-        present = gradient_presence(self.shared_params, self.group)
-        now: list[tuple[int, ...]] = []
-        for i, p in enumerate(self.shared_params):
-            used = tuple(r for r in range(len(present)) if present[r][i])
-            if used and not self.users[i]:
-                self.users[i] = used
-                self.shared_owner[id(p)] = used[0]
-            elif not set(used) <= set(self.users[i]):
-                name = next((n for n, q in self.net.named_parameters(remove_duplicate=False) if q is p), "a parameter")
-                raise RuntimeError(
-                    f"{name} got a gradient on pipeline rank(s) {sorted(set(used) - set(self.users[i]))}, which did not "
-                    f"use it at its first step (used by {list(self.users[i])}); the pipeline steps a parameter outside the "
-                    "blocks only on the ranks that used it first; use it in the same stages at every step, or "
-                    "freeze it (requires_grad=False)"
-                )
-            now.append(self.users[i] if used else ())  # nobody used it this step: it keeps no gradient
-        self.summed_bytes = sum_over_users(self.shared_params, now, self.rank, self.group)
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

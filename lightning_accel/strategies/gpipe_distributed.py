@@ -102,6 +102,7 @@ from lightning_accel.pipeline.options import PipelineOptions, ReadsPipelineOptio
 from lightning_accel.pipeline.placement import RankLayout, check_split
 from lightning_accel.pipeline.rank_balance import choose_balance, example_block_times
 from lightning_accel.pipeline.rank_split import RankSplit, split_module
+from lightning_accel.pipeline.whole_step import ModelCalls
 from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, stage_rank
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
@@ -237,12 +238,12 @@ class DistributedGPipeStrategy(
     @property
     def pipeline_parallel_size(self) -> int:
         """Ranks per pipeline (pp)."""
-        return self._pp(self.world_size)
+        return self._pp(self._processes)
 
     @property
     def data_parallel_size(self) -> int:
         """Pipeline replicas training data parallel (dp)."""
-        return self.world_size // self.pipeline_parallel_size
+        return max(1, self._processes // self.pipeline_parallel_size)  # 1 until launched
 
     def check_layout(self, world_size: int) -> int:
         """Refuse a world size the pipeline layout (``pipeline_parallel_size``, or ``len(balance)``) does not divide;
@@ -262,18 +263,18 @@ class DistributedGPipeStrategy(
     def setup_distributed(self) -> None:
         self.check_layout(self.num_nodes * self.num_processes)  # torchrun: before the process group
         super().setup_distributed()
-        self._mesh = process_mesh(self.root_device.type, self.world_size, self.pipeline_parallel_size, self._timeout)
+        self._mesh = process_mesh(self.root_device.type, self._processes, self.pipeline_parallel_size, self._timeout)
         hold_mesh(self)
 
     @property
     def _coords(self) -> tuple[int, int]:
         """This rank's ``(pp_rank, dp_rank)`` on the mesh."""
-        return mesh_coordinates(self.global_rank, self.world_size, self.pipeline_parallel_size)
+        return mesh_coordinates(self._process_rank, self._processes, self.pipeline_parallel_size)
 
     @property
     def _layout(self) -> RankLayout:
         """This rank on the mesh, as the placement and checkpoint mechanisms take it."""
-        return rank_layout(self._mesh, self.global_rank, self.root_device)
+        return rank_layout(self._mesh, self._process_rank, self.root_device)
 
     def _net(self) -> nn.Module:
         module = self.lightning_module
@@ -296,6 +297,7 @@ class DistributedGPipeStrategy(
         # here each rank only ever places its own stages there
         self._refuse_unsupported(trainer)
         refuse_callbacks(trainer, type(self).__name__)
+
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
@@ -308,7 +310,7 @@ class DistributedGPipeStrategy(
             assert self._split_state is not None
             self._split_state.keep_own_parameters(trainer.lightning_module, self.optimizers, self._layout)
         assert self._split_state is not None
-        self._patches = adapt_callbacks(trainer, trainer.lightning_module, self._split_state, self._layout, self.global_rank)
+        self._patches = adapt_callbacks(trainer, trainer.lightning_module, self._split_state, self._layout, self._process_rank)
         self._undo_equal = placeholders_equal_nothing()  # BaseFinetuning compares every parameter by value
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -372,6 +374,8 @@ class DistributedGPipeStrategy(
             deferred_batch_norm=self.deferred_batch_norm,
             failure_group=None if self.data_parallel_size > 1 else "pipeline",  # every replica stops: none waits in the average
         )
+        # the model's call in the user's steps runs the pipeline (lightning_accel.pipeline.whole_step)
+        self._calls = ModelCalls(self.pipeline, self._layout.pp_global(self._last_rank())) if self.pipeline.entry else None
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))
         fitting = module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
@@ -403,7 +407,7 @@ class DistributedGPipeStrategy(
         # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)
         if self.pipeline is not None:
             self.pipeline.restore()  # the blocks get their own forwards back (a later fit or validate splits afresh)
-        self.pipeline, self._pending = None, []
+        self.pipeline, self._calls, self._pending = None, None, []
         self._kv_cache.restore()
         self._step_signature_cache = None  # every rank of the pipeline tears down: the next fit starts afresh
         self._deferred = None

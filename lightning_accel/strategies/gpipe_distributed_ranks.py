@@ -26,11 +26,40 @@ __all__ = ["ReplicaCollectives"]
 class ReplicaCollectives(DDPStrategy):
     """Lightning's collectives over the replicas, the gradient norm over the pipeline (see the module docstring)."""
 
+    # -- what a rank is: DDP's rank is a replica, here a pipeline of pipeline_parallel_size processes ----
+
+    @property
+    def _processes(self) -> int:
+        """Every process of the run: ``world_size * pipeline_parallel_size``."""
+        return self.cluster_environment.world_size() if self.cluster_environment is not None else 1
+
+    @property
+    def _process_rank(self) -> int:
+        """This process's rank among :attr:`_processes` (what the process group, the mesh and checkpoints use)."""
+        return self.cluster_environment.global_rank() if self.cluster_environment is not None else 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """How many replicas see data: the data-parallel size, what DDP's world size counts and what Lightning, its
+        callbacks and the user's code read as such (``trainer.world_size``: a throughput's global rate, the linear
+        learning-rate scaling rule, whether a skipped step must be refused). Not the process count: each of a pipeline's
+        processes is a stage of one replica (``global_rank`` stays the process's: per-process files, rank zero's duties;
+        :attr:`data_parallel_rank` is its replica)."""
+        return self.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's replica: the shard of the data it sees (every stage of a replica sees the same batch). The
+        process's own rank stays ``global_rank`` (per-process files, rank zero's duties); shard data by hand with this
+        and ``world_size``."""
+        return self._coords[1]
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # the ranks of one pipeline are the stages of one model: they see the same batch; each replica its own shard
-        return {"num_replicas": self.data_parallel_size, "rank": self._coords[1]}
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -57,7 +86,7 @@ class ReplicaCollectives(DDPStrategy):
         # every rank's vote (early stopping, checkpointing), not the replicas' that ``reduce`` sums
         flag = torch.tensor(int(decision), device=self.root_device)
         flag = self.reduce(flag, group=dist.group.WORLD if dist.is_initialized() else None, reduce_op="sum")
-        return bool(flag == self.world_size) if all else bool(flag)
+        return bool(flag == self._processes) if all else bool(flag)
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The whole model's gradient norm, from every stage: what ``lightning.pytorch.utilities.grad_norm(module,

@@ -26,6 +26,7 @@ from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.microbatch import batch_size
 from lightning_accel.pipeline.rank_step import eval_step, kept_on_cpu, train_step
 from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas
+from lightning_accel.pipeline.whole_step import ModelCalls
 from lightning_accel.strategies.user_hooks import calls_in
 
 __all__ = ["PipelineSteps"]
@@ -42,12 +43,81 @@ class PipelineSteps(DDPStrategy):
     """``training_step``, ``backward`` and the evaluation steps of a pipeline strategy (see the module docstring)."""
 
     pipeline: RankPipeline | None = None
+    _calls: ModelCalls | None = None  # the model's calls in the user's steps (None: the LightningModule calls the blocks)
     _step_signature_cache: tuple | None = None  # the last step's result signature, the same on every rank of a pipeline
 
-    # -- one training step --------------------------------------------------------------------
+    # -- one training step: where the user's step runs ------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The user's ``training_step`` once, on every rank: its call of the model runs the pipeline and returns the whole
+        batch's output on every rank (:class:`~lightning_accel.pipeline.whole_step.ModelCalls`), so what the step does
+        after it (loss, logs, gathers, outputs) is every rank's own, as under DDP. Under the other schedules, once per
+        micro-batch on the last stage's rank (:meth:`_micro_batch_training_step`)."""
+        calls, module = self._calls, self.lightning_module
+        if calls is None or not self._whole_steps():
+            return self._micro_batch_training_step(args, kwargs)
+        assert module is not None and self._split_state is not None
+        self._split_state.follow_param_groups(self.optimizers, self._layout)  # a group a callback added: this rank's share
+        out, failed = None, None
+        with self.precision_plugin.train_step_context(), calls.training():
+            try:
+                out = module.training_step(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001  # raised on every rank, below
+                failed = err
+        self._step_ended(calls, failed)
+        if out is None:  # the batch is skipped, as Lightning skips it: its calls get no backward
+            calls.discard()
+        return out
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward: on the last stage's rank the loss's own (``LightningModule.backward``, a loss scaler's
+        scaling) reaches the outputs of the step's model calls; then every rank runs their backward phases (the other
+        ranks' loss is a copy and is not backpropagated); at the end of an accumulation window the gradients of what two
+        stages share are summed and the replicas' averaged."""
+        calls, module, pipe = self._calls, self.lightning_module, self.pipeline
+        if calls is None or not self._whole_steps():
+            return self._micro_batch_backward(closure_loss)
+        assert module is not None and pipe is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if pipe.holds_last:
+            try:
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001  # detect_anomaly's NaN gradient: raised on every rank, below
+                pipe.record_failure(err, backward=True)
+        try:
+            calls.backward()
+        except Exception:
+            self._failed_together = pipe.failure.settled and self.data_parallel_size == 1
+            raise
+        if self._sync_grads:
+            pipe.shared.sum_gradients()  # a tied embedding and head: summed between the ranks that use it
+            self._average_over_replicas()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _step_ended(self, calls: ModelCalls, failed: Exception | None) -> None:
+        """What the step raised, here or on another rank of the pipeline: raised on every rank (the module is made whole
+        at teardown, as after DDP)."""
+        try:
+            calls.end_step(failed)
+        except Exception:
+            assert self.pipeline is not None
+            self._failed_together = self.pipeline.failure.settled and self.data_parallel_size == 1
+            raise
+
+    def _average_over_replicas(self) -> None:
+        """As DDP: the replicas' mean of every gradient this rank holds, once per optimizer step."""
+        if self.data_parallel_size > 1:
+            assert self.optimizers
+            mine = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+            average_gradients(mine, self._layout.dp_group)
+
+    # -- the other schedules: the step once per micro-batch on the last stage's rank ----------------
+
+    def _micro_batch_training_step(self, args: tuple, kwargs: dict) -> STEP_OUTPUT:
+        """The schedule runs the user's step on each micro-batch (:func:`~lightning_accel.pipeline.rank_step.train_step`);
+        the last rank's loss, logs and list items, reduced over the micro-batches, reach every rank."""
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
@@ -89,6 +159,19 @@ class PipelineSteps(DDPStrategy):
         loss = loss.to(self.root_device)
         return {"loss": loss} if as_dict else loss
 
+    def _micro_batch_backward(self, closure_loss: Tensor) -> Tensor:
+        """The schedule ran backward in ``training_step``: add its gradients now (Lightning has zeroed them)."""
+        assert self.lightning_module is not None and self.pipeline is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        if self._backward_error is not None:  # what the schedule's backward raised, on every rank (training_step)
+            err, self._backward_error, self._pending = self._backward_error, None, []
+            raise err
+        add_gradients(self.pipeline.parameters(), self._pending, self.lightning_module.trainer.accumulate_grad_batches)
+        self._pending = []
+        if self._sync_grads:
+            self._average_over_replicas()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """A training loader: its batches' sizes are checked before the first step (:meth:`_check_batch_sizes`)."""
@@ -120,23 +203,6 @@ class PipelineSteps(DDPStrategy):
                 f"step); a batch_size that is a multiple of {self.chunks} pipelines {self.chunks}"
             )
 
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """The schedule ran backward in ``training_step``: add its gradients now (Lightning has zeroed them)."""
-        assert self.lightning_module is not None and self.pipeline is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        if self._backward_error is not None:  # what the schedule's backward raised, on every rank (training_step)
-            err, self._backward_error, self._pending = self._backward_error, None, []
-            raise err
-        add_gradients(self.pipeline.parameters(), self._pending, self.lightning_module.trainer.accumulate_grad_batches)
-        self._pending = []
-        if self._sync_grads and self.data_parallel_size > 1:  # as DDP: the replicas' mean, once per optimizer step
-            assert self.optimizers
-            mine = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
-            average_gradients(mine, self._layout.dp_group)
-        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-
-
     def _gather_in_step(self) -> str:
         """Why ``self.all_gather`` in ``training_step`` is refused when micro-batches run it (one line, with the fixes)."""
         schedule = "schedule='auto'" if self._auto is not None else f"schedule={self.schedule!r}"
@@ -147,10 +213,14 @@ class PipelineSteps(DDPStrategy):
             "chunks=1"
         )
 
-    def _whole_steps(self) -> bool:
-        """Whether ``training_step`` runs once per batch (:mod:`~lightning_accel.pipeline.whole_step`): GPipe, not tuned to
-        another schedule during the fit."""
+    def _gpipe(self) -> bool:
+        """GPipe, not tuned to another schedule during the fit: every forward of a batch before its first backward."""
         return self._auto is None and self.schedule == "gpipe"
+
+    def _whole_steps(self) -> bool:
+        """Whether ``training_step`` runs once per batch on every rank (:mod:`~lightning_accel.pipeline.whole_step`): GPipe,
+        and a module (the entry) whose call runs the blocks."""
+        return self._gpipe() and self._calls is not None
 
     @override
     def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
@@ -158,15 +228,29 @@ class PipelineSteps(DDPStrategy):
         does not show is refused when it is made, :meth:`all_gather`). Under GPipe the step runs once per batch, and a
         gather there is the replicas' whole batches, as under DDP."""
         super().check_fit(module, sync_batchnorm)
-        if self.chunks > 1 and not self._whole_steps() and calls_in(module, "training_step", "all_gather"):
+        if self.chunks > 1 and not self._gpipe() and calls_in(module, "training_step", "all_gather"):
             raise ValueError(self._gather_in_step())
 
     # -- evaluation ---------------------------------------------------------------------------
 
     def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        """The batch through the stages in micro-batches; the user's ``hook`` on the whole batch at the last stage (its
-        logs replayed and its output returned on every rank). Every rank runs ``hook`` up to its stages' ends, its
-        logging silenced."""
+        """The user's ``hook`` once, on every rank: its call of the model streams the batch through the stages and returns
+        the output on every rank (:class:`~lightning_accel.pipeline.whole_step.ModelCalls`). A LightningModule that calls
+        the blocks itself: the last rank runs ``hook`` on the whole batch, its logs and output sent to every rank."""
+        calls, module, pipe = self._calls, self.lightning_module, self.pipeline
+        assert module is not None and pipe is not None
+        if calls is None:
+            return self._eval_step_without_entry(hook, args, kwargs)
+        out, failed = None, None
+        with calls.evaluating():
+            try:
+                out = getattr(module, hook)(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001  # raised on every rank, below
+                failed = err
+        self._step_ended(calls, failed)
+        return out
+
+    def _eval_step_without_entry(self, hook: str, args: tuple, kwargs: dict) -> Any:
         module, pipe = self.lightning_module, self.pipeline
         assert module is not None and pipe is not None
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())

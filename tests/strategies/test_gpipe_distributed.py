@@ -333,7 +333,8 @@ def test_bad_options_fail_before_any_work():
 
 def test_is_a_parallel_strategy_lightning_launches_like_ddp():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2), logger=False)
-    assert trainer.world_size == 2 and trainer.strategy._get_process_group_backend() == "gloo"
+    assert trainer.strategy.num_processes == 2 and trainer.strategy._get_process_group_backend() == "gloo"
+    assert trainer.world_size == 1  # replicas, as DDP's world size counts them: one pipeline of 2 stages
     assert type(trainer.strategy._launcher).__name__ == "_SubprocessScriptLauncher"
 
 

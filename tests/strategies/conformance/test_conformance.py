@@ -20,9 +20,6 @@ _DDP_THAW = ("the reference is wrong here: DDP does not average a parameter that
 KNOWN: dict[tuple[str, str], str] = {
     ("base_finetuning", "l2l_offload_ddp"): _DDP_THAW,
     ("backbone_finetuning", "l2l_offload_ddp"): _DDP_THAW,
-    ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) is refused in one line "
-                                                         "inside its first training_step, on every rank, not before it: "
-                                                         "nothing before the step runs tells",
 }
 
 

@@ -1,8 +1,9 @@
 """A user script whose ``training_step`` logs what changes from step to step, on 2 CPU processes (gloo).
 
 Run as ``python step_report_worker.py OUT_DIR``: Lightning's subprocess launcher re-runs
-this script for rank 1. The last rank (1) runs ``training_step`` and sends every rank the
-loss and what it logged; each rank saves ``rank{r}.pt``: per step, every ``self.log`` call
+this script for rank 1. Under 1F1B the last rank (1) runs ``training_step`` once per micro-batch and sends every rank
+the loss and what it logged, reduced over the micro-batches (under GPipe, the default, every rank runs the step once and
+logs its own values); each rank saves ``rank{r}.pt``: per step, every ``self.log`` call
 the strategy made on that rank (name, value, options), the loss ``training_step`` returned
 there, and how many ``broadcast_object_list`` calls the step made (the strategy's object
 path, taken only when the logged names, options or kinds of value changed). After fit it
@@ -127,7 +128,7 @@ def main() -> None:
     data = TensorDataset(torch.randn(4 * STEPS, 4, generator=g), torch.randn(4 * STEPS, 1, generator=g))
     task, record = Logging(), Record()
     trainer = pl.Trainer(
-        max_epochs=1, accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, balance=[1, 1], timeout=60),
+        max_epochs=1, accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, balance=[1, 1], schedule="1f1b", timeout=60),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[record],
     )
