@@ -109,6 +109,7 @@ from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
 from lightning_accel.pipeline.step_report import restore_metric_sync
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
+from lightning_accel.strategies.compiled_modules import compiled_around
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
 from lightning_accel.strategies.gpipe_configure_model import ConfigureModelReplay
 from lightning_accel.strategies.gpipe_distributed_ranks import ReplicaCollectives
@@ -297,6 +298,7 @@ class DistributedGPipeStrategy(
         # here each rank only ever places its own stages there
         self._refuse_unsupported(trainer)
         refuse_callbacks(trainer, type(self).__name__)
+        self.refuse_compiled(trainer.lightning_module)
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -343,6 +345,19 @@ class DistributedGPipeStrategy(
                 + f" ms per block, forward + backward on example_input_array on {self.root_device} of rank 0"
             )
         return balance
+
+    def refuse_compiled(self, module: pl.LightningModule) -> None:
+        """Before any work: a ``torch.compile`` around the blocks (``net = torch.compile(net)``, ``net.compile()``,
+        ``trainer.fit(torch.compile(model))``) is refused in one line; a compiled block is fine (a stage runs it whole).
+        Before: the fit ran, Dynamo compiled nothing, and the weights ended elsewhere than DDP's."""
+        net = getattr(module, "net", None)
+        blocks = find_blocks(net if isinstance(net, nn.Module) else module, self.blocks, stacks="all")
+        if (compiled := compiled_around(module, [b.module for b in blocks])) is not None:
+            raise ValueError(
+                f"{type(self).__name__} cannot run {compiled}: it holds the pipeline's blocks, which each rank runs with "
+                "the other ranks' as sends and receives, and Dynamo cannot trace that; compile each block instead "
+                "(block.compile()), or remove torch.compile"
+            )
 
     def _split(self) -> None:
         """Build this rank's stages; on first use give them their starting weights and free the other ranks' blocks."""
