@@ -58,8 +58,9 @@ def test_batch_norm_buffers_and_weights_equal_the_reference_after_fit(two_ranks,
 
 
 def test_batch_norm_counts_batches_by_default_and_a_cumulative_average_equals_plain_lightning(two_ranks):
-    """No deferred_batch_norm given, 4 micro-batches, 3 steps: every BatchNorm's num_batches_tracked is 3, as in plain
-    Lightning, and the first one (momentum=None: the cumulative average over batches; its inputs are the data) holds
+    """deferred_batch_norm=True (the statistics deferral; not given, it is refused with micro-batches: see
+    tests/strategies/test_gpipe_batch_layers.py), 4 micro-batches, 3 steps: every BatchNorm's num_batches_tracked is 3,
+    as in plain Lightning, and the first one (momentum=None: the cumulative average over batches; its inputs are the data) holds
     plain Lightning's running statistics. Before: 12 updates of a micro-batch's statistics each (the default counted
     micro-batches), and momentum=None crashed on rank 1, whose meta run of rank 0's BatchNorm read the meta counter."""
     assert [(two_ranks / f"bn-first-default-rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]

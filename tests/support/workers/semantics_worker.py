@@ -153,8 +153,9 @@ def _bn_cases() -> dict[str, tuple]:
 
 
 def _bn_default_cases() -> dict[str, tuple]:
-    """The strategy's defaults (no deferred_batch_norm given), 4 micro-batches: statistics once per batch."""
-    return {"bn-first-default": (FirstBatchNorm, dict(chunks=4, balance=[3, 3]), 8, 24, {})}
+    """Deferred statistics accepted (deferred_batch_norm=True; not given, BatchNorm with micro-batches is refused),
+    4 micro-batches: statistics once per batch."""
+    return {"bn-first-default": (FirstBatchNorm, dict(chunks=4, balance=[3, 3], deferred_batch_norm=True), 8, 24, {})}
 
 
 def _ragged_cases() -> dict[str, tuple]:
@@ -371,7 +372,8 @@ def run_raising(out: str) -> None:
     for name, model, kwargs in [("raising", RaisingModel(), {}), ("raising-validation", RaisingInValidation(), {"val": True}),
                                 ("raising-none", SkipsAfterTheCall(), {})]:
         balance = {"raising": [2, 2], "raising-validation": [4, 3], "raising-none": [3, 2]}[name]
-        strategy = DistributedGPipeStrategy(chunks=4, balance=balance, blocks=lambda net: list(net), timeout=60)
+        strategy = DistributedGPipeStrategy(chunks=4, balance=balance, blocks=lambda net: list(net), timeout=60,
+                                            deferred_batch_norm=True)  # a BatchNorm in RaisingInValidation's blocks
         seen = SeesException()
         loader = DataLoader(data(24), batch_size=8)
         try:
