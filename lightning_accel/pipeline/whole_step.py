@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_accel.patching import swapped
+from lightning_accel.patching import patch
 from lightning_accel.pipeline.call_output import CallOutput
 from lightning_accel.pipeline.microbatch import call_batch_size, gather_output, map_tensors, scatter_call, tensors_in
 
@@ -111,26 +111,37 @@ class ModelCalls:
         self.pending: list[_Call] = []  # this training step's calls, until Lightning's backward
         self._original: Callable[..., Any] = self.module.forward
         self._through = False  # _own() is calling: the forward is the module's own
-        self._training = False  # inside a training step (not an evaluation step)
+        self._mode = "outside"  # "training" or "evaluating" while a step of the user runs
+        # the entry's forward is replaced from here to restore(): a call outside the steps (a hook or callback calling
+        # the model on every rank, as under DDP) streams through the stages too
+        self._patch = patch(self.module, "forward", self._call)
+
+    def restore(self) -> None:
+        """The entry's own forward back (the strategy drops this pipeline)."""
+        self._patch.remove()
 
     @contextmanager
     def training(self) -> Iterator[None]:
         """Around the user's training step: each call of the entry runs a forward phase (or streams, without gradients)."""
         self.pipe.begin_step()
         self.discard()
-        self._training = True
-        try:
-            with swapped(self.module, "forward", self._train):
-                yield
-        finally:
-            self._training = False
+        with self._in("training"):
+            yield
 
     @contextmanager
     def evaluating(self) -> Iterator[None]:
         """Around the user's evaluation step: each call of the entry streams its micro-batches through the stages."""
         self.pipe.begin_step()
-        with swapped(self.module, "forward", self._evaluate):
+        with self._in("evaluating"):
             yield
+
+    @contextmanager
+    def _in(self, mode: str) -> Iterator[None]:
+        previous, self._mode = self._mode, mode
+        try:
+            yield
+        finally:
+            self._mode = previous
 
     def end_step(self, failed: Exception | None) -> None:
         """After the user's step, on every rank: what it raised here or on another rank of the pipeline is raised on
@@ -176,9 +187,19 @@ class ModelCalls:
         finally:
             self._through = False
 
-    def _train(self, *args: Any, **kwargs: Any) -> Any:
-        if self._through:
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """The entry's forward while the pipeline is set up: the module's own inside a stage's run (:meth:`_own`, or the
+        user's step run per micro-batch by the schedule: :mod:`~lightning_accel.pipeline.rank_step`) and for a call on
+        ``meta`` (Lightning's model summary); in a training step a forward phase; elsewhere streamed."""
+        if self._through or self.pipe._forwarding or any(t.is_meta for t in tensors_in([args, kwargs])):
             return self._original(*args, **kwargs)
+        if self._mode == "training":
+            return self._train(args, kwargs)
+        if self._mode == "evaluating":
+            return self._evaluate(args, kwargs)
+        return self._stream(args, kwargs)  # a hook or callback, on every rank: without gradients
+
+    def _train(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         if not torch.is_grad_enabled():  # a call the step makes without gradients (a target, a teacher): no backward
             return self._stream(args, kwargs)
         pipe = self.pipe
@@ -199,9 +220,7 @@ class ModelCalls:
         self.pending.append(call)
         return self._deliver(whole.joined(sizes) if whole is not None else None)
 
-    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        if self._through:
-            return self._original(*args, **kwargs)
+    def _evaluate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         if torch.is_grad_enabled():
             raise ValueError(
                 f"{self.name} was called with gradients enabled in an evaluation step (torch.enable_grad() under "
@@ -224,7 +243,7 @@ class ModelCalls:
         """The last stage's rank's output on every rank; what the step reads after the call from outside the entry
         (a head) is current on every rank first (:meth:`~lightning_accel.pipeline.shared_params.SharedParams.freshen`)."""
         pipe = self.pipe
-        if self._training:  # a rank's copy of what it does not step is stale (an evaluation syncs them at its start)
+        if self._mode != "evaluating":  # a copy of what this rank does not step is stale (an evaluation syncs them first)
             pipe.shared.freshen(pipe.outside, pipe.world_size)
         return self.output.deliver(value)
 
