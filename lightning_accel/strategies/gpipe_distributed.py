@@ -107,7 +107,7 @@ from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, st
 from lightning_accel.pipeline.auto_schedule import AutoSchedule
 from lightning_accel.pipeline.schedule_tuner import ScheduleTuner
 from lightning_accel.pipeline.placeholders import placeholders_equal_nothing
-from lightning_accel.pipeline.step_report import restore_metric_sync
+from lightning_accel.pipeline.step_report import metrics_over_replicas
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
 from lightning_accel.strategies.compiled_modules import compiled_around
 from lightning_accel.strategies.gpipe_callbacks import adapt_callbacks, refuse_callbacks
@@ -116,6 +116,7 @@ from lightning_accel.strategies.gpipe_distributed_ranks import ReplicaCollective
 from lightning_accel.strategies.gpipe_distributed_steps import PipelineSteps
 from lightning_accel.strategies.gpipe_split_state import SplitModuleState
 from lightning_accel.strategies.options_check import check_options
+from lightning_accel.strategies.pipeline_checks import refuse_closure_optimizers, refuse_gradients_in_evaluation
 from lightning_accel.strategies.user_hooks import overrides
 
 _LAYOUT = "_gpipe_distributed_layout"  # on a split module: (ranks, placement, balance)
@@ -174,10 +175,12 @@ class DistributedGPipeStrategy(
             docstring); ``"parts"``: always from per-module seeds (no rank ever holds the whole network, not even
             while setting up; the starting values are not your seed's draws); ``False`` builds it whole on every rank,
             as one built in ``__init__`` is.
-        deferred_batch_norm: update BatchNorm running statistics once per batch, from the whole batch's statistics,
-            as plain training does (the default, as ``GPipeStrategy``'s: ``num_batches_tracked`` counts batches, and a
-            ``momentum=None`` average weighs batches); each micro-batch is still normalized by its own. ``False``: once
-            per micro-batch. Recomputation and shape inference never update them.
+        deferred_batch_norm: with ``chunks > 1`` a BatchNorm normalizes each micro-batch with its own statistics, so
+            training differs from plain Lightning's: not given (None), that is refused before the first step
+            (:mod:`lightning_accel.pipeline.batch_layers`); ``True`` accepts it, and updates the running statistics once
+            per batch from the whole batch's (torchgpipe's semantics: ``num_batches_tracked`` counts batches, a
+            ``momentum=None`` average weighs batches); ``False``, once per micro-batch. Recomputation and shape
+            inference never update them.
     """
 
     strategy_name = "gpipe_distributed"
@@ -196,7 +199,7 @@ class DistributedGPipeStrategy(
         start_method: str = "popen",
         blocks: BlockPolicy = "auto",
         deferred_init: bool | str = True,
-        deferred_batch_norm: bool = True,
+        deferred_batch_norm: bool | None = None,
         **kwargs: Any,
     ) -> None:
         check_options(type(self).__name__, locals())  # each argument by kind, before any is used
@@ -219,7 +222,6 @@ class DistributedGPipeStrategy(
         self._mesh: Any = None  # the ("pp", "dp") DeviceMesh, built once the process group is up
         self.pipeline: RankPipeline | None = None
         self._split_state: RankSplit | None = None  # who holds which tensor; kept after fit for save_checkpoint
-        self._sync_on_compute: dict[int, tuple[bool, Any]] = {}  # per Metric: what the user set
         # methods replaced on the precision plugin (DDPWithoutWrapper) and the summary callbacks (objects a later Trainer
         # may be handed): from setup to teardown, which Lightning also calls when the fit raises
         self._patches: list[Patch] = []
@@ -299,6 +301,7 @@ class DistributedGPipeStrategy(
         self._refuse_unsupported(trainer)
         refuse_callbacks(trainer, type(self).__name__)
         self.refuse_compiled(trainer.lightning_module)
+        refuse_gradients_in_evaluation(type(self).__name__, trainer.lightning_module)
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -309,10 +312,12 @@ class DistributedGPipeStrategy(
         self._unpatch()  # a setup without a teardown between (not Lightning's order): patch once, not twice
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            refuse_closure_optimizers(type(self).__name__, self.optimizers)
             assert self._split_state is not None
             self._split_state.keep_own_parameters(trainer.lightning_module, self.optimizers, self._layout)
         assert self._split_state is not None
         self._patches = adapt_callbacks(trainer, trainer.lightning_module, self._split_state, self._layout, self._process_rank)
+        self._patches.append(metrics_over_replicas(self._layout.dp_group))  # torchmetrics: a replica's state counted once
         self._undo_equal = placeholders_equal_nothing()  # BaseFinetuning compares every parameter by value
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -386,10 +391,12 @@ class DistributedGPipeStrategy(
             module, blocks, balance, self._layout, first=layout is None, initial=self._initial_values,
             chunks=self.chunks, schedule=self.schedule,
             scale_grads=self.options.scale_grads, checkpoint=self.checkpoint,
-            deferred_batch_norm=self.deferred_batch_norm,
+            deferred_batch_norm=self.deferred_batch_norm is not False,  # checked: None only where no BatchNorm trains
             failure_group=None if self.data_parallel_size > 1 else "pipeline",  # every replica stops: none waits in the average
         )
         # the model's call in the user's steps runs the pipeline (lightning_accel.pipeline.whole_step)
+        if self._calls is not None:  # split again without a teardown between
+            self._calls.restore()
         self._calls = ModelCalls(self.pipeline, self._layout.pp_global(self._last_rank())) if self.pipeline.entry else None
         if layout is None:
             object.__setattr__(module, _LAYOUT, (ranks, placement, tuple(balance)))
@@ -420,6 +427,8 @@ class DistributedGPipeStrategy(
         self._unpatch()
         # _split_state stays: trainer.save_checkpoint after fit still gathers the stages, as does the mesh
         # (one per process, see pipeline.mesh.process_mesh: nothing to destroy here)
+        if self._calls is not None:
+            self._calls.restore()  # the model's call is its own again
         if self.pipeline is not None:
             self.pipeline.restore()  # the blocks get their own forwards back (a later fit or validate splits afresh)
         self.pipeline, self._calls, self._pending = None, None, []
@@ -429,8 +438,6 @@ class DistributedGPipeStrategy(
         module = self.lightning_module
         if module is None:
             return super().teardown()
-        restore_metric_sync(module, self._sync_on_compute)
-        self._sync_on_compute = {}
         _to_device(module, torch.device("cpu"))
         with swapped(module, "cpu", lambda: module):  # Lightning's teardown would copy the meta stages
             super().teardown()

@@ -49,6 +49,32 @@ class ReplicaCollectives(DDPStrategy):
         return self.data_parallel_size
 
     @property
+    @override
+    def parallel_devices(self) -> list[torch.device] | None:
+        """Once launched, the devices of this node's replicas (``trainer.num_devices``, what callbacks multiply the
+        batch size by); before, every process's (what Lightning launches). A pipeline that spans nodes counts one."""
+        devices = self._parallel_devices
+        if devices is None or getattr(self, "_mesh", None) is None:
+            return devices
+        return devices[: max(1, len(devices) // self.pipeline_parallel_size)]
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        self._parallel_devices = devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self._parallel_devices is not None
+        return self._parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def num_processes(self) -> int:
+        """This node's processes: every stage's."""
+        return len(self._parallel_devices) if self._parallel_devices is not None else 0
+
+    @property
     def data_parallel_rank(self) -> int:
         """This process's replica: the shard of the data it sees (every stage of a replica sees the same batch). The
         process's own rank stays ``global_rank`` (per-process files, rank zero's duties); shard data by hand with this

@@ -9,11 +9,14 @@ rank), ``backward`` adds the schedule's gradients, and the evaluation steps stre
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -21,11 +24,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_accel.pipeline.batch_agreement import check_same_batch
+from lightning_accel.pipeline.batch_layers import check_batch_layers
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, average_gradients
 from lightning_accel.pipeline.microbatch import batch_size
 from lightning_accel.pipeline.rank_step import eval_step, kept_on_cpu, train_step
-from lightning_accel.pipeline.step_report import broadcast_step_result, metrics_over_replicas
+from lightning_accel.pipeline.step_report import broadcast_step_result
 from lightning_accel.pipeline.whole_step import ModelCalls
 from lightning_accel.strategies.user_hooks import calls_in
 
@@ -43,6 +48,7 @@ class PipelineSteps(DDPStrategy):
     """``training_step``, ``backward`` and the evaluation steps of a pipeline strategy (see the module docstring)."""
 
     pipeline: RankPipeline | None = None
+    deferred_batch_norm: bool | None = None
     _calls: ModelCalls | None = None  # the model's calls in the user's steps (None: the LightningModule calls the blocks)
     _step_signature_cache: tuple | None = None  # the last step's result signature, the same on every rank of a pipeline
 
@@ -54,7 +60,9 @@ class PipelineSteps(DDPStrategy):
         batch's output on every rank (:class:`~lightning_accel.pipeline.whole_step.ModelCalls`), so what the step does
         after it (loss, logs, gathers, outputs) is every rank's own, as under DDP. Under the other schedules, once per
         micro-batch on the last stage's rank (:meth:`_micro_batch_training_step`)."""
-        calls, module = self._calls, self.lightning_module
+        calls, module, layout = self._calls, self.lightning_module, self._layout
+        batch = args[0] if args else kwargs.get("batch")
+        check_same_batch(batch, layout.pp_group, layout.pp_size, self.root_device, type(self).__name__)
         if calls is None or not self._whole_steps():
             return self._micro_batch_training_step(args, kwargs)
         assert module is not None and self._split_state is not None
@@ -174,8 +182,12 @@ class PipelineSteps(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """A training loader: its batches' sizes are checked before the first step (:meth:`_check_batch_sizes`)."""
+        """A training loader: its batches' sizes are checked before the first step (:meth:`_check_batch_sizes`). Under
+        ``seed_everything(workers=True)`` its workers are seeded by the replica, not the process, as Lightning seeds
+        DDP's ranks' workers: a replica's stages load the same batches (random augmentations included)."""
         dataloader = super().process_dataloader(dataloader)
+        if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", "") is None:
+            dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.data_parallel_rank)  # type: ignore[attr-defined]
         module = self.lightning_module
         if module is not None and module._trainer is not None and module.trainer.training:  # evaluation: any size
             self._check_batch_sizes(dataloader)
@@ -225,11 +237,14 @@ class PipelineSteps(DDPStrategy):
     @override
     def check_fit(self, module: Any, sync_batchnorm: bool) -> None:
         """Also: ``self.all_gather`` in a ``training_step`` that micro-batches run (read from its source; a call the source
-        does not show is refused when it is made, :meth:`all_gather`). Under GPipe the step runs once per batch, and a
-        gather there is the replicas' whole batches, as under DDP."""
+        does not show is refused when it is made, :meth:`all_gather`; under GPipe the step runs once per batch, and a
+        gather there is the replicas' whole batches, as under DDP), and a layer micro-batches would train otherwise."""
         super().check_fit(module, sync_batchnorm)
         if self.chunks > 1 and not self._gpipe() and calls_in(module, "training_step", "all_gather"):
             raise ValueError(self._gather_in_step())
+        # a layer whose result depends on the whole batch (a BatchNorm, an instance norm's running statistics, spectral
+        # normalization): honoured or refused (lightning_accel.pipeline.batch_layers)
+        check_batch_layers(module, self.chunks, self.deferred_batch_norm, type(self).__name__)
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -282,11 +297,8 @@ class PipelineSteps(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self.sync_weights()
-        assert self.lightning_module is not None
-        dp_group = self._mesh.get_group("dp") if self.data_parallel_size > 1 else None
-        metrics_over_replicas(self.lightning_module, dp_group, self.data_parallel_size, self._sync_on_compute)
 
-    on_test_start = on_validation_start  # the same: weights current, metrics synced over the replicas only
+    on_test_start = on_validation_start  # the same: weights current
 
     @override
     def on_predict_start(self) -> None:
