@@ -1,67 +1,25 @@
 """The multi-process pipeline: one stage (or several, interleaved) per rank on ``torch.distributed.pipelining``.
 
-Each rank runs the model's own forward on every micro-batch; its stages' blocks compute,
-the other ranks' blocks are receive and send points
-(:mod:`lightning_accel.pipeline.boundaries`), so a model that calls its blocks from its
-own loop with masks, position ids or rotary tables (transformers, litgpt) runs
-unchanged, and what it computes before the first block is recomputed on every rank. A
-:class:`StageModule` per stage hands that to a :class:`PipelineStage`, and one of
-PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``interleaved_zb``, ``zbv``, ``dualpipev``;
-:data:`lightning_accel.pipeline.schedule.SCHEDULE_TABLE`) sends activations forward and
-gradients back between ranks. The blocks of other ranks' stages are on the ``meta``
-device; what is outside the blocks (embeddings, final norm, head, tied weights) is on
-every rank, but only the ranks whose part of the forward uses a parameter get its
-gradient and step it: an untied embedding on the first stage's rank, the final norm and
-head on the last's. Only a parameter two ranks use (a tied embedding and head) has its
-gradients summed, between those ranks, as Megatron all-reduces the embedding shared by
-its first and last stage (:meth:`RankPipeline._sum_shared`). Gradients are scaled by ``1 / chunks`` so a mean loss matches
-plain training.
+Each rank runs the model's own forward on every micro-batch; its stages' blocks compute, the other ranks' blocks are
+receive and send points (:mod:`~lightning_accel.pipeline.boundaries`), so a model that calls its blocks from its own
+loop with masks, position ids or rotary tables (transformers, litgpt) runs unchanged, and what it computes before the
+first block is recomputed on every rank. A :class:`~lightning_accel.pipeline.stage_module.StageModule` per stage hands
+that to torch's ``PipelineStage``, and one of torch's schedules (:data:`~lightning_accel.pipeline.schedule.SCHEDULE_TABLE`;
+one per batch shape and call: :mod:`~lightning_accel.pipeline.rank_schedules`) sends activations forward and gradients
+back. The other ranks' blocks are on ``meta``; what is outside the blocks is on every rank, stepped by the ranks that use
+it (:mod:`~lightning_accel.pipeline.shared_params`). Why the model's own forward and not torch's ``pipeline()`` tracer: a
+traced stage has its own parameter names, moves the user's loss and logging outside the graph, fixes one input shape,
+and needs a model that traces (docs/pipeline.md has what it did on five real models).
 
-Why this design and not the ``torch.distributed.pipelining`` tracer (``pipeline()``
-with split points at block boundaries), which did trace tiny Llama, GPT-2, Qwen2,
-Mistral and litgpt GPT: a traced stage is a new ``GraphModule`` with its own parameter
-names, the user's ``training_step`` (the loss, ``self.log``) would have to run outside
-it on the traced output, the graph is specialized to one input shape (every new batch
-shape is a new trace), and the model must trace at all (data-dependent control flow,
-Python-side caches). Running the model's own code keeps the user's module, names,
-checkpoints and loss code, at the cost of recomputing the pre-block work on every rank
-and keeping the non-block weights on every rank.
-
-Failure: a neighbour that dies makes the transport raise (gloo closes the connection;
-a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
-into one error naming this rank, its stage and the neighbouring ranks, so every rank
-exits within the timeout instead of hanging. An exception raised by a stage's forward (the
-user's layer, loss or ``training_step``), or by its backward (``detect_anomaly``'s NaN gradient;
-:mod:`lightning_accel.pipeline.torch_stage`), is re-raised on its rank as itself, same type, its
-message followed by the rank and stage; that rank first leaves one line in the process
-group's store, and the pipeline's other ranks, whose exchanges then fail, end with an error
-naming it (:meth:`RankPipeline._stage_error`).
-
-Shapes: a stage fixes its activation shapes at its first step. A batch of another shape
-(a smaller last batch) gets stages and a schedule of its own, built on first use and kept
-per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
-every rank can compute (the batch's shapes), and without one a new shape is refused. The
-micro-batches of one step are equal (torch's stages receive into buffers of one shape): a
-batch that ``chunks`` does not divide runs in another count that does
-(:meth:`RankPipeline.microbatches`: fewer, as the reference GPipe runs a batch smaller than
-``chunks``, or more where the schedule needs them), so its mean loss is the batch's.
-
-Data parallel across pipeline replicas (DP x PP): each replica's ``pp`` ranks form one
-pipeline, a :class:`RankPipeline` on the mesh's ``pp`` group
-(:mod:`lightning_accel.pipeline.mesh`); after its backward,
-:func:`lightning_accel.pipeline.gradients.average_gradients` averages each stage's
-gradients over the ``dp`` group.
-
-Evaluation micro-batches too, streamed through the stages on GPipe's forward clock with
-a header before each tensor, so batches may have any size and shape
-(:mod:`lightning_accel.pipeline.evaluation`). One exception: ``interleaved_1f1b`` on 2
-ranks off the CPU evaluates the batch whole, since there the two ranks send each other
-activations and NCCL would deadlock on crossing sends (see :meth:`RankPipeline.eval_chunks`).
-A step's timeline (``record=True``) comes from :mod:`lightning_accel.pipeline.step_recorder`.
-
-:class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
-inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
-``tests/pipeline/test_distributed.py`` drive it directly.
+Three ways to drive it: :meth:`RankPipeline.train_step` runs a batch's forward and backward in one schedule step (the
+per-micro-batch user step of :mod:`~lightning_accel.pipeline.rank_step`, and :meth:`RankPipeline.step` for a loss
+function); :meth:`RankPipeline.forward_phase` and :meth:`RankPipeline.backward_phase` run GPipe's halves apart (a model
+call inside the user's step, :mod:`~lightning_accel.pipeline.whole_step`); :meth:`RankPipeline.evaluate` streams a batch
+forward (:mod:`~lightning_accel.pipeline.evaluation`). Failures: an exception a stage raises keeps the schedule running on
+stand-ins and is raised on every rank (:mod:`~lightning_accel.pipeline.step_failure`, :meth:`RankPipeline.settle`); a
+neighbour that dies ends every rank with an error naming it (:meth:`RankPipeline._exchange_error`). Data parallel
+replicas (DP x PP): each replica's ranks form one pipeline on the mesh's ``pp`` group (:mod:`~lightning_accel.pipeline.mesh`).
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -76,21 +34,21 @@ from torch import Tensor, nn
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.boundaries import StageBoundaries
+from lightning_accel.pipeline.evaluation import stream_evaluate
 from lightning_accel.pipeline.gradients import average_gradients, sum_over_users
-from lightning_accel.pipeline.shared_params import SharedParams
-from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.local import checkpoint_stop
+from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
+from lightning_accel.pipeline.rank_schedules import RankSchedules
 from lightning_accel.pipeline.router_carry import RouterCarry
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
-from lightning_accel.pipeline.evaluation import stream_evaluate
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_indices, stage_rank
+from lightning_accel.pipeline.shared_params import SharedParams
 from lightning_accel.pipeline.stage_meter import StageMeter
 from lightning_accel.pipeline.stage_module import StageModule, shared_parameters
 from lightning_accel.pipeline.step_failure import StepFailure, peer_said
 from lightning_accel.pipeline.step_recorder import StepRecorder
 from lightning_accel.pipeline.timeline import Event
-from lightning_accel.pipeline.torch_stage import PipeStage
 from lightning_accel.pipeline.whole_step import entry_module
 
 __all__ = [
@@ -103,21 +61,8 @@ __all__ = [
     "sum_over_users",
 ]
 
-def _rng_kept(device: torch.device) -> Any:
-    """The CPU's (and ``device``'s) random generators restored on exit."""
-    if device.type == "cpu":
-        return torch.random.fork_rng(devices=[])
-    return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
 
-
-def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
-    """Stages rank ``rank`` runs: one, or two for an interleaved schedule (``rank`` and ``rank + world_size``; V-wise
-    ``rank`` and ``2 * world_size - 1 - rank`` for ``zbv`` and ``dualpipev``), in stage order."""
-    stages = SCHEDULE_TABLE[schedule].stages_per_rank * world_size
-    return [s for s in range(stages) if stage_rank(s, world_size, schedule) == rank]
-
-
-class RankPipeline:
+class RankPipeline(RankSchedules):
     """This rank's stages of ``net`` and the schedule that drives them.
 
     ``net`` is any model whose forward calls its blocks (``blocks``: a policy for
@@ -130,7 +75,7 @@ class RankPipeline:
     unit, for staying on the device while the blocks stream); after each step
     a parameter there has a gradient only on the ranks whose stages' forward used it,
     summed between them where there are two or more (a tied embedding and head), so the
-    ranks that use it step it alike and the others leave it (:meth:`_sum_shared`;
+    ranks that use it step it alike and the others leave it (:class:`~.shared_params.SharedParams`;
     :attr:`shared_owner` says whose value counts, :class:`~.rank_split.RankSplit` reads it).
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
@@ -225,20 +170,6 @@ class RankPipeline:
         self.schedule: Any = self._build_schedule(chunks)
         self._trainable = self._requires_grad()
 
-    def reschedule(self, schedule: str, chunks: int) -> None:
-        """Run the next steps under ``schedule`` in ``chunks`` micro-batches; between steps only, and only to a schedule
-        whose stages sit on the same ranks (:func:`lightning_accel.pipeline.auto_schedule.same_placement`): the
-        parameters and optimizer state stay where they are."""
-        if stage_indices(self.rank, self.world_size, schedule) != self.indices:
-            raise ValueError(
-                f"cannot reschedule from {self.schedule_name!r} to {schedule!r}: its stages sit on other ranks; "
-                "choose a schedule of the same placement"
-            )
-        check_schedule(schedule, chunks, len(self.balance))
-        self.schedule_name, self.chunks = schedule, chunks
-        self._by_shape = {}
-        self.schedule = self._build_schedule(chunks)
-
     def restore(self) -> None:
         """Take the stage boundaries off the blocks: their forwards are the model's own again.
 
@@ -253,64 +184,6 @@ class RankPipeline:
     def _stage_range(self, stage: int) -> range:
         start = sum(self.balance[:stage])
         return range(start, start + self.balance[stage])
-
-    def _loss(self, output: Tensor, _target: Tensor) -> Tensor:
-        """The last stage returns the micro-batch's loss itself; the schedule's loss function only scales it."""
-        output = output.reshape(())
-        if self._whole is not None:  # a whole step's stand-in (lightning_accel.pipeline.whole_step): its gradients are exact
-            return output.sum()  # not a view: torch's stage detaches the loss in place after its backward
-        if self._inferring:
-            # torch's shape inference runs the last stage once more, only for the shapes of the gradients it sends back
-            return output
-        self._losses.append(output.detach())
-        return output / self.step_chunks if self.scale_grads else output
-
-    def _build_schedule(self, chunks: int) -> Any:
-        """Fresh stages over this rank's modules, and the schedule driving them over ``chunks`` micro-batches (stages fix
-        their shapes at their first step)."""
-        stages = [
-            PipeStage(m, s, len(self.balance), self.device, group=self.group)
-            for m, s in zip(self.modules, self.indices)
-        ]
-        if self.schedule_name == "gpipe":  # torch's, its step also runnable in two halves (the whole step's last rank)
-            from lightning_accel.pipeline.split_gpipe import SplitGPipe
-
-            schedule: Any = SplitGPipe(stages[0], n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
-        else:
-            schedule = SCHEDULE_TABLE[self.schedule_name].build(stages, n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
-        initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
-        if initialize is not None:
-
-            def inferring(*args: Any, **kwargs: Any) -> Any:
-                # a real forward and backward of micro-batch 0 (torch 2.13; later stages on uninitialized inputs): what
-                # it writes to buffers and draws from the random generators is put back, so the step runs as if it
-                # had not happened (BatchNorm statistics, dropout masks)
-                saved = [(b, b.detach().clone()) for b in self.net.buffers() if not b.is_meta]
-                self._inferring = True
-                try:
-                    with _rng_kept(self.device):
-                        return initialize(*args, **kwargs)
-                finally:
-                    self._inferring = False
-                    with torch.no_grad():
-                        for b, value in saved:
-                            if not torch.equal(b, value):  # an unchanged buffer keeps its version (a view of it may be saved for a backward)
-                                b.copy_(value)
-                    self._restart_microbatches()  # the inference's forwards were not micro-batches of the step
-
-            schedule._initialize_pp_stages = inferring
-        return schedule
-
-    def _requires_grad(self) -> tuple[bool, ...]:
-        """Which of the whole model's parameters train (placeholders included: every rank sees the same, no exchange).
-        torch's stages learn at their first step which activations carry a gradient between ranks, so a change needs
-        fresh stages."""
-        return tuple(p.requires_grad for p in self.net.parameters())
-
-    def _restart_microbatches(self) -> None:
-        """The next forward of each stage is micro-batch 0 (what re-materialization counts from)."""
-        for m in self.modules:
-            m.microbatch = 0
 
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank that runs ``stage`` (:func:`lightning_accel.pipeline.schedule.stage_rank`)."""
@@ -428,12 +301,6 @@ class RankPipeline:
                 self.failure.record(err, self.indices[0], backward=True)
         self.settle()
 
-    @staticmethod
-    def discard(schedule: Any) -> None:
-        """Forget a :meth:`forward_phase` whose backward will not run (the step returned no loss, or failed)."""
-        schedule._internal_losses.clear()
-        schedule._stage.clear_runtime_states()
-
     def record_failure(self, err: Exception, backward: bool) -> None:
         """An error of the step's own code on this rank: the rest of the step runs on stand-ins and every rank raises it
         at the next :meth:`settle`."""
@@ -447,32 +314,6 @@ class RankPipeline:
             self._trainable, self._by_shape = self._requires_grad(), {}
             self.schedule = self._build_schedule(self.chunks)
             raise failed from None
-
-    def _ready(self, forward: Callable[[int], Any], shape: Any, chunks: int | None) -> tuple[Any, int]:
-        """The schedule for this step's shape and micro-batch count, made ready to run ``forward``."""
-        chunks = self.chunks if chunks is None else chunks
-        if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
-            self._trainable, self._by_shape = self._requires_grad(), {}
-            self.schedule = self._build_schedule(self.chunks)  # its shape inference learns which activations need grad
-        if shape is not None:
-            if not self._by_shape and chunks == self.chunks:
-                self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
-            elif shape not in self._by_shape:
-                self._by_shape[shape] = self._build_schedule(chunks)
-            schedule = self._by_shape[shape]
-        elif chunks != self.chunks:
-            raise ValueError(f"a step of {chunks} micro-batches (not chunks={self.chunks}) needs a shape key of its own")
-        else:
-            schedule = self.schedule
-        self.step_chunks = chunks
-        for m in self.modules:
-            m.remat_stop = checkpoint_stop(self.checkpoint, chunks)
-        self._losses = []
-        if self.recorder is not None:
-            self.recorder.reset()
-        self._restart_microbatches()
-        self._forward = forward
-        return schedule, chunks
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

@@ -26,12 +26,14 @@ from torch import Tensor, nn
 
 from lightning_accel.pipeline.distributed import RankPipeline
 from lightning_accel.pipeline.gradients import set_aside
-from lightning_accel.pipeline.kept_outputs import Appended, KeptLists
+from lightning_accel.pipeline.kept_outputs import Appended, KeptLists, merge_items
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter
 from lightning_accel.pipeline.reduction import reduce_outputs
 from lightning_accel.pipeline.step_report import EvalLogs, MicroBatchLogs, StepResult, silenced
 
-__all__ = ["eval_step", "kept_on_cpu", "train_step"]
+__all__ = ["RETURNED", "eval_step", "kept_on_cpu", "train_step"]
+
+RETURNED = "returned"  # in a record's options: a key of the dict training_step returned, not a logged value
 
 
 def train_step(
@@ -48,7 +50,8 @@ def train_step(
     batch's shapes, equal on every rank). Returns the step's result on the last stage's rank (None elsewhere), this
     rank's gradients of ``pipe.parameters()``, set aside (the parameters keep the gradients they had before), and the
     module's lists around the step with, on the last stage's rank, what the whole batch's step appends to them (to send
-    to the others; every rank then calls :meth:`KeptLists.settle`). ``constant_sizes``: the logged names whose
+    to the others; every rank then calls :meth:`KeptLists.settle`). A returned dict's other keys are in the result's
+    records, marked :data:`RETURNED` in their options. ``constant_sizes``: the logged names whose
     ``batch_size`` is a constant, kept by the caller across steps (:func:`~lightning_accel.pipeline.step_report.reduce_logs`)."""
     chunks = pipe.microbatches(batch_size(batch))  # pipe.chunks, or equal micro-batches of a ragged batch
     micro = scatter(batch, chunks)
@@ -76,8 +79,21 @@ def train_step(
         return None, grads, kept, {}
     reduced = reduce_outputs(outputs, sizes, loss_reduction)
     loss = reduced["loss"] if isinstance(reduced, Mapping) else reduced
-    result = (loss.detach().cpu(), logs.reduced(sizes, loss_reduction, constant_sizes), isinstance(reduced, Mapping))
+    records = logs.reduced(sizes, loss_reduction, constant_sizes)
+    # a returned dict's other keys ride with the logs, marked (numbers in the step's float64 tensor, the rest as objects)
+    records += [(k, v, {RETURNED: True}) for k, v in _other_keys(outputs, sizes, loss_reduction).items()]
+    result = (loss.detach().cpu(), records, isinstance(reduced, Mapping))
     return result, grads, kept, kept.merged(sizes, loss_reduction)
+
+
+def _other_keys(outputs: list[Any], sizes: list[int], reduction: str) -> dict[str, Any]:
+    """A dict ``training_step`` returned: its keys beside ``loss``, each what one step on the whole batch would have
+    returned (:func:`~lightning_accel.pipeline.kept_outputs.merge_items`), detached on the CPU, to send to every rank."""
+    if not all(isinstance(o, Mapping) for o in outputs):
+        return {}
+    keys = [k for k in outputs[-1] if k != "loss" and all(k in o for o in outputs)]
+    merged = {k: merge_items([o[k] for o in outputs], sizes, reduction) for k in keys}
+    return {k: map_tensors(v, lambda t: t.detach().cpu()) for k, v in merged.items()}  # what crosses: CPU copies
 
 
 def kept_on_cpu(appended: Appended) -> Appended:

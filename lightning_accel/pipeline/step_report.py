@@ -1,9 +1,11 @@
 """What a pipeline step reports (loss, logged values, metrics): taken where the user's step runs, given to every rank.
 
-In a multi-process pipeline only the last stage's rank runs the user's step to its end, so
+Where a multi-process pipeline runs the user's step per micro-batch (schedules other than GPipe,
+:mod:`~lightning_accel.pipeline.rank_step`), only the last stage's rank runs it to its end, so
 only there does its ``self.log`` see the loss and the outputs; rank 0 owns the loggers and
 the progress bar, and every rank's callbacks (``ModelCheckpoint(monitor=...)``) must see
-the same values. No Lightning here.
+the same values. (Under GPipe every rank runs the step once: :mod:`~lightning_accel.pipeline.whole_step`.) No Lightning
+here.
 
 - Training: each micro-batch's ``log`` calls are recorded (:class:`MicroBatchLogs`) and
   reduced over the micro-batches like the loss (:func:`reduce_logs`); the step's result

@@ -1,78 +1,25 @@
 """DistributedGPipeStrategy: one pipeline stage per process, launched the way Lightning launches DDP.
 
-Why a class of its own and not ``GPipeStrategy(processes=True)``: Lightning decides how to
-launch (its subprocess launcher, or nothing under torchrun), how many processes, which
-process-group backend and whether to add a ``DistributedSampler`` from the strategy's
-*class*, exactly as ``"ddp"`` and ``"single_device"`` are different classes. So this is a
-:class:`~lightning.pytorch.strategies.DDPStrategy` that never wraps the model in
-``DistributedDataParallel`` (:class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`,
-which it shares with ``L2LOffloadDDPStrategy``): ``Trainer(accelerator="cpu", devices=2,
-strategy=DistributedGPipeStrategy(chunks=4))``, registered as ``"gpipe_distributed"``. It
-is a thin adapter over :mod:`lightning_accel.pipeline`, whose mechanisms know no Lightning.
+Why a class of its own and not ``GPipeStrategy(processes=True)``: Lightning decides how to launch, how many processes,
+which process-group backend and whether to add a ``DistributedSampler`` from the strategy's *class*. So this is a
+``DDPStrategy`` that never wraps the model (:class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper`,
+shared with ``L2LOffloadDDPStrategy``), registered as ``"gpipe_distributed"``, a thin adapter over
+:mod:`lightning_accel.pipeline`, whose mechanisms know no Lightning. It is four files, one concept each:
 
-Data parallel across pipeline replicas (DP x PP): ``pipeline_parallel_size`` ranks make one
-pipeline (default ``len(balance)``, halved for ``interleaved_1f1b``, or every rank); a world
-size ``pp * dp`` runs ``dp`` replicas on a ``("pp", "dp")`` mesh (:mod:`~lightning_accel.pipeline.mesh`),
-each on its own shard of the data (Lightning's ``DistributedSampler`` with ``num_replicas=dp``),
-each stage's gradients averaged over the replicas once per optimizer step, so training matches
-plain training on the global batch. ``sync_dist=True`` logs and torchmetrics reduce over the
-replicas. A world size that is not a multiple of ``pp`` fails when the ``Trainer`` is built
-(:meth:`DistributedGPipeStrategy.check_layout`; preflight asks it of ``trainer.devices`` first).
+- this one: the options, the placement (``pipeline_parallel_size`` ranks a pipeline, ``dp`` replicas on a ``("pp",
+  "dp")`` mesh: :mod:`~lightning_accel.pipeline.mesh`), the set-up that refuses what cannot be honoured, splits the module
+  (each rank keeps its stages, the other blocks on ``meta``: :mod:`~lightning_accel.pipeline.rank_split`) and cuts the
+  model's call (:class:`~lightning_accel.pipeline.whole_step.ModelCalls`), and the teardown;
+- :mod:`~lightning_accel.strategies.gpipe_distributed_steps`: where the user's steps run and Lightning's ``backward``
+  (the route of a step, top to bottom, starts at its ``training_step``);
+- :mod:`~lightning_accel.strategies.gpipe_distributed_ranks`: what counts replicas (``world_size``, the sampler,
+  torchmetrics) and the collectives (``self.log(sync_dist=True)``, ``self.all_gather``, votes, the gradient norm);
+- :mod:`~lightning_accel.strategies.gpipe_split_state`: checkpoints of the whole model and the whole module after a run.
 
-A training step: every rank of a pipeline loads the same batch and runs
-:class:`~lightning_accel.pipeline.RankPipeline`'s schedule over the model's own forward: under ``schedule="gpipe"``
-the user's ``training_step`` once per batch on every rank, the call of the module that runs the blocks split into the
-micro-batches (:mod:`~lightning_accel.pipeline.whole_step`); under the other schedules once per micro-batch on the last
-stage's rank. Its stages' blocks
-(``blocks=``) compute, the other ranks' blocks are receive and send points
-(:mod:`~lightning_accel.pipeline.boundaries`), so transformers and litgpt models run
-unchanged (their ``config.use_cache`` off for training). The last rank's loss and logs,
-reduced over the micro-batches, reach every rank (:mod:`~lightning_accel.pipeline.rank_step`),
-so rank 0's loggers and every rank's callbacks see the same. The schedule's gradients wait
-for Lightning's ``backward``; clipping by norm uses every stage's norm and a ``GradScaler``'s
-overflow verdict is every rank's (:mod:`~lightning_accel.comm.gradients`).
-
-Memory: each rank keeps its stages' blocks and what is outside the blocks (embeddings, norms,
-head, the LightningModule's own tensors); the other blocks are on ``meta`` and the optimizer
-holds only this rank's parameters (:mod:`~lightning_accel.pipeline.placement`). Outside the
-blocks, only the ranks whose part of the forward uses a weight get its gradient and step it (an
-untied embedding on the first rank, norm and head on the last; their gradients are never sent),
-and a weight two stages use (a tied embedding and head) is summed between those two only;
-checkpoints and the clip norm take each from a rank that uses it (``RankPipeline._sum_shared``).
-The unused copies stay allocated (not yet freed: a later rank's forward still runs the
-embedding, and e.g. Llama takes its rotary tables' device from its output). A network built
-in ``__init__`` exists whole on every rank before setup (rank 0 sends each rank its starting
-weights). One built in ``configure_model`` (Lightning's hook for large models) is built on
-``meta`` and each rank keeps only its part: its starting values are those of the user's own build
-(``configure_model`` run once more on a copy, whole, from the random state it started from:
-:mod:`~lightning_accel.pipeline.build_replay`), so they equal plain Lightning's and DDP's, where every rank's
-copy fits its free memory; where not (one warning), each rank materializes and initializes its part alone
-(:func:`~lightning_accel.pipeline.deferred_init.materialize`, seeded from global rank 0's
-``torch.initial_seed()`` and each module's name: ``materialize`` of the whole model in one process, for any
-layout); a checkpoint given to ``fit`` loads after setup. After ``fit`` every rank's module is the whole trained model (the other stages gathered onto the CPU, as a
-module is after DDP, when they fit the hosts' free memory; otherwise one warning on each rank names
-``trainer.strategy.gather_module()``: :mod:`~lightning_accel.strategies.gpipe_split_state`); ``validate``, ``test``,
-``predict`` and another ``fit`` split it again (an evaluation leaves it whole again).
-
-Lightning's features that see every parameter or every rank's outputs behave as under DDP: callbacks that walk the
-parameters (``BaseFinetuning``'s unfreezing into a new param group, ``StochasticWeightAveraging``'s averaged copy) see
-real tensors for what their rank holds and leave the placeholders (:mod:`~lightning_accel.strategies.gpipe_callbacks`;
-``ModelPruning`` is refused before the first step); what ``training_step`` or ``validation_step`` appends to the
-module's lists (Lightning 2's epoch-end outputs) is the last rank's, one item per batch, on every rank
-(:mod:`~lightning_accel.pipeline.kept_outputs`); ``self.all_gather`` gathers over the replicas (in a ``training_step``
-that micro-batches run it is refused before the first step); a stage's own error (``detect_anomaly``'s included, raised
-in Lightning's ``backward`` as plain Lightning raises it) ends the step on every rank as that error, so ``on_exception``
-runs everywhere and the module is whole after the failed fit (:mod:`~lightning_accel.pipeline.step_failure`).
-
-Balance: a list, ``"by_size"``, or ``"by_time"`` (each block timed on global rank 0 on the
-LightningModule's ``example_input_array`` before the first batch;
-:mod:`~lightning_accel.pipeline.rank_balance`). Every batch trains: one whose size ``chunks``
-does not divide runs in equal micro-batches of another count (torch's stages take one shape per
-step); a ``batch_size`` or last batch that no count the schedule runs divides is refused before
-the first step, naming ``drop_last=True`` or the batch size that works. Checkpoints hold the whole model under the user's
-names and plain training's optimizer indices (:mod:`~lightning_accel.pipeline.state_gather`).
-Evaluation streams the batch through the stages (:mod:`~lightning_accel.pipeline.evaluation`);
-the last rank runs the user's step once on the whole batch and every rank logs what it logged.
+A network built in ``configure_model`` is built on ``meta`` and each rank materializes its part from the user's own build
+(:mod:`~lightning_accel.strategies.gpipe_configure_model`); Lightning's callbacks that walk every parameter see what their
+rank holds (:mod:`~lightning_accel.strategies.gpipe_callbacks`). docs/pipeline.md says what is honoured, what is
+refused, and what was measured.
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 ``training_step`` and evaluation steps run on each rank of a pipeline, and Lightning's ``backward``.
 
 :class:`PipelineSteps` is the part of the strategy Lightning calls once per batch: ``training_step`` runs the user's
-step through :mod:`lightning_accel.pipeline.rank_step` (the schedule, the loss and logs of the last rank sent to every
-rank), ``backward`` adds the schedule's gradients, and the evaluation steps stream the batch through the stages.
+step once on every rank, its call of the model running the pipeline (:mod:`lightning_accel.pipeline.whole_step`, under
+GPipe), and ``backward`` runs the loss's backward on the last stage's rank and then every call's backward phase; under the
+other schedules ``training_step`` runs the user's step per micro-batch inside the schedule
+(:mod:`lightning_accel.pipeline.rank_step`: the loss and logs of the last rank sent to every rank) and ``backward`` adds
+the gradients it set aside. The evaluation steps run the user's step once on every rank, its call streamed.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from lightning_accel.pipeline.batch_agreement import check_same_batch
 from lightning_accel.pipeline.batch_layers import check_batch_layers
 from lightning_accel.pipeline.distributed import RankPipeline, stage_indices
 from lightning_accel.pipeline.gradients import add_gradients, average_gradients
-from lightning_accel.pipeline.microbatch import batch_size
-from lightning_accel.pipeline.rank_step import eval_step, kept_on_cpu, train_step
+from lightning_accel.pipeline.microbatch import batch_size, map_tensors
+from lightning_accel.pipeline.rank_step import RETURNED, eval_step, kept_on_cpu, train_step
 from lightning_accel.pipeline.step_report import broadcast_step_result
 from lightning_accel.pipeline.whole_step import ModelCalls
 from lightning_accel.strategies.user_hooks import calls_in
@@ -162,10 +165,13 @@ class PipelineSteps(DDPStrategy):
             kept_on_cpu(appended),
         )
         kept.settle(appended or {}, self.root_device)  # what the step appended to the module's lists: one item a batch
+        others = {name: value for name, value, kw in records if kw.get(RETURNED)}  # a returned dict's other keys
+        records = [(name, value, kw) for name, value, kw in records if not kw.get(RETURNED)]
         for name, value, kw in records:
             module.log(name, value.to(self.root_device) if isinstance(value, Tensor) else value, **kw)
         loss = loss.to(self.root_device)
-        return {"loss": loss} if as_dict else loss
+        others = {k: map_tensors(v, lambda t: t.to(self.root_device)) for k, v in others.items()}
+        return {"loss": loss, **others} if as_dict else loss
 
     def _micro_batch_backward(self, closure_loss: Tensor) -> Tensor:
         """The schedule ran backward in ``training_step``: add its gradients now (Lightning has zeroed them)."""

@@ -284,6 +284,10 @@ def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_
             assert logged["sometimes"] == step / 3
         if step == 6:
             assert type(logged["np32"]) is np.float32 and logged["np32"] == np.float32(6.25)
+    # a dict's key beside the loss reaches every rank, the whole batch's (equal micro-batches' means: their mean), to
+    # the bit; before, on_train_batch_end got the loss alone
+    assert [keys for keys, _ in first["others"]] == [["loss", "mae"]] * STEPS
+    assert [bits(v) for _, v in first["others"]] == [bits(v) for _, v in last["others"]]
     # the object path only where the names or kinds changed; otherwise one float64 tensor broadcast
     assert [step for step, calls in enumerate(first["object_calls"]) if calls] == CHANGED
     assert first["object_calls"] == last["object_calls"]

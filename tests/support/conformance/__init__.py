@@ -9,7 +9,7 @@ The features, by Lightning 2.6's API: :mod:`.features_logging` (self.log and its
 epoch-end outputs, the sanity check, several dataloaders), :mod:`.features_optimization` (hooks' gradients, manual
 optimization, toggle_optimizer, clipping, accumulation, schedulers, overridden optimizer_step / zero_grad),
 :mod:`.features_callbacks` (the built-in callbacks), :mod:`.features_checkpoint` (loggers, checkpoint hooks and contents,
-resume, the module after fit) and :mod:`.features_loop` (hook order, predict/test/validate, data modules,
+resume, the module after fit), :mod:`.features_loop` (hook order, predict/test/validate, data modules,
 configure_model, detect_anomaly, on_exception), :mod:`.features_model_calls` (the model called otherwise than once per
 training step) and :mod:`.features_ranks` (what counts replicas).
 """

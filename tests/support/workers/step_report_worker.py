@@ -80,13 +80,14 @@ class Logging(pl.LightningModule):
         self.net = MLP(4, 1, hidden=8, depth=2)
         self.seen: list[list[tuple[str, Any, dict]]] = [[] for _ in range(STEPS)]
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        loss = F.mse_loss(self.net(x), y)
+        out = self.net(x)
+        loss = F.mse_loss(out, y)
         # every micro-batch logs the same kinds; the strategy reduces them over the micro-batches like the loss
         for name, value, kw in expected_logs(batch_idx, loss):
             self.log(name, value, **kw)
-        return loss
+        return {"loss": loss, "mae": (out - y).abs().mean().detach()}  # a key beside the loss: the batch's, on every rank
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """What the strategy logs on this rank after the step (inside training_step it sees its own stand-in)."""
@@ -103,6 +104,7 @@ class Record(pl.Callback):
 
     def __init__(self) -> None:
         self.returned: list[torch.Tensor] = []
+        self.others: list[list[Any]] = []  # per step: the keys on_train_batch_end got, and the mean absolute error
         self.object_calls: list[int] = []
         self.calls = 0
         real = dist.broadcast_object_list
@@ -119,6 +121,7 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         self.returned.append(outputs["loss"].detach().clone())
         self.object_calls.append(self.calls)
+        self.others.append([sorted(outputs), outputs["mae"].clone()])
 
 
 def main() -> None:
@@ -134,7 +137,7 @@ def main() -> None:
     )
     trainer.fit(task, DataLoader(data, batch_size=4))
     torch.save(
-        {"seen": task.seen, "returned": record.returned, "object_calls": record.object_calls},
+        {"seen": task.seen, "returned": record.returned, "object_calls": record.object_calls, "others": record.others},
         os.path.join(out, f"rank{trainer.global_rank}.pt"),
     )
     _EXIT_REPORT.append(os.path.join(out, f"threads-at-exit-rank{trainer.global_rank}.txt"))
