@@ -26,11 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command
 
+
+
+def _processes(trainer: pl.Trainer) -> int:
+    """Every process of the run: ``trainer.world_size`` counts replicas, and a pipeline replica is several processes."""
+    return max(trainer.world_size, dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
 
 class GracefulInterrupt(Callback):
     """First Ctrl-C: finish the step, save ``last.ckpt``, end ``fit`` normally with
@@ -89,7 +95,7 @@ class GracefulInterrupt(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         stop = self.requested
-        if trainer.world_size > 1:  # every rank stops after the same step, or the collectives hang
+        if _processes(trainer) > 1:  # every process stops after the same step, or the collectives hang (a pipeline's stages too)
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop:
             self.interrupted = True

@@ -1,74 +1,30 @@
 """The multi-process pipeline: one stage (or several, interleaved) per rank on ``torch.distributed.pipelining``.
 
-Each rank runs the model's own forward on every micro-batch; its stages' blocks compute,
-the other ranks' blocks are receive and send points
-(:mod:`lightning_accel.pipeline.boundaries`), so a model that calls its blocks from its
-own loop with masks, position ids or rotary tables (transformers, litgpt) runs
-unchanged, and what it computes before the first block is recomputed on every rank. A
-:class:`StageModule` per stage hands that to a :class:`PipelineStage`, and one of
-PyTorch's schedules (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``interleaved_zb``, ``zbv``, ``dualpipev``;
-:data:`lightning_accel.pipeline.schedule.SCHEDULE_TABLE`) sends activations forward and
-gradients back between ranks. The blocks of other ranks' stages are on the ``meta``
-device; what is outside the blocks (embeddings, final norm, head, tied weights) is on
-every rank, but only the ranks whose part of the forward uses a parameter get its
-gradient and step it: an untied embedding on the first stage's rank, the final norm and
-head on the last's. Only a parameter two ranks use (a tied embedding and head) has its
-gradients summed, between those ranks, as Megatron all-reduces the embedding shared by
-its first and last stage (:meth:`RankPipeline._sum_shared`). Gradients are scaled by ``1 / chunks`` so a mean loss matches
-plain training.
+Each rank runs the model's own forward on every micro-batch; its stages' blocks compute, the other ranks' blocks are
+receive and send points (:mod:`~lightning_accel.pipeline.boundaries`), so a model that calls its blocks from its own
+loop with masks, position ids or rotary tables (transformers, litgpt) runs unchanged, and what it computes before the
+first block is recomputed on every rank. A :class:`~lightning_accel.pipeline.stage_module.StageModule` per stage hands
+that to torch's ``PipelineStage``, and one of torch's schedules (:data:`~lightning_accel.pipeline.schedule.SCHEDULE_TABLE`;
+one per batch shape and call: :mod:`~lightning_accel.pipeline.rank_schedules`) sends activations forward and gradients
+back. The other ranks' blocks are on ``meta``; what is outside the blocks is on every rank, stepped by the ranks that use
+it (:mod:`~lightning_accel.pipeline.shared_params`). Why the model's own forward and not torch's ``pipeline()`` tracer: a
+traced stage has its own parameter names, moves the user's loss and logging outside the graph, fixes one input shape,
+and needs a model that traces (docs/pipeline.md has what it did on five real models).
 
-Why this design and not the ``torch.distributed.pipelining`` tracer (``pipeline()``
-with split points at block boundaries), which did trace tiny Llama, GPT-2, Qwen2,
-Mistral and litgpt GPT: a traced stage is a new ``GraphModule`` with its own parameter
-names, the user's ``training_step`` (the loss, ``self.log``) would have to run outside
-it on the traced output, the graph is specialized to one input shape (every new batch
-shape is a new trace), and the model must trace at all (data-dependent control flow,
-Python-side caches). Running the model's own code keeps the user's module, names,
-checkpoints and loss code, at the cost of recomputing the pre-block work on every rank
-and keeping the non-block weights on every rank.
-
-Failure: a neighbour that dies makes the transport raise (gloo closes the connection;
-a hung peer hits the process group's timeout); :meth:`RankPipeline.step` turns that
-into one error naming this rank, its stage and the neighbouring ranks, so every rank
-exits within the timeout instead of hanging. An exception raised by a stage's forward (the
-user's layer, loss or ``training_step``), or by its backward (``detect_anomaly``'s NaN gradient;
-:mod:`lightning_accel.pipeline.torch_stage`), is re-raised on its rank as itself, same type, its
-message followed by the rank and stage; that rank first leaves one line in the process
-group's store, and the pipeline's other ranks, whose exchanges then fail, end with an error
-naming it (:meth:`RankPipeline._stage_error`).
-
-Shapes: a stage fixes its activation shapes at its first step. A batch of another shape
-(a smaller last batch) gets stages and a schedule of its own, built on first use and kept
-per shape; every rank must agree on the shape, so the caller passes a ``shape`` key that
-every rank can compute (the batch's shapes), and without one a new shape is refused. The
-micro-batches of one step are equal (torch's stages receive into buffers of one shape): a
-batch that ``chunks`` does not divide runs in another count that does
-(:meth:`RankPipeline.microbatches`: fewer, as the reference GPipe runs a batch smaller than
-``chunks``, or more where the schedule needs them), so its mean loss is the batch's.
-
-Data parallel across pipeline replicas (DP x PP): each replica's ``pp`` ranks form one
-pipeline, a :class:`RankPipeline` on the mesh's ``pp`` group
-(:mod:`lightning_accel.pipeline.mesh`); after its backward,
-:func:`lightning_accel.pipeline.gradients.average_gradients` averages each stage's
-gradients over the ``dp`` group.
-
-Evaluation micro-batches too, streamed through the stages on GPipe's forward clock with
-a header before each tensor, so batches may have any size and shape
-(:mod:`lightning_accel.pipeline.evaluation`). One exception: ``interleaved_1f1b`` on 2
-ranks off the CPU evaluates the batch whole, since there the two ranks send each other
-activations and NCCL would deadlock on crossing sends (see :meth:`RankPipeline.eval_chunks`).
-A step's timeline (``record=True``) comes from :mod:`lightning_accel.pipeline.step_recorder`.
-
-:class:`lightning_accel.strategies.gpipe_distributed.DistributedGPipeStrategy` drives it
-inside a Lightning ``Trainer``; ``lightning-accel bench pipeline`` and
-``tests/pipeline/test_distributed.py`` drive it directly.
+Three ways to drive it: :meth:`RankPipeline.train_step` runs a batch's forward and backward in one schedule step (the
+per-micro-batch user step of :mod:`~lightning_accel.pipeline.rank_step`, and :meth:`RankPipeline.step` for a loss
+function); :meth:`RankPipeline.forward_phase` and :meth:`RankPipeline.backward_phase` run GPipe's halves apart (a model
+call inside the user's step, :mod:`~lightning_accel.pipeline.whole_step`); :meth:`RankPipeline.evaluate` streams a batch
+forward (:mod:`~lightning_accel.pipeline.evaluation`). Failures: an exception a stage raises keeps the schedule running on
+stand-ins and is raised on every rank (:mod:`~lightning_accel.pipeline.step_failure`, :meth:`RankPipeline.settle`); a
+neighbour that dies ends every rank with an error naming it (:meth:`RankPipeline._exchange_error`). Data parallel
+replicas (DP x PP): each replica's ranks form one pipeline on the mesh's ``pp`` group (:mod:`~lightning_accel.pipeline.mesh`).
+No Lightning here.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -78,24 +34,26 @@ from torch import Tensor, nn
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.pipeline.batchnorm import DeferredBatchNorm
 from lightning_accel.pipeline.boundaries import StageBoundaries
-from lightning_accel.pipeline.gradients import average_gradients, gradient_presence, sum_over_users
-from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
+from lightning_accel.pipeline.evaluation import stream_evaluate
+from lightning_accel.pipeline.gradients import average_gradients, sum_over_users
 from lightning_accel.pipeline.local import checkpoint_stop
+from lightning_accel.pipeline.mesh import mesh_coordinates, pipeline_mesh
 from lightning_accel.pipeline.microbatch import batch_size, map_tensors, scatter, tensors_in
 from lightning_accel.pipeline.partition import check_balance
+from lightning_accel.pipeline.rank_schedules import RankSchedules
 from lightning_accel.pipeline.router_carry import RouterCarry
-from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_rank
-from lightning_accel.pipeline.evaluation import stream_evaluate
+from lightning_accel.pipeline.schedule import SCHEDULE_TABLE, check_schedule, equal_microbatches, stage_indices, stage_rank
+from lightning_accel.pipeline.shared_params import SharedParams
 from lightning_accel.pipeline.stage_meter import StageMeter
-from lightning_accel.pipeline.step_failure import StepFailure, peer_said, stand_in
-from lightning_accel.pipeline.step_recorder import Mark, StepRecorder
+from lightning_accel.pipeline.stage_module import StageModule, shared_parameters
+from lightning_accel.pipeline.step_failure import StepFailure, peer_said
+from lightning_accel.pipeline.step_recorder import StepRecorder
 from lightning_accel.pipeline.timeline import Event
-from lightning_accel.pipeline.torch_stage import PipeStage
 from lightning_accel.pipeline.whole_step import entry_module
 
 __all__ = [
     "RankPipeline",
-    "StageModule",
+    "StageModule",  # re-exported: lightning_accel.pipeline.stage_module
     "average_gradients",
     "mesh_coordinates",
     "pipeline_mesh",
@@ -103,138 +61,8 @@ __all__ = [
     "sum_over_users",
 ]
 
-class StageModule(nn.Module):
-    """One pipeline stage as torch's ``PipelineStage`` runs it: the model's own forward on a micro-batch, with this
-    stage's blocks computing and the others' as boundaries (:class:`StageBoundaries`).
 
-    Its submodules are the stage's blocks (the user's modules themselves, not copies). The
-    first stage's input is the micro-batch index; a later stage's, the activation the
-    previous stage sent (micro-batches arrive in order, so the index is counted). The last
-    stage returns the micro-batch's loss. ``remat_stop``: micro-batches of a step with an
-    index below it re-materialize the stage's blocks (counted by :attr:`microbatch`, which
-    :class:`RankPipeline` resets before each step).
-    """
-
-    def __init__(self, pipe: RankPipeline, stage: int, remat_stop: int = 0) -> None:
-        super().__init__()
-        self.pipe, self.stage, self.remat_stop, self.microbatch = pipe, stage, remat_stop, 0
-        self.blocks = nn.ModuleList([pipe.blocks[k] for k in pipe.boundaries.stage_range(stage)])
-        self.recorder: StepRecorder | None = None
-        self.split_backward = False  # set by PipeStage while torch runs an input- or weight-gradient half of a backward
-        self.out_metas: Any = None  # torch's metadata of this stage's outputs, set by PipeStage before each forward
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The stage's blocks' parameters; during a split backward (zero-bubble schedules) also the trainable ones outside
-        the blocks, which this stage's forward may use (an embedding, a head): torch computes the weight half for exactly
-        ``submod.parameters()``, so those would otherwise get no gradient."""
-        yield from super().parameters(recurse)
-        if self.split_backward:
-            yield from (p for p in self.pipe.shared_params if p.requires_grad)
-
-    def forward(self, *xs: Tensor) -> Tensor | tuple[Tensor, ...]:
-        # stage 0: the micro-batch index; a later stage: the previous stage's tensors (one, or a block output's several)
-        index = int(xs[0].reshape(-1)[0]) if self.stage == 0 else self.microbatch
-        self.microbatch += 1
-        router, carried, sent = self.pipe.router, None, xs
-        if router is not None and self.stage > 0:  # the previous stages' router sums ride last (router_carry)
-            *sent, carried = xs
-        received = None if self.stage == 0 else sent[0] if len(sent) == 1 else tuple(sent)
-        remat = index < self.remat_stop
-        recorder, mark = self.recorder, None
-        if recorder is not None:
-            position, start = recorder.next_forward(self.stage), time.time()
-            mark = lambda t: Mark.apply(t, lambda: recorder.end_backward(self.stage, position))  # noqa: E731
-        last = self.stage == len(self.pipe.balance) - 1
-        if last and self.pipe._inferring:
-            # torch's shape inference runs each stage once more before the first step; the last stage's output is a
-            # loss (no shape to learn), so a stand-in keeps the user's code (and its side effects) to one run per micro-batch
-            floats = [t for t in xs if t.is_floating_point()]
-            if received is None or not floats:
-                return torch.zeros(1, device=self.pipe.device, requires_grad=True)
-            return sum((t * 0).sum() for t in floats).reshape(1)  # its gradients: dense zeros shaped like the inputs
-        failure = self.pipe.failure
-        if failure.stopped():  # this step failed (here or on a peer): zeros travel on, the user's code does not run again
-            return stand_in(None if last else self.out_metas, self.pipe.device)
-        self.pipe._forwarding = True  # a micro-batch's forward (a recomputation in backward runs outside it)
-        try:
-            with router.micro_batch(carried, last, self.pipe.device) if router is not None else nullcontext() as routed:
-                out = self.pipe.boundaries.run(self.stage, received, lambda: self.pipe._forward(index), remat, mark)
-                if routed is not None and not last:
-                    out = routed.attach(out)
-        except Exception as err:  # the user's error: raised as itself after the schedule (lightning_accel.pipeline.step_failure)
-            failure.record(err, self.stage, backward=False)
-            return stand_in(None if last else self.out_metas, self.pipe.device)
-        finally:
-            self.pipe._forwarding = False
-        if last and self.pipe._whole is not None:  # the whole step: the output is kept, the schedule gets a stand-in
-            out = self.pipe._whole.keep(index, out, self.pipe.device)
-        if last:
-            if not isinstance(out, Tensor) or out.numel() != 1:
-                raise ValueError(
-                    f"the last pipeline stage's forward must return the micro-batch's loss (one number), got "
-                    f"{type(out).__name__}{tuple(out.shape) if isinstance(out, Tensor) else ''}"
-                )
-            out = out.reshape(1)  # torch's schedule concatenates the last stage's outputs: one row per micro-batch
-        elif isinstance(out, tuple):
-            out = tuple(t.contiguous() for t in out)  # what the transport sends (a block may return views)
-        else:
-            out = out.contiguous()
-        if recorder is not None:
-            marked = lambda t: Mark.apply(t, lambda: recorder.start_backward(self.stage, position))  # noqa: E731
-            out = (marked(out[0]), *out[1:]) if isinstance(out, tuple) else marked(out)
-            recorder.events.append(Event(self.stage, "F", position, start, time.time()))
-        return out
-
-
-def _check_stage_tensors(net: nn.Module, blocks: Sequence[Block], balance: Sequence[int]) -> list[nn.Parameter]:
-    """The parameters outside every block (on every rank), in one order all ranks share; refuses a tensor that a block of
-    one stage shares with another stage's block or with the model outside the blocks (it would live on two ranks)."""
-    stage_of: dict[int, tuple[int, str]] = {}
-    start = 0
-    for s, count in enumerate(balance):
-        for block in blocks[start : start + count]:
-            for n, t in [*block.module.named_parameters(), *block.module.named_buffers()]:
-                seen = stage_of.setdefault(id(t), (s, f"{block.name}.{n}"))
-                if seen[0] != s:
-                    raise ValueError(
-                        f"{seen[1]} is shared between pipeline stages {seen[0]} and {s}; the multi-process pipeline "
-                        "cannot keep one block tensor on two ranks; untie it, or choose blocks (blocks=...) that "
-                        "do not share weights"
-                    )
-        start += count
-    in_blocks = {id(m) for b in blocks for m in b.module.modules()}
-    shared_params: list[nn.Parameter] = []
-    kept: set[int] = set()
-    for name, module in net.named_modules(remove_duplicate=False):
-        if id(module) in in_blocks:
-            continue
-        for n, p in module.named_parameters(recurse=False):
-            if id(p) in stage_of:
-                raise ValueError(
-                    f"{name}.{n} is also {stage_of[id(p)][1]}, a block's parameter; the pipeline keeps what is outside "
-                    "the blocks on every rank and a block on one; untie it"
-                )
-            if id(p) not in kept:
-                kept.add(id(p))
-                shared_params.append(p)
-    return shared_params
-
-
-def _rng_kept(device: torch.device) -> Any:
-    """The CPU's (and ``device``'s) random generators restored on exit."""
-    if device.type == "cpu":
-        return torch.random.fork_rng(devices=[])
-    return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
-
-
-def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
-    """Stages rank ``rank`` runs: one, or two for an interleaved schedule (``rank`` and ``rank + world_size``; V-wise
-    ``rank`` and ``2 * world_size - 1 - rank`` for ``zbv`` and ``dualpipev``), in stage order."""
-    stages = SCHEDULE_TABLE[schedule].stages_per_rank * world_size
-    return [s for s in range(stages) if stage_rank(s, world_size, schedule) == rank]
-
-
-class RankPipeline:
+class RankPipeline(RankSchedules):
     """This rank's stages of ``net`` and the schedule that drives them.
 
     ``net`` is any model whose forward calls its blocks (``blocks``: a policy for
@@ -247,7 +75,7 @@ class RankPipeline:
     unit, for staying on the device while the blocks stream); after each step
     a parameter there has a gradient only on the ranks whose stages' forward used it,
     summed between them where there are two or more (a tied embedding and head), so the
-    ranks that use it step it alike and the others leave it (:meth:`_sum_shared`;
+    ranks that use it step it alike and the others leave it (:class:`~.shared_params.SharedParams`;
     :attr:`shared_owner` says whose value counts, :class:`~.rank_split.RankSplit` reads it).
 
     ``balance`` has one entry per stage: ``world_size`` stages, or ``2 * world_size`` for
@@ -301,14 +129,19 @@ class RankPipeline:
         self.indices = stage_indices(self.rank, self.world_size, schedule)
         self.blocks = [b.module for b in found]
         self.block_names = [b.name for b in found]
-        self.shared_params = _check_stage_tensors(net, found, self.balance)
-        # the module whose call runs the blocks: the user's step runs once a batch around it (lightning_accel.pipeline.whole_step)
+        self.shared_params = shared_parameters(net, found, self.balance)
+        # who steps each of them, and who keeps it current (lightning_accel.pipeline.shared_params)
+        self.shared = SharedParams(net, self.shared_params, self.rank, group, self._global)
+        self.shared_owner = self.shared.owner  # id -> the rank whose value counts (its first user), once known
+        # the module whose call runs the blocks: the user's step runs once a batch around it (lightning_accel.pipeline.whole_step);
+        # where the model adds a router loss outside that module, the module that adds it (the loss needs every stage's sums)
+        self.router = RouterCarry.of(net)  # a mixture of experts' router loss: its sums carried between stages
         self.entry = entry_module(net, self.blocks)
-        # per shared parameter: the pipeline ranks whose part of the forward used it (gave it a gradient), set at the
-        # first step that gives it one; () until then (see _sum_shared)
-        self.users: list[tuple[int, ...]] = [() for _ in self.shared_params]
-        self.shared_owner: dict[int, int] = {}  # id -> the rank whose value counts (its first user), once known
-        self.summed_bytes = 0  # gradient bytes this rank put into sums at the last step
+        if self.router is not None and self.entry is not None:
+            self.entry = next(((n, m) for n, m in net.named_modules() if m is self.router.owner and n), self.entry)
+        inside = {id(m) for m in self.entry[1].modules()} if self.entry is not None else set()
+        # what the user's step may read after the model's call: every parameter outside the entry's module
+        self.outside = {id(p) for m in net.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
         for k, block in enumerate(self.blocks):  # other ranks' blocks: names, shapes and dtypes stay, storage goes
             if not any(k in self._stage_range(s) for s in self.indices):
                 block.to("meta")
@@ -321,7 +154,6 @@ class RankPipeline:
         self.boundaries = StageBoundaries(self.blocks, self.balance, self.block_names)
         self.checkpoint = checkpoint
         self.step_chunks = chunks  # the micro-batches of the current step (fewer or more for a ragged batch)
-        self.router = RouterCarry.of(net)  # a mixture of experts' router loss: its sums carried between stages
         self.modules = [StageModule(self, s, checkpoint_stop(checkpoint, chunks)) for s in self.indices]
         self.recorder = StepRecorder() if record else None
         self._shapes: Any = None
@@ -329,8 +161,7 @@ class RankPipeline:
             m.recorder = self.recorder
         self._forward: Callable[[int], Any] = lambda i: None  # the model's code on micro-batch i, set per step
         self._losses: list[Tensor] = []
-        self._whole: Any = None  # a whole step's last-stage outputs (lightning_accel.pipeline.whole_step), between its phases
-        self._phased: Any = None  # that step's schedule
+        self._whole: Any = None  # a whole step's last-stage outputs (lightning_accel.pipeline.whole_step), in its forward phase
         # what a stage of this rank raised in this step, and whether a peer did (lightning_accel.pipeline.step_failure)
         key = "lightning_accel/pipeline-error/" + ",".join(str(self._global(r)) for r in range(self.world_size))
         self.failure = StepFailure(key, self._global(self.rank), group if failure_group == "pipeline" else failure_group, self.device)
@@ -338,20 +169,6 @@ class RankPipeline:
         self.meter: StageMeter | None = None  # set while schedule="auto" measures (lightning_accel.pipeline.schedule_tuner)
         self.schedule: Any = self._build_schedule(chunks)
         self._trainable = self._requires_grad()
-
-    def reschedule(self, schedule: str, chunks: int) -> None:
-        """Run the next steps under ``schedule`` in ``chunks`` micro-batches; between steps only, and only to a schedule
-        whose stages sit on the same ranks (:func:`lightning_accel.pipeline.auto_schedule.same_placement`): the
-        parameters and optimizer state stay where they are."""
-        if stage_indices(self.rank, self.world_size, schedule) != self.indices:
-            raise ValueError(
-                f"cannot reschedule from {self.schedule_name!r} to {schedule!r}: its stages sit on other ranks; "
-                "choose a schedule of the same placement"
-            )
-        check_schedule(schedule, chunks, len(self.balance))
-        self.schedule_name, self.chunks = schedule, chunks
-        self._by_shape = {}
-        self.schedule = self._build_schedule(chunks)
 
     def restore(self) -> None:
         """Take the stage boundaries off the blocks: their forwards are the model's own again.
@@ -367,64 +184,6 @@ class RankPipeline:
     def _stage_range(self, stage: int) -> range:
         start = sum(self.balance[:stage])
         return range(start, start + self.balance[stage])
-
-    def _loss(self, output: Tensor, _target: Tensor) -> Tensor:
-        """The last stage returns the micro-batch's loss itself; the schedule's loss function only scales it."""
-        output = output.reshape(())
-        if self._whole is not None:  # a whole step's stand-in (lightning_accel.pipeline.whole_step): its gradients are exact
-            return output.sum()  # not a view: torch's stage detaches the loss in place after its backward
-        if self._inferring:
-            # torch's shape inference runs the last stage once more, only for the shapes of the gradients it sends back
-            return output
-        self._losses.append(output.detach())
-        return output / self.step_chunks if self.scale_grads else output
-
-    def _build_schedule(self, chunks: int) -> Any:
-        """Fresh stages over this rank's modules, and the schedule driving them over ``chunks`` micro-batches (stages fix
-        their shapes at their first step)."""
-        stages = [
-            PipeStage(m, s, len(self.balance), self.device, group=self.group)
-            for m, s in zip(self.modules, self.indices)
-        ]
-        if self.schedule_name == "gpipe":  # torch's, its step also runnable in two halves (the whole step's last rank)
-            from lightning_accel.pipeline.split_gpipe import SplitGPipe
-
-            schedule: Any = SplitGPipe(stages[0], n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
-        else:
-            schedule = SCHEDULE_TABLE[self.schedule_name].build(stages, n_microbatches=chunks, loss_fn=self._loss, scale_grads=False)
-        initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's metadata inference (torch 2.13)
-        if initialize is not None:
-
-            def inferring(*args: Any, **kwargs: Any) -> Any:
-                # a real forward and backward of micro-batch 0 (torch 2.13; later stages on uninitialized inputs): what
-                # it writes to buffers and draws from the random generators is put back, so the step runs as if it
-                # had not happened (BatchNorm statistics, dropout masks)
-                saved = [(b, b.detach().clone()) for b in self.net.buffers() if not b.is_meta]
-                self._inferring = True
-                try:
-                    with _rng_kept(self.device):
-                        return initialize(*args, **kwargs)
-                finally:
-                    self._inferring = False
-                    with torch.no_grad():
-                        for b, value in saved:
-                            if not torch.equal(b, value):  # an unchanged buffer keeps its version (a view of it may be saved for a backward)
-                                b.copy_(value)
-                    self._restart_microbatches()  # the inference's forwards were not micro-batches of the step
-
-            schedule._initialize_pp_stages = inferring
-        return schedule
-
-    def _requires_grad(self) -> tuple[bool, ...]:
-        """Which of the whole model's parameters train (placeholders included: every rank sees the same, no exchange).
-        torch's stages learn at their first step which activations carry a gradient between ranks, so a change needs
-        fresh stages."""
-        return tuple(p.requires_grad for p in self.net.parameters())
-
-    def _restart_microbatches(self) -> None:
-        """The next forward of each stage is micro-batch 0 (what re-materialization counts from)."""
-        for m in self.modules:
-            m.microbatch = 0
 
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank that runs ``stage`` (:func:`lightning_accel.pipeline.schedule.stage_rank`)."""
@@ -457,9 +216,22 @@ class RankPipeline:
             )
         return count
 
+    @property
+    def users(self) -> list[tuple[int, ...]]:
+        """Per parameter outside the blocks: the pipeline ranks that step it (:class:`SharedParams`)."""
+        return self.shared.users
+
+    @property
+    def summed_bytes(self) -> int:
+        """Gradient bytes this rank put into sums between a shared weight's users at the last step."""
+        return self.shared.summed_bytes
+
+    def begin_step(self) -> None:
+        """A step of the user's code begins on every rank of the pipeline: nothing has failed yet."""
+        self.failure.start()
+
     def train_step(
         self, forward: Callable[[int], Tensor], shape: Any = None, chunks: int | None = None, failed: Exception | None = None,
-        after: Callable[[], None] | None = None,
     ) -> Tensor | None:
         """Forward and backward of one batch in ``chunks`` micro-batches (default: the pipeline's; a ragged batch's
         count from :meth:`microbatches`); every rank of the pipeline calls it.
@@ -469,12 +241,13 @@ class RankPipeline:
         at their stage's end). ``shape``: a hashable key, equal on every rank, that changes
         when the batch shapes do; a new key gets a schedule of its own (stages fix their
         activation shapes at their first step). Without it, a batch shaped unlike the first
-        one is refused. ``failed``: what this rank's step raised before the schedule (the user's code before the model's
-        call): the schedule runs on stand-ins and every rank raises it. ``after``: run once the schedule's backwards are
-        done (the backward of the step's code before the model's call), unless the step failed; what it raises is the
-        step's. Returns the mean of the micro-batch losses on the last stage's rank.
+        one is refused. ``failed``: what this rank's step raised before the schedule: the schedule runs on stand-ins and
+        every rank raises it. Returns the mean of the micro-batch losses on the last stage's rank.
         """
-        schedule, chunks = self._prepare(forward, shape, chunks, failed)
+        self.failure.start()
+        if failed is not None:
+            self.failure.record(failed, self.indices[0], backward=False)
+        schedule, chunks = self._ready(forward, shape, chunks)
         index = torch.arange(chunks, device=self.device)
         try:
             schedule.step(
@@ -486,116 +259,61 @@ class RankPipeline:
             raise self._exchange_error("step", err) from err
         finally:
             self._forward = lambda i: None
-        return self._finish(chunks, after)
+        self.settle()
+        self.batch_norm.commit()  # deferred: the whole batch's statistics, once
+        self.shared.sum_gradients()
+        losses = self._losses[-chunks:]
+        return torch.stack(losses).mean() if self.holds_last and losses else None
 
-    def forward_phase(self, forward: Callable[[int], Any], whole: Any, shape: Any, chunks: int) -> None:
-        """The first half of a GPipe :meth:`train_step` on the last stage's rank: every micro-batch's forward, the last
-        stage's outputs kept by ``whole`` (:class:`~lightning_accel.pipeline.whole_step.WholeOutputs`) instead of
-        being losses; :meth:`backward_phase` ends the step. The other ranks run :meth:`train_step` as usual."""
-        schedule, chunks = self._prepare(forward, shape, chunks, None)
-        self._whole, self._phased = whole, schedule
+    # -- GPipe in two phases: one call of the model inside the user's step (lightning_accel.pipeline.whole_step)
+
+    def forward_phase(self, forward: Callable[[int], Any], shape: Any, chunks: int, whole: Any = None) -> Any:
+        """Every micro-batch's forward of one call of the model, on every rank of the pipeline (GPipe's first half:
+        :class:`~lightning_accel.pipeline.split_gpipe.SplitGPipe`); on the last stage's rank ``whole``
+        (:class:`~lightning_accel.pipeline.whole_step.WholeOutputs`) keeps the outputs. A stage's error is raised here on
+        every rank. Returns the schedule, for :meth:`backward_phase`; BatchNorm statistics (deferred) are the batch's."""
+        schedule, chunks = self._ready(forward, shape, chunks)
+        self._whole = whole
         index = torch.arange(chunks, device=self.device)
         try:
-            schedule.forward_phase(*((index,) if self.holds_first else ()), target=index, losses=[])
-        except Exception as err:  # noqa: BLE001
-            self._whole, self._phased, self._forward = None, None, lambda i: None
-            raise self._exchange_error("step", err) from err
-
-    def record_failure(self, err: Exception, backward: bool) -> None:
-        """An error of the step's own code on this rank between :meth:`forward_phase` and :meth:`backward_phase` (after
-        the model's call): the backward runs on stand-ins and every rank raises it."""
-        self.failure.record(err, self.indices[-1], backward=backward)
-
-    def backward_phase(self, after: Callable[[], None] | None = None) -> Tensor | None:
-        """The second half of :meth:`forward_phase`'s step: every micro-batch's backward, from the gradients the whole
-        batch's loss gave the kept outputs."""
-        schedule, chunks = self._phased, self.step_chunks
-        assert schedule is not None, "backward_phase without forward_phase"
-        try:
-            schedule.backward_phase(losses=[])
+            schedule.forward_phase(*((index,) if self.holds_first else ()), target=index if self.holds_last else None,
+                                   losses=[] if self.holds_last else None)
         except Exception as err:  # noqa: BLE001
             raise self._exchange_error("step", err) from err
         finally:
-            self._whole, self._phased, self._forward = None, None, lambda i: None
-        return self._finish(chunks, after)
+            self._whole, self._forward = None, lambda i: None
+        self.settle()
+        self.batch_norm.commit()  # deferred: this call's whole batch's statistics, once
+        return schedule
 
-    def _prepare(self, forward: Callable[[int], Any], shape: Any, chunks: int | None, failed: Exception | None) -> tuple[Any, int]:
-        """The schedule for this step's shape and micro-batch count, made ready to run ``forward``."""
-        chunks = self.chunks if chunks is None else chunks
-        if self._requires_grad() != self._trainable:  # frozen or unfrozen since the stages were built (BaseFinetuning)
-            self._trainable, self._by_shape = self._requires_grad(), {}
-            self.schedule = self._build_schedule(self.chunks)  # its shape inference learns which activations need grad
-        if shape is not None:
-            if not self._by_shape and chunks == self.chunks:
-                self._by_shape[shape] = self.schedule  # the first shape keeps the schedule built in __init__
-            elif shape not in self._by_shape:
-                self._by_shape[shape] = self._build_schedule(chunks)
-            schedule = self._by_shape[shape]
-        elif chunks != self.chunks:
-            raise ValueError(f"a step of {chunks} micro-batches (not chunks={self.chunks}) needs a shape key of its own")
-        else:
-            schedule = self.schedule
-        self.step_chunks = chunks
-        for m in self.modules:
-            m.remat_stop = checkpoint_stop(self.checkpoint, chunks)
-        self._losses = []
-        if self.recorder is not None:
-            self.recorder.reset()
-        self._restart_microbatches()
-        self._forward = forward
-        self.failure.start()
-        if failed is not None:
-            self.failure.record(failed, self.indices[0], backward=False)
-        return schedule, chunks
-
-    def _finish(self, chunks: int, after: Callable[[], None] | None = None) -> Tensor | None:
+    def backward_phase(self, schedule: Any, after: Callable[[], None] | None = None) -> None:
+        """The second half of :meth:`forward_phase`'s call: every micro-batch's backward (on the last stage's rank from
+        the gradients its outputs got), then ``after`` (the backward of the code before the call); every rank raises
+        what failed."""
+        try:
+            schedule.backward_phase(losses=[] if self.holds_last else None)
+        except Exception as err:  # noqa: BLE001
+            raise self._exchange_error("step", err) from err
         if after is not None and not self.failure.stopped():
             try:
                 after()
             except Exception as err:  # noqa: BLE001  # the step's own backward (detect_anomaly): every rank raises it
                 self.failure.record(err, self.indices[0], backward=True)
-        failed = self.failure.settle()  # every rank: did any stage raise?
+        self.settle()
+
+    def record_failure(self, err: Exception, backward: bool) -> None:
+        """An error of the step's own code on this rank: the rest of the step runs on stand-ins and every rank raises it
+        at the next :meth:`settle`."""
+        self.failure.record(err, self.indices[-1], backward=backward)
+
+    def settle(self) -> None:
+        """Every rank of the pipeline: raise what a rank's stage or step raised since the step began (a collective)."""
+        failed = self.failure.settle()
         if failed is not None:
             # its shapes may be stand-ins' (a failure in the first step's shape inference): fresh stages next time
             self._trainable, self._by_shape = self._requires_grad(), {}
             self.schedule = self._build_schedule(self.chunks)
             raise failed from None
-        self.batch_norm.commit()  # deferred: the whole batch's statistics, once
-        self._sum_shared()
-        losses = self._losses[-chunks:]
-        return torch.stack(losses).mean() if self.holds_last and losses else None
-
-    def _sum_shared(self) -> None:
-        """Sum the gradients of what is outside the blocks between the ranks that used it, and only those.
-
-        Who uses a parameter is observed, not guessed: after the step's backward a rank holds a gradient of exactly
-        the parameters its stages' part of the forward used (a later rank recomputes the embedding, but the boundary
-        replaces its output, so no gradient reaches it; the first rank stops before the head). Where the forward
-        stops is known statically, but not which code before or after the blocks reads which parameter (a tied head,
-        a residual from the embedding, a model's own helper): the gradient says. Each parameter's users are fixed at
-        the first step that gives it a gradient (every rank sees the same, one small all-gather per step); a rank
-        outside them never gets a gradient of it, so its optimizer leaves it (and makes no state for it), and its
-        value that counts (checkpoints, :attr:`shared_owner`) is its first user's. A later step in which another
-        rank uses it is refused: that rank's copy and optimizer state would be stale."""
-        if not self.shared_params:
-            return
-        present = gradient_presence(self.shared_params, self.group)
-        now: list[tuple[int, ...]] = []
-        for i, p in enumerate(self.shared_params):
-            used = tuple(r for r in range(len(present)) if present[r][i])
-            if used and not self.users[i]:
-                self.users[i] = used
-                self.shared_owner[id(p)] = used[0]
-            elif not set(used) <= set(self.users[i]):
-                name = next((n for n, q in self.net.named_parameters(remove_duplicate=False) if q is p), "a parameter")
-                raise RuntimeError(
-                    f"{name} got a gradient on pipeline rank(s) {sorted(set(used) - set(self.users[i]))}, which did not "
-                    f"use it at its first step (used by {list(self.users[i])}); the pipeline steps a parameter outside the "
-                    "blocks only on the ranks that used it first; use it in the same stages at every step, or "
-                    "freeze it (requires_grad=False)"
-                )
-            now.append(self.users[i] if used else ())  # nobody used it this step: it keeps no gradient
-        self.summed_bytes = sum_over_users(self.shared_params, now, self.rank, self.group)
 
     def step(self, inputs: Any, target: Any = None, shape: Any = None) -> Tensor | None:
         """:meth:`train_step` of ``loss_fn(net(inputs_i), target_i)`` over the micro-batches; every rank passes the batch

@@ -1,8 +1,9 @@
 """What a user's step keeps on its module: items it appends to the module's lists, one per batch on every rank.
 
 Lightning 2 dropped the ``*_epoch_end(outputs)`` argument; its documented pattern is a list on the module that
-``training_step`` or ``validation_step`` appends to and ``on_train_epoch_end`` / ``on_validation_epoch_end`` stacks. In
-a multi-process pipeline the step runs to its end only on the last stage's rank (elsewhere the model's forward stops
+``training_step`` or ``validation_step`` appends to and ``on_train_epoch_end`` / ``on_validation_epoch_end`` stacks.
+Where a multi-process pipeline runs the step per micro-batch (:mod:`~lightning_accel.pipeline.rank_step`; under GPipe
+every rank runs it once, :mod:`~lightning_accel.pipeline.whole_step`), the step runs to its end only on the last stage's rank (elsewhere the model's forward stops
 at the rank's last block, so anything after it never runs), and in training once per micro-batch. Left alone, the
 other ranks' lists stay empty (``torch.stack([])`` fails at epoch end) and the last rank's hold one item per micro-batch.
 

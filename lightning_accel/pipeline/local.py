@@ -234,6 +234,7 @@ class LocalPipeline:
         for i, (a, kw) in enumerate(calls):
             with self.microbatch(i), record_function(f"gpipe/forward microbatch {i}"):  # a profiler's label
                 outputs.append(forward(*a, **kw))
+        self.finish_batch()  # deferred BatchNorm: once per call, as plain training updates once per forward
         return gather_output(outputs, sizes)
 
     def stage_chained(self, stage: int) -> bool:

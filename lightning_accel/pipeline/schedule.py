@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "Action",
+    "stage_indices",
     "equal_microbatches",
     "SCHEDULES",
     "SCHEDULE_TABLE",
@@ -192,6 +193,13 @@ def ideal_speedup(m: int, n: int) -> float:
     """Speed-up of n equal stages over one device running them all: n * m / (m + n - 1)."""
     _check(m, n)
     return n * m / (m + n - 1)
+
+
+def stage_indices(rank: int, world_size: int, schedule: str) -> list[int]:
+    """Stages rank ``rank`` runs: one, or two for an interleaved schedule (``rank`` and ``rank + world_size``; V-wise
+    ``rank`` and ``2 * world_size - 1 - rank`` for ``zbv`` and ``dualpipev``), in stage order."""
+    stages = SCHEDULE_TABLE[schedule].stages_per_rank * world_size
+    return [s for s in range(stages) if stage_rank(s, world_size, schedule) == rank]
 
 
 def check_schedule(name: str, chunks: int, stages: int) -> None:

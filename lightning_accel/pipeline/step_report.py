@@ -1,9 +1,11 @@
 """What a pipeline step reports (loss, logged values, metrics): taken where the user's step runs, given to every rank.
 
-In a multi-process pipeline only the last stage's rank runs the user's step to its end, so
+Where a multi-process pipeline runs the user's step per micro-batch (schedules other than GPipe,
+:mod:`~lightning_accel.pipeline.rank_step`), only the last stage's rank runs it to its end, so
 only there does its ``self.log`` see the loss and the outputs; rank 0 owns the loggers and
 the progress bar, and every rank's callbacks (``ModelCheckpoint(monitor=...)``) must see
-the same values. No Lightning here.
+the same values. (Under GPipe every rank runs the step once: :mod:`~lightning_accel.pipeline.whole_step`.) No Lightning
+here.
 
 - Training: each micro-batch's ``log`` calls are recorded (:class:`MicroBatchLogs`) and
   reduced over the micro-batches like the loss (:func:`reduce_logs`); the step's result
@@ -21,7 +23,7 @@ the same values. No Lightning here.
 - Metrics: a number travels as a CPU tensor (:func:`loggable`); a torchmetrics ``Metric``
   as its accumulated state and its path in the module (:func:`metric_state`), so the
   receiving rank holds the same metric and computes the same value without syncing; the
-  metrics then sync over the replicas only (:func:`metrics_over_replicas`).
+  metrics sync over the replicas only (:func:`metrics_over_replicas`).
 
 Works on any object with a ``log(name, value, ...)`` method (a LightningModule).
 """
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_accel.patching import swapped
+from lightning_accel.patching import Patch, patch, swapped
 from lightning_accel.pipeline.microbatch import map_tensors
 
 __all__ = [
@@ -51,7 +53,6 @@ __all__ = [
     "metrics_over_replicas",
     "number_spec",
     "reduce_logs",
-    "restore_metric_sync",
     "silenced",
     "step_signature",
     "unpack_number",
@@ -82,24 +83,19 @@ def loggable(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, Tensor) else value
 
 
-def metrics_over_replicas(module: nn.Module, dp_group: Any, dp_size: int, saved: dict[int, tuple[bool, Any]]) -> None:
-    """A pipeline's ranks hold the same metric state (sent on every step): each ``Metric`` of ``module`` syncs over the
-    replicas only (``dp_group``), or not at all with one replica. ``saved`` keeps what the user had set, per metric
-    id (the first time a metric is seen), for :func:`restore_metric_sync`."""
-    for m in module.modules():
-        if isinstance(m, Metric):
-            saved.setdefault(id(m), (m.sync_on_compute, m.process_group))
-            if dp_size == 1:
-                m.sync_on_compute = False
-            else:
-                m.process_group = dp_group
+def metrics_over_replicas(dp_group: Any) -> Patch:
+    """Every torchmetrics ``Metric`` that syncs without a group of its own (``process_group=None``: the default group,
+    every process) syncs over ``dp_group``, the replicas, until the patch is removed: a pipeline's ranks hold the same
+    state (each ran the step, or was sent it), so a sync over every rank would count it once per stage (a ``SumMetric``
+    ``pp`` times too large). Metrics anywhere: the module's, a callback's, the user's own."""
+    import torchmetrics.metric
 
+    gather = torchmetrics.metric.gather_all_tensors
 
-def restore_metric_sync(module: nn.Module, saved: dict[int, tuple[bool, Any]]) -> None:
-    """Give each metric back the sync settings :func:`metrics_over_replicas` found."""
-    for m in module.modules():
-        if isinstance(m, Metric) and id(m) in saved:
-            m.sync_on_compute, m.process_group = saved[id(m)]
+    def over_replicas(result: Tensor, group: Any = None) -> list[Tensor]:
+        return gather(result, group=dp_group if group is None else group)
+
+    return patch(torchmetrics.metric, "gather_all_tensors", over_replicas)
 
 
 # -- the training step's result: logs reduced over micro-batches, then sent from the last rank

@@ -1,6 +1,6 @@
 """torch's ``PipelineStage`` as a rank's stage runs it: block structures in the shape metadata, metered actions, own errors.
 
-:class:`PipeStage` wraps a :class:`~lightning_accel.pipeline.distributed.StageModule` (``submod``, whose ``pipe`` is the
+:class:`PipeStage` wraps a :class:`~lightning_accel.pipeline.stage_module.StageModule` (``submod``, whose ``pipe`` is the
 rank's :class:`~lightning_accel.pipeline.distributed.RankPipeline`) and adds, around torch's own stage:
 
 - the structure of the block outputs it sends rides with torch's shape metadata
@@ -45,7 +45,7 @@ def own_error(err: BaseException) -> BaseException:
 
 
 class PipeStage(PipelineStage):
-    """torch's stage over a :class:`~lightning_accel.pipeline.distributed.StageModule` (see the module docstring)."""
+    """torch's stage over a :class:`~lightning_accel.pipeline.stage_module.StageModule` (see the module docstring)."""
 
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False

@@ -1,42 +1,48 @@
-"""The user's ``training_step`` once per batch on every pipeline rank, as under plain Lightning, not once per micro-batch.
+"""The user's step once per batch on every rank of a pipeline; the model's call inside it runs the pipeline.
 
-Why: a multi-process pipeline runs the model's own forward on each micro-batch, and the user's step is what calls it. Run
-once per micro-batch, the step's own code runs ``chunks`` times: a logged ``loss ** 2`` becomes the micro-batches' mean
-of squares, a hook or a counter in the step counts micro-batches, a random draw before the model's call draws
-``chunks`` times. Here the step runs once on the whole batch and only the model's call is split:
+Why: under DDP every rank runs the user's ``training_step`` to its end, once per batch: its loss, ``self.log``,
+``self.all_gather``, what it appends, returns, counts or writes on rank 0. A pipeline's ranks are the stages of one
+model, so only the model's call is split. The route of a training step, top to bottom:
 
-- the *entry* is the module that calls the blocks (:func:`entry_module`: the blocks' nearest common ancestor that has a
-  forward of its own, below the LightningModule: a transformers ``LlamaModel``, a litgpt ``GPT``, the user's network);
-  its call inside the step is intercepted (:class:`EntryCall`), its arguments split into micro-batches
-  (:func:`~lightning_accel.pipeline.microbatch.scatter_call`), and each micro-batch's forward, driven by the schedule,
-  runs the entry's own forward on its share;
-- a rank without the last stage leaves the step at that call (its part of the step ends there: its logs, loss and
-  outputs are the last rank's) and runs the schedule;
-- on the last stage's rank, under GPipe (every forward before the first backward:
-  :class:`~lightning_accel.pipeline.split_gpipe.SplitGPipe`), the call runs every forward and returns the micro-batches'
-  outputs joined into the whole batch's (:func:`~lightning_accel.pipeline.microbatch.gather_output`), as detached leaves;
-  the step goes on with them (the loss, ``self.log``, what it appends) exactly once; the loss's backward gives each leaf
-  its gradient, and each micro-batch's backward starts from those (:class:`WholeOutputs`: the last stage's "loss" for the
-  schedule is a stand-in whose gradient is the leaves' gradient, so no ``1 / chunks`` scaling enters). Under the other
-  schedules a micro-batch's backward starts before the later ones' forwards, so there the last rank runs the step per
-  micro-batch, as before.
+1. the strategy runs the user's step on every rank (:meth:`ModelCalls.training` around it);
+2. the step calls the *entry*, the module that runs the blocks (:func:`entry_module`: the blocks' nearest common ancestor
+   with a forward of its own, below the LightningModule: a transformers ``LlamaModel``, a litgpt ``GPT``, the user's
+   network); the call is cut here (:meth:`ModelCalls._train`): its arguments are split into micro-batches
+   (:func:`~lightning_accel.pipeline.microbatch.scatter_call`), and every micro-batch's forward runs through the stages
+   (:meth:`RankPipeline.forward_phase <lightning_accel.pipeline.distributed.RankPipeline.forward_phase>`: torch's GPipe
+   schedule in two halves, :mod:`~lightning_accel.pipeline.split_gpipe`), each rank computing its stages;
+3. the last stage's rank joins its micro-batches' outputs into the whole batch's, as detached leaves that will receive
+   the loss's gradients (:class:`WholeOutputs`), and sends a copy to the other ranks
+   (:class:`~lightning_accel.pipeline.call_output.CallOutput`); the call returns it on every rank, and the step goes on,
+   on every rank, with the batch's output: its loss, logs and outputs are each rank's own and equal;
+4. Lightning's ``backward``: on the last stage's rank the loss's backward fills the leaves' gradients; then every rank runs
+   each call's backward phase (:meth:`ModelCalls.backward`), the leaves' gradients starting each micro-batch's backward,
+   and the code before the call (an embedding outside the entry) is backpropagated once from what reached its inputs.
 
-A step that never calls the entry, or calls it twice (two batches through one model in one step), cannot be pipelined
-this way; it is refused in one line at its first step, on every rank. No Lightning here.
+A step may call the entry more than once (two loaders' batches, a consistency loss): each call runs its own forward
+phase, and the backward runs each call's backward phase. A call without gradients (``torch.no_grad()`` inside the step,
+or evaluation) streams its micro-batches through the stages instead (:meth:`ModelCalls._evaluate`). A stage's error, or
+the step's own on any rank, is raised on every rank (:meth:`ModelCalls.end_step`). No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_accel.patching import swapped
-from lightning_accel.pipeline.microbatch import gather_output, map_tensors, scatter_call, tensors_in
+from lightning_accel.patching import patch
+from lightning_accel.pipeline.call_output import CallOutput
+from lightning_accel.pipeline.microbatch import call_batch_size, gather_output, map_tensors, scatter_call, tensors_in
 
-__all__ = ["Captured", "EntryCall", "Left", "WholeOutputs", "as_leaves", "entry_module"]
+if TYPE_CHECKING:
+    from lightning_accel.pipeline.distributed import RankPipeline
+
+__all__ = ["ModelCalls", "WholeOutputs", "as_leaves", "entry_module"]
 
 
 def as_leaves(value: Any) -> tuple[Any, list[tuple[Tensor, Tensor]]]:
@@ -52,19 +58,6 @@ def as_leaves(value: Any) -> tuple[Any, list[tuple[Tensor, Tensor]]]:
         return copy
 
     return map_tensors(value, leaf), pairs
-
-
-class Captured(BaseException):
-    """Raised out of the user's step at the entry's call on a rank that only needs its arguments (a ``BaseException``, so
-    a step's ``except Exception`` does not swallow it)."""
-
-    def __init__(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.call_args, self.call_kwargs = args, kwargs
-
-
-class Left(BaseException):
-    """Raised out of the user's step on the last rank when the forwards failed (the step does not go on)."""
 
 
 def entry_module(net: nn.Module, blocks: Sequence[nn.Module]) -> tuple[str, nn.Module] | None:
@@ -90,105 +83,169 @@ def entry_module(net: nn.Module, blocks: Sequence[nn.Module]) -> tuple[str, nn.M
     return None
 
 
-class EntryCall:
-    """The entry's ``forward`` replaced while the user's step runs once: :meth:`capturing` (raise :class:`Captured` with
-    the call's arguments) or :meth:`driving` (hand the arguments to ``drive``, return what it returns); a second call in
-    one step is refused. :meth:`micro` runs the entry's own forward on micro-batch ``i`` of the captured call."""
+@dataclass
+class _Call:
+    """One call of the entry in a training step, waiting for its backward: its schedule, and the code before the call
+    that carried gradients into it (each micro-batch's argument and the leaf that stood in for it)."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
-        self.name, self.module = name, module
-        self.original: Callable[..., Any] = module.forward
-        self.calls = 0
-        self._through = False  # micro() is calling: the forward is the module's own
-        self.parts: list[tuple[tuple, dict[str, Any]]] = []
-        self.sizes: list[int] = []
-        self.before: list[tuple[Tensor, Tensor]] = []  # (a call argument's micro-batch part, the leaf standing in for it)
-
-    def split(self, args: tuple, kwargs: dict[str, Any], chunks: Callable[[int], int]) -> int:
-        """Split a captured call into micro-batches (``chunks(size)``: how many for a batch of ``size``); their count."""
-        first = next(iter(tensors_in(list(args)) or tensors_in(kwargs)), None)
-        if first is None or first.ndim == 0:
-            raise ValueError(
-                f"{self.name} was called without a batched tensor argument; the pipeline splits the call into "
-                "micro-batches along dimension 0 of its first tensor argument"
-            )
-        parts, self.sizes = scatter_call(args, kwargs, chunks(first.size(0)))
-        # a part computed with gradients before the call (an embedding outside the entry) enters each micro-batch as a
-        # leaf of its own: the schedule's backwards give the leaves gradients, and the code before the call is
-        # backpropagated once, from all of them (backward_before), as plain training runs it once
-        self.parts, self.before = [], []
-        for part in parts:
-            leaves, pairs = as_leaves(part)
-            self.parts.append(leaves)
-            self.before += pairs
-        return len(self.parts)
-
-    def capture(self, step: Callable[[Any], Any], batch: Any, chunks: Callable[[int], int], hook: str) -> Exception | None:
-        """Run ``step(batch)`` up to the entry's call and split the call (:meth:`split`); what failed instead: the step's
-        own error before the call, a call that cannot be split, or a step that never made it (``hook`` names it)."""
-        with self.capturing():
-            try:
-                step(batch)
-            except Captured as captured:
-                try:
-                    self.split(captured.call_args, captured.call_kwargs, chunks)
-                except Exception as err:  # noqa: BLE001
-                    return err
-                return None
-            except Exception as err:  # noqa: BLE001  # the step's code before the model's call
-                return err
-        return self.not_called(hook)
-
-    def not_called(self, hook: str) -> ValueError:
-        """The error of a step that returned without calling the entry."""
-        return ValueError(
-            f"{hook} returned without calling {self.name} (the module that runs the pipelined blocks); the pipeline "
-            f"runs the blocks inside that call: call the model in {hook}"
-        )
+    schedule: Any
+    before: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def backward_before(self) -> None:
-        """The backward of the step's code before the entry's call, from the gradients its micro-batches gave their
-        inputs (nothing when no input carried a gradient or none reached it: a rank whose stage starts later)."""
+        """The backward of the step's code before the call, from the gradients its micro-batches gave their inputs
+        (nothing where none reached them: a rank whose stage starts later)."""
         pairs = [(t, c.grad) for t, c in self.before if c.grad is not None]
-        self.before = []
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
-    def micro(self, i: int) -> Any:
-        """The entry's call on micro-batch ``i``, through the module's call (its hooks run, as they did per micro-batch
-        before: a router's mask hook), to its own forward."""
-        args, kwargs = self.parts[i]
+
+class ModelCalls:
+    """The entry's calls inside the user's steps on this rank of ``pipe`` (see the module docstring): the entry's
+    ``forward`` is replaced while a step runs (:meth:`training`, :meth:`evaluating`), and each call runs the pipeline."""
+
+    def __init__(self, pipe: RankPipeline, src: int) -> None:
+        assert pipe.entry is not None, "ModelCalls needs an entry module (RankPipeline.entry)"
+        self.pipe = pipe
+        self.name, self.module = pipe.entry
+        self.output = CallOutput(src, pipe.group, pipe.device)  # the last stage's rank (global rank src) sends
+        self.pending: list[_Call] = []  # this training step's calls, until Lightning's backward
+        self._original: Callable[..., Any] = self.module.forward
+        self._through = False  # _own() is calling: the forward is the module's own
+        self._mode = "outside"  # "training" or "evaluating" while a step of the user runs
+        # the entry's forward is replaced from here to restore(): a call outside the steps (a hook or callback calling
+        # the model on every rank, as under DDP) streams through the stages too
+        self._patch = patch(self.module, "forward", self._call)
+
+    def restore(self) -> None:
+        """The entry's own forward back (the strategy drops this pipeline)."""
+        self._patch.remove()
+
+    @contextmanager
+    def training(self) -> Iterator[None]:
+        """Around the user's training step: each call of the entry runs a forward phase (or streams, without gradients)."""
+        self.pipe.begin_step()
+        self.discard()
+        with self._in("training"):
+            yield
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Around the user's evaluation step: each call of the entry streams its micro-batches through the stages."""
+        self.pipe.begin_step()
+        with self._in("evaluating"):
+            yield
+
+    @contextmanager
+    def _in(self, mode: str) -> Iterator[None]:
+        previous, self._mode = self._mode, mode
+        try:
+            yield
+        finally:
+            self._mode = previous
+
+    def end_step(self, failed: Exception | None) -> None:
+        """After the user's step, on every rank: what it raised here or on another rank of the pipeline is raised on
+        every rank (a collective), and the step's calls are forgotten."""
+        if self.pipe.failure.settled:  # a call already raised a stage's error on every rank
+            self.discard()
+            if failed is not None:
+                raise failed
+            return
+        if failed is not None:
+            self.pipe.record_failure(failed, backward=False)
+        try:
+            self.pipe.settle()
+        except BaseException:
+            self.discard()
+            raise
+
+    def backward(self) -> None:
+        """Every pending call's backward phase on this rank, the last call's first (on the last stage's rank after the
+        loss's backward reached their outputs); what failed is raised on every rank."""
+        pending, self.pending = self.pending, []
+        if not pending:  # the step did not call the model: what the loss's backward raised is still every rank's
+            self.pipe.settle()
+        try:
+            while pending:
+                call = pending.pop()
+                self.pipe.backward_phase(call.schedule, after=call.backward_before)
+        finally:
+            for call in pending:  # not run after a failure: forgotten
+                self.pipe.discard(call.schedule)
+
+    def discard(self) -> None:
+        """Forget the step's calls without their backward (the step returned no loss, or failed)."""
+        for call in self.pending:
+            self.pipe.discard(call.schedule)
+        self.pending = []
+
+    def _own(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The entry's call through the module's ``__call__`` (its hooks run, per micro-batch) to its own forward."""
         self._through = True
         try:
             return self.module(*args, **kwargs)
         finally:
             self._through = False
 
-    def _second(self) -> None:
-        self.calls += 1
-        if self.calls > 1:
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """The entry's forward while the pipeline is set up: the module's own inside a stage's run (:meth:`_own`, or the
+        user's step run per micro-batch by the schedule: :mod:`~lightning_accel.pipeline.rank_step`) and for a call on
+        ``meta`` (Lightning's model summary); in a training step a forward phase; elsewhere streamed."""
+        if self._through or self.pipe._forwarding or any(t.is_meta for t in tensors_in([args, kwargs])):
+            return self._original(*args, **kwargs)
+        if self._mode == "training":
+            return self._train(args, kwargs)
+        if self._mode == "evaluating":
+            return self._evaluate(args, kwargs)
+        return self._stream(args, kwargs)  # a hook or callback, on every rank: without gradients
+
+    def _train(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if not torch.is_grad_enabled():  # a call the step makes without gradients (a target, a teacher): no backward
+            return self._stream(args, kwargs)
+        pipe = self.pipe
+        chunks = pipe.microbatches(call_batch_size(args, kwargs))  # the pipeline's chunks, or a ragged batch's count
+        parts, sizes = scatter_call(args, kwargs, chunks)
+        # a part computed with gradients before the call (an embedding outside the entry) enters each micro-batch as a
+        # leaf of its own: the backward phase gives the leaves gradients, and the code before the call is
+        # backpropagated once, from all of them (_Call.backward_before), as plain training runs it once
+        call = _Call(None)
+        leaves = []
+        for part in parts:
+            part_leaves, pairs = as_leaves(part)
+            leaves.append(part_leaves)
+            call.before += pairs
+        whole = WholeOutputs(chunks) if pipe.holds_last else None
+        shape = (len(self.pending), tuple(tuple(t.shape) for t in tensors_in([args, kwargs])))  # equal on every rank
+        call.schedule = pipe.forward_phase(lambda i: self._own(*leaves[i]), shape, chunks, whole)
+        self.pending.append(call)
+        return self._deliver(whole.joined(sizes) if whole is not None else None)
+
+    def _evaluate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if torch.is_grad_enabled():
             raise ValueError(
-                f"training_step called {self.name} (the module that runs the pipelined blocks) {self.calls} times in one "
-                "step; the pipeline runs it once per batch: call it once (concatenate the inputs), or train with one "
-                "dataloader"
+                f"{self.name} was called with gradients enabled in an evaluation step (torch.enable_grad() under "
+                "Trainer(inference_mode=False)); a pipeline runs evaluation forward only, each rank its stages, so no "
+                "gradient can reach what the step differentiates; compute such gradients in training_step, or train with "
+                "strategy='ddp'"
             )
+        return self._stream(args, kwargs)
 
-    def capturing(self) -> Any:
-        return self.driving(_capture)
+    def _stream(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The call without gradients: its micro-batches streamed through the stages (any batch size), the last stage's
+        rank running the entry on the whole batch from its stage's input; its output on every rank."""
+        pipe = self.pipe
+        size = call_batch_size(args, kwargs)
+        parts, _ = scatter_call(args, kwargs, pipe.eval_chunks(size))
+        value = pipe.evaluate(size, lambda i: self._own(args, kwargs) if i is None else self._own(*parts[i]))
+        return self._deliver(value)
 
-    def driving(self, drive: Callable[[tuple, dict[str, Any]], Any]) -> Any:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._through:
-                return self.original(*args, **kwargs)
-            self._second()
-            return drive(args, kwargs)
-
-        self.calls = 0
-        return swapped(self.module, "forward", forward)
-
-
-def _capture(args: tuple, kwargs: dict[str, Any]) -> Any:
-    raise Captured(args, kwargs)
+    def _deliver(self, value: Any) -> Any:
+        """The last stage's rank's output on every rank; what the step reads after the call from outside the entry
+        (a head) is current on every rank first (:meth:`~lightning_accel.pipeline.shared_params.SharedParams.freshen`)."""
+        pipe = self.pipe
+        if self._mode != "evaluating":  # a copy of what this rank does not step is stale (an evaluation syncs them first)
+            pipe.shared.freshen(pipe.outside, pipe.world_size)
+        return self.output.deliver(value)
 
 
 class _FromLeaves(torch.autograd.Function):

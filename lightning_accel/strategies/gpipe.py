@@ -35,10 +35,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -48,6 +50,7 @@ from typing_extensions import override
 from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
+from lightning_accel.pipeline.batch_layers import check_batch_layers
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.microbatch import call_batch_size, check_chunks, scatter_call
@@ -109,9 +112,11 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches keep
             only each stage's input and recompute the rest in backward (memory for time).
         blocks: the block policy of :func:`lightning_accel.models.block_policy.find_blocks`.
-        deferred_batch_norm: update BatchNorm running statistics once per batch, from the
-            whole batch, as plain training does (the default; torchgpipe's ``deferred_batch_norm=True``), each
-            micro-batch still normalized by its own statistics; ``False``: once per micro-batch, from its own.
+        deferred_batch_norm: with ``chunks > 1`` a BatchNorm normalizes each micro-batch with its own statistics, so
+            training differs from plain Lightning's: not given (None), that is refused before the first step
+            (:mod:`lightning_accel.pipeline.batch_layers`); ``True`` accepts it and updates the running statistics once
+            per batch, from the whole batch (torchgpipe's ``deferred_batch_norm=True``); ``False``, once per
+            micro-batch, from its own.
     """
 
     strategy_name = "gpipe"
@@ -123,7 +128,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         devices: DeviceSpec = None,
         checkpoint: str = "except_last",
         blocks: BlockPolicy = "auto",
-        deferred_batch_norm: bool = True,
+        deferred_batch_norm: bool | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -155,7 +160,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
 
     def _place(self, net: nn.Module, blocks: list[Block], balance: list[int], why: str) -> None:
         self.pipeline = LocalPipeline(
-            net, blocks, balance, self.devices, self.options.checkpoint_stop, self.deferred_batch_norm,
+            net, blocks, balance, self.devices, self.options.checkpoint_stop, self.deferred_batch_norm is not False,
             owner=type(self).__name__,
         )
         self.pipeline.place()
@@ -183,7 +188,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
     def _warn_batch_norm(self, net: nn.Module) -> None:
         """BatchNorm sees one micro-batch at a time, which plain training does not: say so once, up front."""
         norms = [n for n, m in net.named_modules() if isinstance(m, _BatchNorm)]
-        if self.chunks > 1 and norms and not self.deferred_batch_norm:
+        if self.chunks > 1 and norms and self.deferred_batch_norm is False:
             warnings.warn(
                 f"GPipeStrategy(chunks={self.chunks}): {len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalize "
                 f"each micro-batch (1/{self.chunks} of the batch) on its own, so batch statistics, running mean/var "
@@ -192,6 +197,18 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
                 UserWarning,
                 stacklevel=2,
             )
+
+    def check_fit(self, module: nn.Module) -> None:
+        """What a fit of ``module`` needs that this strategy cannot honour, refused before any work: a layer that
+        micro-batches would train otherwise than plain training (a BatchNorm, an instance norm's running statistics,
+        spectral normalization; :func:`~lightning_accel.pipeline.batch_layers.check_batch_layers`)."""
+        check_batch_layers(module, self.chunks, self.deferred_batch_norm, type(self).__name__)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.check_fit(trainer.lightning_module)
+        super().setup(trainer)
 
     @override
     def model_to_device(self) -> None:

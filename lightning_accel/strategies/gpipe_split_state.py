@@ -50,6 +50,11 @@ class SplitModuleState(DDPStrategy):
     def _layout(self) -> RankLayout:
         raise NotImplementedError
 
+    @property
+    def _process_rank(self) -> int:
+        """This process's rank among every process of the run (the strategy's ``global_rank`` may count replicas)."""
+        return self.cluster_environment.global_rank() if self.cluster_environment is not None else 0
+
     def sync_weights(self) -> None:
         raise NotImplementedError
 
@@ -68,7 +73,7 @@ class SplitModuleState(DDPStrategy):
         state = {n: t for n, t in state.items() if n not in left_out}
         if not any(t.is_meta for t in state.values()):
             return state  # whole on every rank (after fit, as every rank's module is then): nothing to gather
-        return gather_model_state(state, self._layout, self.global_rank)
+        return gather_model_state(state, self._layout, self._process_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -129,7 +134,7 @@ class SplitModuleState(DDPStrategy):
         needed = self._split_state.gather_whole(module, self._layout, available_host_bytes(), copies=self._copies())
         if needed is not None:
             warnings.warn(
-                f"{type(self).__name__}: after {stage} rank {self.global_rank}'s module holds only its own stages: the "
+                f"{type(self).__name__}: after {stage} rank {self._process_rank}'s module holds only its own stages: the "
                 f"others ({needed / 2**30:.1f} GiB) do not fit the free host memory beside the other ranks'; "
                 "trainer.strategy.gather_module() on every rank gathers them, trainer.save_checkpoint(path) saves the "
                 "whole model", UserWarning, stacklevel=2,

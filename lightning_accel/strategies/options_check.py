@@ -169,7 +169,7 @@ _KINDS: dict[str, Callable[[str, str, Any], None]] = {
     "delayed_update": _flag(),
     "offload_activations": _flag(),
     "overlap_step": _flag(optional=True),
-    "deferred_batch_norm": _flag(),
+    "deferred_batch_norm": _flag(optional=True),
     "deferred_init": _deferred_init,
     "timeout": _timeout,
     "blocks": _blocks,

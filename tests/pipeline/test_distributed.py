@@ -409,15 +409,15 @@ def test_a_block_returning_two_tensors_sends_both_and_the_next_stage_puts_them_b
 
 
 def test_a_block_tensor_shared_with_the_rest_of_the_model_is_refused():
-    from lightning_accel.pipeline.distributed import _check_stage_tensors
+    from lightning_accel.pipeline.stage_module import shared_parameters
     from lightning_accel.models.block_policy import find_blocks
 
     net = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32, tie_weights=False)
     net.post.lm_head.weight = next(net.blocks[1].parameters())  # a head tied to a block's weight
     with pytest.raises(ValueError, match=r"post.lm_head.weight is also blocks.1.*a block's parameter.*; untie it"):
-        _check_stage_tensors(net, find_blocks(net), [1, 1])
+        shared_parameters(net, find_blocks(net), [1, 1])
     tied = GPT("tiny", n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32)  # embedding = head: both outside
-    assert len(_check_stage_tensors(tied, find_blocks(tied), [1, 1])) == len(list(tied.parameters())) - sum(
+    assert len(shared_parameters(tied, find_blocks(tied), [1, 1])) == len(list(tied.parameters())) - sum(
         len(list(b.parameters())) for b in tied.blocks
     )
 

@@ -1,13 +1,20 @@
 """The pieces of a training step run once per batch around a micro-batched model call (lightning_accel.pipeline.whole_step),
-in one process: which module is the entry, the call's capture and split, and gradients equal to the whole batch's."""
+in one process: which module is the entry, gradients equal to the whole batch's, and the output's trip to the other
+ranks (lightning_accel.pipeline.call_output)."""
 
 from __future__ import annotations
 
-import pytest
+import pickle
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
-from lightning_accel.pipeline.whole_step import Captured, EntryCall, WholeOutputs, entry_module
+from lightning_accel.pipeline.call_output import CallOutput, flatten, unflatten
+from lightning_accel.pipeline.microbatch import scatter_call
+from lightning_accel.pipeline.whole_step import WholeOutputs, _Call, as_leaves, entry_module
 
 
 class Net(nn.Module):
@@ -31,6 +38,20 @@ class Task(nn.Module):
         self.net = Net()
 
 
+Pair = namedtuple("Pair", "a b")
+
+
+@dataclass
+class Out(dict):
+    """A dataclass that is a dict, as transformers' ModelOutput."""
+
+    logits: torch.Tensor
+    extra: Any = None
+
+    def __post_init__(self) -> None:
+        self.update({k: v for k, v in vars(self).items() if v is not None})
+
+
 def test_the_entry_is_the_blocks_nearest_callable_ancestor_below_the_module() -> None:
     task = Task()
     assert entry_module(task, list(task.net.blocks)) == ("net", task.net)
@@ -42,26 +63,10 @@ def test_the_entry_is_the_blocks_nearest_callable_ancestor_below_the_module() ->
     assert entry_module(holder, [seq[0]]) == ("body", seq)  # one block: its parent
 
 
-def test_a_captured_call_is_split_and_a_second_call_is_refused() -> None:
-    task = Task()
-    call = EntryCall("net", task.net)
-    x = torch.randn(6, 3)
-    with call.capturing(), pytest.raises(Captured) as captured:
-        task.net(x, scale=2.0)
-    assert call.split(captured.value.call_args, captured.value.call_kwargs, lambda n: 3) == 3
-    assert call.sizes == [2, 2, 2]
-    assert torch.equal(torch.cat([call.micro(i) for i in range(3)]), task.net(x, scale=2.0))
-    with call.capturing():
-        with pytest.raises(Captured):
-            task.net(x)
-        with pytest.raises(ValueError, match="called net .* 2 times in one step"):
-            task.net(x)
-
-
 def test_gradients_from_the_joined_output_equal_the_whole_batchs() -> None:
     """Each micro-batch's backward starts from the gradient the whole batch's loss gave its output (a nonlinear loss
     over the joined batch), and the code before the call is backpropagated once: every gradient equals one whole-batch
-    backward, in float64."""
+    backward, in float64 (what ModelCalls does around the schedule, in one process)."""
     torch.manual_seed(0)
     task = Task().double()
     x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
@@ -73,13 +78,16 @@ def test_gradients_from_the_joined_output_equal_the_whole_batchs() -> None:
     expected = {n: p.grad.clone() for n, p in task.named_parameters()}
     task.zero_grad()
 
-    call = EntryCall("net", task.net)
-    with call.capturing(), pytest.raises(Captured) as captured:
-        task.net(task.embed(x))
-    chunks = call.split(captured.value.call_args, captured.value.call_kwargs, lambda n: 3)
-    whole = WholeOutputs(chunks)
-    stand_ins = [whole.keep(i, call.micro(i), torch.device("cpu")) for i in range(chunks)]
-    loss_of(whole.joined(call.sizes)).backward()
+    parts, sizes = scatter_call((task.embed(x),), {}, 3)
+    call = _Call(None)
+    leaves = []
+    for part in parts:
+        part_leaves, pairs = as_leaves(part)
+        leaves.append(part_leaves)
+        call.before += pairs
+    whole = WholeOutputs(3)
+    stand_ins = [whole.keep(i, task.net(*leaves[i][0], **leaves[i][1]), torch.device("cpu")) for i in range(3)]
+    loss_of(whole.joined(sizes)).backward()
     for stand_in in stand_ins:  # what the schedule does, one micro-batch after the other
         stand_in.sum().backward()
     call.backward_before()
@@ -87,24 +95,21 @@ def test_gradients_from_the_joined_output_equal_the_whole_batchs() -> None:
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-12, atol=1e-14, msg=name)
 
 
-def test_capture_says_what_failed_instead_of_a_call_it_can_split() -> None:
-    """A rank's step run up to the model's call: the step's own error before the call, a step that never makes the call,
-    a call without a batched tensor, each returned (every rank then ends the step with it), in one line."""
-    task = Task()
-    call = EntryCall("net", task.net)
-    x = torch.randn(4, 3)
-    assert call.capture(lambda b: task.net(b), x, lambda n: 2, "training_step") is None
-    assert call.sizes == [2, 2]
+def test_an_output_crosses_in_its_structure_and_types() -> None:
+    """What the last rank's call returned, rebuilt on the others: containers, named tuples, dataclass outputs (as
+    transformers' ModelOutput), values that are not tensors, each tensor's dtype and shape."""
+    value = {"out": Out(torch.randn(2, 3), "tag"), "pair": Pair(torch.tensor([1, 2]), [torch.ones(1, dtype=torch.bool), 7])}
+    structure, tensors = flatten(value)
+    assert pickle.loads(pickle.dumps(structure)) == structure  # what crosses once, while the structure holds
+    rebuilt = unflatten(structure, [t.clone() for t in tensors])
+    assert type(rebuilt["out"]) is Out and rebuilt["out"]["extra"] == "tag"
+    assert torch.equal(rebuilt["out"]["logits"], value["out"].logits)
+    assert type(rebuilt["pair"]) is Pair and rebuilt["pair"].b[1] == 7 and rebuilt["pair"].b[0].dtype == torch.bool
 
-    def raises(_: torch.Tensor) -> None:
-        raise KeyError("input_ids")
 
-    assert isinstance(call.capture(raises, x, lambda n: 2, "training_step"), KeyError)
-    never = call.capture(lambda b: b.sum(), x, lambda n: 2, "validation_step")
-    assert isinstance(never, ValueError)
-    assert str(never) == ("validation_step returned without calling net (the module that runs the pipelined blocks); the "
-                          "pipeline runs the blocks inside that call: call the model in validation_step")
-    unbatched = call.capture(lambda b: task.net(scale=1.0), x, lambda n: 2, "training_step")
-    assert isinstance(unbatched, ValueError)
-    assert str(unbatched).startswith("net was called without a batched tensor argument; the pipeline splits the call")
-    assert task.net.forward.__func__ is Net.forward  # the module's own forward again after each capture
+def test_a_one_rank_delivery_returns_the_value_itself(one_rank_group) -> None:
+    """On the rank that computed it (here the only one), the output is returned as it is (its gradients kept)."""
+    leaf = torch.randn(3, requires_grad=True)
+    out = CallOutput(0, None, torch.device("cpu"))
+    assert out.deliver({"y": leaf * 2})["y"].requires_grad
+    assert out.deliver((leaf, None))[0] is leaf  # a second call, another structure

@@ -284,6 +284,10 @@ def test_logs_that_come_and_go_change_name_or_are_not_numbers_arrive_exactly_on_
             assert logged["sometimes"] == step / 3
         if step == 6:
             assert type(logged["np32"]) is np.float32 and logged["np32"] == np.float32(6.25)
+    # a dict's key beside the loss reaches every rank, the whole batch's (equal micro-batches' means: their mean), to
+    # the bit; before, on_train_batch_end got the loss alone
+    assert [keys for keys, _ in first["others"]] == [["loss", "mae"]] * STEPS
+    assert [bits(v) for _, v in first["others"]] == [bits(v) for _, v in last["others"]]
     # the object path only where the names or kinds changed; otherwise one float64 tensor broadcast
     assert [step for step, calls in enumerate(first["object_calls"]) if calls] == CHANGED
     assert first["object_calls"] == last["object_calls"]
@@ -333,7 +337,8 @@ def test_bad_options_fail_before_any_work():
 
 def test_is_a_parallel_strategy_lightning_launches_like_ddp():
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2), logger=False)
-    assert trainer.world_size == 2 and trainer.strategy._get_process_group_backend() == "gloo"
+    assert trainer.strategy.num_processes == 2 and trainer.strategy._get_process_group_backend() == "gloo"
+    assert trainer.world_size == 1  # replicas, as DDP's world size counts them: one pipeline of 2 stages
     assert type(trainer.strategy._launcher).__name__ == "_SubprocessScriptLauncher"
 
 

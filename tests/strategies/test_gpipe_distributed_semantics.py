@@ -58,8 +58,9 @@ def test_batch_norm_buffers_and_weights_equal_the_reference_after_fit(two_ranks,
 
 
 def test_batch_norm_counts_batches_by_default_and_a_cumulative_average_equals_plain_lightning(two_ranks):
-    """No deferred_batch_norm given, 4 micro-batches, 3 steps: every BatchNorm's num_batches_tracked is 3, as in plain
-    Lightning, and the first one (momentum=None: the cumulative average over batches; its inputs are the data) holds
+    """deferred_batch_norm=True (the statistics deferral; not given, it is refused with micro-batches: see
+    tests/strategies/test_gpipe_batch_layers.py), 4 micro-batches, 3 steps: every BatchNorm's num_batches_tracked is 3,
+    as in plain Lightning, and the first one (momentum=None: the cumulative average over batches; its inputs are the data) holds
     plain Lightning's running statistics. Before: 12 updates of a micro-batch's statistics each (the default counted
     micro-batches), and momentum=None crashed on rank 1, whose meta run of rank 0's BatchNorm read the meta counter."""
     assert [(two_ranks / f"bn-first-default-rank{r}.txt").read_text() for r in range(2)] == ["ok", "ok"]
@@ -133,24 +134,30 @@ def test_a_stages_exception_ends_fit_on_every_rank_as_itself_with_the_module_who
 
 
 def test_a_validation_steps_exception_ends_fit_on_every_rank_as_itself(two_ranks):
-    """validation_step raises MyError on its second batch, before calling the network: rank 0, which runs it on each
-    streamed micro-batch up to its stage's end, raises first; both ranks raise it, on_exception gets it, and the module
-    is whole after the fit. Before: rank 1 waited for the activations until the timeout."""
+    """validation_step raises MyError on its second batch, before calling the network. Every rank runs the step to its
+    end, as DDP's ranks do, so each raises its own MyError (its message first, then where it was raised); on_exception
+    gets it on both and the module is whole after the fit. Before: rank 1 waited for the activations until the timeout."""
     for r in range(2):
         assert (two_ranks / f"raising-validation-rank{r}.txt").read_text() == (
-            "MyError: boom in validation batch 1 (raised by pipeline stage 0 on rank 0) | on_exception: MyError | whole: True"
+            f"MyError: boom in validation batch 1 (raised by pipeline stage {r} on rank {r}) | on_exception: MyError | "
+            "whole: True"
         )
 
 
-def test_a_training_step_returning_none_after_the_models_call_is_refused_in_one_line_on_every_rank(two_ranks):
-    """Lightning skips a batch whose training_step returns None; the pipeline has already run the batch's forwards by
-    then (the model's call inside the step runs them), so it refuses, on every rank, naming the fix; the module is whole
-    after the fit."""
+def test_a_training_step_returning_none_after_the_models_call_skips_the_batch_as_under_ddp(two_ranks):
+    """Lightning skips a batch whose training_step returns None, with one replica as in one process (with several it
+    refuses, as under DDP). Every rank ran the step, and the call's forwards, so every rank drops that batch's pending
+    backwards and trains on: the weights equal plain Lightning's skipping the same batch. Before: refused in one line
+    inside the step (the last rank alone saw the None)."""
+    from tests.support.workers.semantics_worker import SkipsAfterTheCall
+
     for r in range(2):
-        assert (two_ranks / f"raising-none-rank{r}.txt").read_text() == (
-            "ValueError: training_step returned None (skip the batch), but the pipeline has already run its forward; skip "
-            "a batch before calling the model (raised by pipeline stage 1 on rank 1) | on_exception: ValueError | whole: True"
-        )
+        assert (two_ranks / f"raising-none-rank{r}.txt").read_text() == "trained | on_exception:  | whole: True"
+    plain = SkipsAfterTheCall()
+    fit(plain, DataLoader(data(24), batch_size=8), "auto")
+    piped = torch.load(two_ranks / "raising-none.pt", weights_only=False)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(piped[name], value, rtol=1e-10, atol=1e-12, msg=name)
 
 
 def test_a_mixture_of_experts_trains_like_plain_lightning(two_ranks):

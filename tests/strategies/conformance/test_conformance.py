@@ -20,9 +20,11 @@ _DDP_THAW = ("the reference is wrong here: DDP does not average a parameter that
 KNOWN: dict[tuple[str, str], str] = {
     ("base_finetuning", "l2l_offload_ddp"): _DDP_THAW,
     ("backbone_finetuning", "l2l_offload_ddp"): _DDP_THAW,
-    ("multiple_train_dataloaders", "gpipe_distributed"): "a step calling the network twice (a dict of 2 loaders) is refused in one line "
-                                                         "inside its first training_step, on every rank, not before it: "
-                                                         "nothing before the step runs tells",
+    # found by the features of issue 60's gpipe work (features_model_calls, features_ranks); the l2l strategies' owners'
+    ("backward_twice", "l2l_offload_ddp"): "LightningModule.backward backpropagating the loss twice (retain_graph): weights "
+                                           "2e-3 from DDP's",
+    ("replica_counts", "l2l_offload"): "a torchmetrics MeanMetric set to float64 computes in float32 (5e-8 from plain)",
+    ("replica_counts", "l2l_offload_ddp"): "a torchmetrics MeanMetric set to float64 computes in float32 (3e-8 from DDP)",
 }
 
 

@@ -184,11 +184,18 @@ def all_gather_validation(run: Run) -> None:
             x, y = batch
             everyone = self.all_gather(((self(x) - y) ** 2).mean(dim=1))
             self.gathered.append([everyone.numel(), float(everyone.sum())])
+            self.calls += 1  # a counter, not a list: what this rank's own step ran
+            self.rows += everyone.numel()
             self.log("val_gathered_mean", everyone.mean())
 
+        def on_validation_epoch_end(self) -> None:
+            self.epoch_rows.append(sum(int(g[0]) for g in self.gathered))  # every row gathered so far
+
     task = Gathered()
-    run.fit(task, loader(), val_loader())
+    task.calls, task.rows, task.epoch_rows = 0, 0, []
+    run.fit(task, loader(), val_loader(), num_sanity_val_steps=1)
     run.see("gathered", task.gathered)
+    run.see("calls", [task.calls, task.rows, task.epoch_rows])
 
 
 def epoch_end_outputs(run: Run) -> None:
@@ -235,15 +242,44 @@ def sanity_check(run: Run) -> None:
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             loss = self.loss(batch)
             self.validated.append([self.trainer.sanity_checking, batch_idx, float(loss)])
+            self.steps["sanity" if self.trainer.sanity_checking else "validation"] += 1  # each rank's own runs
             self.log("val_loss", loss)
 
     task = Sane()
+    task.steps = {"sanity": 0, "validation": 0}
     run.fit(task, loader(), loader(12, seed=2), num_sanity_val_steps=2)
     run.see("validated", task.validated)
+    run.see("steps", task.steps)
+
+
+def training_step_dict(run: Run) -> None:
+    """``training_step`` returning a dict with keys beyond ``loss``: what ``on_train_batch_end`` is handed, and what
+    the step's outputs kept for epoch end hold."""
+
+    class Dicts(Task):
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            x, y = batch
+            out = self(x)
+            loss = ((out - y) ** 2).mean()
+            result = {"loss": loss, "close": ((out - y).abs() < 1).sum(), "n": len(x), "pred": out.detach()}
+            self.kept.append(result)
+            return result
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.ends.append({k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in outputs.items()})
+
+        def on_train_epoch_end(self) -> None:
+            self.log("close_in_epoch", float(sum(int(r["close"]) for r in self.kept)))
+            self.kept.clear()
+
+    task = Dicts()
+    task.kept, task.ends = [], []
+    run.fit(task, loader(), val_loader())
+    run.see("batch_end_outputs", task.ends)
 
 
 FEATURES = {f.__name__: f for f in (
     log_on_step_on_epoch, log_reduce_fx, log_batch_size, log_sync_dist, log_dict, log_torchmetrics, log_every_n_steps,
     multiple_val_dataloaders, multiple_train_dataloaders, all_gather_training, all_gather_validation, epoch_end_outputs,
-    sanity_check,
+    sanity_check, training_step_dict,
 )}

@@ -1,8 +1,9 @@
 """A user script whose ``training_step`` logs what changes from step to step, on 2 CPU processes (gloo).
 
 Run as ``python step_report_worker.py OUT_DIR``: Lightning's subprocess launcher re-runs
-this script for rank 1. The last rank (1) runs ``training_step`` and sends every rank the
-loss and what it logged; each rank saves ``rank{r}.pt``: per step, every ``self.log`` call
+this script for rank 1. Under 1F1B the last rank (1) runs ``training_step`` once per micro-batch and sends every rank
+the loss and what it logged, reduced over the micro-batches (under GPipe, the default, every rank runs the step once and
+logs its own values); each rank saves ``rank{r}.pt``: per step, every ``self.log`` call
 the strategy made on that rank (name, value, options), the loss ``training_step`` returned
 there, and how many ``broadcast_object_list`` calls the step made (the strategy's object
 path, taken only when the logged names, options or kinds of value changed). After fit it
@@ -79,13 +80,14 @@ class Logging(pl.LightningModule):
         self.net = MLP(4, 1, hidden=8, depth=2)
         self.seen: list[list[tuple[str, Any, dict]]] = [[] for _ in range(STEPS)]
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        loss = F.mse_loss(self.net(x), y)
+        out = self.net(x)
+        loss = F.mse_loss(out, y)
         # every micro-batch logs the same kinds; the strategy reduces them over the micro-batches like the loss
         for name, value, kw in expected_logs(batch_idx, loss):
             self.log(name, value, **kw)
-        return loss
+        return {"loss": loss, "mae": (out - y).abs().mean().detach()}  # a key beside the loss: the batch's, on every rank
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         """What the strategy logs on this rank after the step (inside training_step it sees its own stand-in)."""
@@ -102,6 +104,7 @@ class Record(pl.Callback):
 
     def __init__(self) -> None:
         self.returned: list[torch.Tensor] = []
+        self.others: list[list[Any]] = []  # per step: the keys on_train_batch_end got, and the mean absolute error
         self.object_calls: list[int] = []
         self.calls = 0
         real = dist.broadcast_object_list
@@ -118,6 +121,7 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         self.returned.append(outputs["loss"].detach().clone())
         self.object_calls.append(self.calls)
+        self.others.append([sorted(outputs), outputs["mae"].clone()])
 
 
 def main() -> None:
@@ -127,13 +131,13 @@ def main() -> None:
     data = TensorDataset(torch.randn(4 * STEPS, 4, generator=g), torch.randn(4 * STEPS, 1, generator=g))
     task, record = Logging(), Record()
     trainer = pl.Trainer(
-        max_epochs=1, accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, balance=[1, 1], timeout=60),
+        max_epochs=1, accelerator="cpu", devices=2, strategy=DistributedGPipeStrategy(chunks=2, balance=[1, 1], schedule="1f1b", timeout=60),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[record],
     )
     trainer.fit(task, DataLoader(data, batch_size=4))
     torch.save(
-        {"seen": task.seen, "returned": record.returned, "object_calls": record.object_calls},
+        {"seen": task.seen, "returned": record.returned, "object_calls": record.object_calls, "others": record.others},
         os.path.join(out, f"rank{trainer.global_rank}.pt"),
     )
     _EXIT_REPORT.append(os.path.join(out, f"threads-at-exit-rank{trainer.global_rank}.txt"))
