@@ -30,6 +30,7 @@ neighbour on a shared machine hits both alike; the load average is printed befor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import resource
 import shutil
@@ -51,7 +52,7 @@ from lightning_accel.benchmarks.offload_workload import token_data
 from lightning_accel.estimate.tier import tier_plan
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.offload.disk_io import CHUNK, THREADS, measure_bandwidth
-from lightning_accel.offload.tier_plan import SLOTS, parse_bytes, plan_tier
+from lightning_accel.offload.tier_plan import MIN_CHUNK, parse_bytes, parse_chunk, plan_tier
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 IO_TARGET = 1.25  # tier step / max(in-RAM step, I/O floor)
@@ -68,6 +69,7 @@ class Config:
     seq: int
     budget: int
     compute_bound: bool
+    chunk: int | None = None  # strategy.nvme_chunk (None: the plan's)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class _Probe(pl.Callback):
         # the tier's reads and writes, timed on this fit's own instance (no public handle: measurement only)
         tier = getattr(getattr(trainer.strategy, "_executor", None), "tier", None)
         if tier is not None:
-            tier.io.read, tier.io.write = self._timed(tier.io.read), self._timed(tier.io.write)
+            tier.io.read_spans, tier.io.write_spans = self._timed(tier.io.read_spans), self._timed(tier.io.write_spans)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         with self._lock:
@@ -191,7 +193,8 @@ def _model(args: argparse.Namespace, seq: int) -> LanguageModelTask:
 def _fit(args: argparse.Namespace, config: Config, nvme_path: str | None) -> Fit:
     """``config`` trained for the warm-up and the timed steps, in RAM (``nvme_path`` None) or with the tier."""
     strategy = L2LOffloadStrategy(overlap_step=args.overlap_step == "on", nvme_path=nvme_path,
-                                  host_budget=config.budget if nvme_path is not None else None)
+                                  host_budget=config.budget if nvme_path is not None else None,
+                                  nvme_chunk=config.chunk if nvme_path is not None else None)
     probe = _Probe(args.warmup)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
@@ -208,22 +211,29 @@ def _fit(args: argparse.Namespace, config: Config, nvme_path: str | None) -> Fit
                host_kept=stats.host_bytes + stats.host_optimizer_bytes, peak_host=stats.peak_host_bytes)
 
 
-def budgets(args: argparse.Namespace, nvme_path: str) -> tuple[int, int, list[str]]:
-    """The least ``host_budget`` the tier's plan accepts for the bench's model (every block's optimizer state and fp32
-    masters on disk), the least with the masters in RAM (the state alone on disk), and both plan lines: the strategy's
-    own plan (:func:`~lightning_accel.estimate.tier.tier_plan`)."""
+def budgets(args: argparse.Namespace, nvme_path: str, chunk: int | None = None) -> tuple[int, int, int, list[str]]:
+    """The least ``host_budget`` the tier's plan accepts for the bench's model with step buffers of ``chunk`` (None: a
+    whole block), every block's optimizer state and fp32 masters on disk; the least with the masters in RAM (the state
+    alone on disk); the chunk; both plan lines: the strategy's own plan (:func:`~lightning_accel.estimate.tier.tier_plan`).
+    The fits pass the chunk as ``nvme_chunk``: with a budget the plan's own would be a share of it instead."""
     task = _model(args, 8)
     optimizer = task.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer)
     # fp32 CPU: the masters are the weights; the strategy's gradient buffers as it runs (steps during the backward or not)
-    in_backward = args.overlap_step == "on"
-    least = tier_plan(task, [optimizer], nvme_path=nvme_path, steps_in_backward=in_backward)
+    least = tier_plan(task, [optimizer], nvme_path=nvme_path, overlap_step=args.overlap_step == "on", nvme_chunk=chunk)
+    if chunk is None:  # a whole block in each step buffer (the plan's choice without a budget), said as the chunk
+        return budgets(args, nvme_path, max(MIN_CHUNK, least.step_buffer))
     units = list(least.units)
-    state_only = (sum(u.masters + u.weights for u in units) + least.grad_bytes + SLOTS * max(u.state for u in units)
-                  + least.fixed)
-    kept = plan_tier(units, state_only, nvme=True, fixed=least.fixed, grads_in_flight=least.grads_in_flight)
+    n = len(units)
+    state_only = dataclasses.replace(least, masters_on_disk=(False,) * n).host_bytes
+    kept = plan_tier(units, state_only, nvme=True, fixed=least.fixed, grads_in_flight=least.grads_in_flight,
+                     weight_buffers=least.weight_buffers, chunk=least.chunk, resident_kept=least.resident_kept)
     assert not any(kept.masters_on_disk) and all(kept.state_on_disk), kept.describe()
-    return least.host_bytes, state_only, [f"everything on disk: {least.describe()}", f"masters in RAM: {kept.describe()}"]
+    return least.host_bytes, state_only, chunk, [f"everything on disk: {least.describe()}", f"masters in RAM: {kept.describe()}"]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:g} MiB"
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -234,6 +244,15 @@ def _shape(text: str) -> tuple[int, int]:
     if batch < 1 or seq < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: batch and sequence must be >= 1; write e.g. 1x16")
     return batch, seq
+
+
+def _chunk(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return parse_chunk(text)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err).replace("strategy.nvme_chunk", "--chunk")) from None
 
 
 def _median_fit(fits: list[Fit]) -> Fit:
@@ -293,11 +312,16 @@ def nvme_table(args: argparse.Namespace) -> str:
     owned = args.nvme_path is None
     root = tempfile.mkdtemp(prefix="lightning-accel-bench-nvme-") if owned else args.nvme_path
     try:
-        least, state_only, plans = budgets(args, root)
+        least, state_only, chunk, plans = budgets(args, root, args.chunk)
         budget = least if args.host_budget is None else parse_bytes(args.host_budget, "--host-budget")
-        configs = [Config(f"{name}{kept}", shape[0], shape[1], limit, name == "compute-bound")
+        configs = [Config(f"{name}{kept}", shape[0], shape[1], limit, name == "compute-bound", chunk)
                    for name, shape in (("io-bound", args.io_shape), ("compute-bound", args.compute_shape))
                    for kept, limit in (("", budget), (", masters in RAM", state_only))]
+        if args.small_chunk is not None:  # what the chunk costs: the io-bound row again, every unit stepped in small chunks
+            small, _, _, small_plans = budgets(args, root, args.small_chunk)
+            plans.append(small_plans[0].replace("everything on disk:", f"everything on disk, {_mib(args.small_chunk)} chunks:"))
+            configs.insert(1, Config(f"io-bound, {_mib(args.small_chunk)} chunks", args.io_shape[0], args.io_shape[1], small, False,
+                                     args.small_chunk))
         fits: dict[Config, Rounds] = {c: [] for c in configs}
         bandwidth: list[tuple[float, float]] = []
         for r in range(args.rounds):
@@ -348,6 +372,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--io-shape", type=_shape, default=(1, 16), help="BATCHxSEQ of the I/O-bound configurations")
     p.add_argument("--compute-shape", type=_shape, default=(4, 64), help="BATCHxSEQ of the compute-bound configuration")
+    p.add_argument("--chunk", type=_chunk, default=None, help="nvme_chunk of the four configurations, e.g. 64MiB (default: the "
+                   "plan's, here a whole block: the step buffers each hold one block's state and masters)")
+    p.add_argument("--small-chunk", type=_chunk, default=4 << 20, help="the io-bound row again with every unit stepped in "
+                   "chunks of this size: what the chunk costs (default 4MiB; 'none' leaves the row out)")
     p.add_argument("--overlap-step", choices=["on", "off"], default="on",
                    help="on: blocks step during the backward, each unit's read started as the backward begins (both sides)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")

@@ -143,7 +143,7 @@ def plan_of(cfg: DictConfig, strategy: Any, blocks: list[Block], datamodule: Any
     settings: dict[str, Any] = {}
     if kind in (L2L, L2L_DDP):
         settings = dict(
-            prefetch_blocks=strategy.prefetch_blocks, offload_resident=strategy.offload_resident,
+            prefetch_blocks=strategy.prefetch_blocks, offload_resident=bool(strategy.offload_resident),
             checkpoint_blocks=strategy.checkpoint_blocks, offload_activations=strategy.offload_activations,
             delayed_update=bool(strategy.delayed_update), partitioned=getattr(strategy, "host_step", "replicated") == "partitioned",
         )
@@ -221,10 +221,13 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
         notes.append("the NVMe tier: each rank its own files under nvme_path; the plan and the disk column are one rank's"
                      + (" (the one stepping the most; partitioned, a rank's files hold its own blocks' optimizer state)"
                         if plan.partitioned and plan.world > 1 else ""))
+    if tier is not None and tier.held and not plan.offload_resident:  # the plan streams the resident unit (CPU, host_budget)
+        plan = replace(plan, offload_resident=True)
     if tier is not None and tier.budget is not None:
         per_rank = " on each rank" if plan.strategy == L2L_DDP else ""
+        unmoved = "activations on a CPU device, the loader's batches" if plan.on_cpu else "the loader's batches"
         notes.append(f"host_budget {gb(tier.budget)} bounds what the offload keeps{per_rank} (the plan: {gb(tier.host_bytes)}); the host "
-                     "column also counts what no plan moves (activations on a CPU device, the loader's batches, the resident unit)")
+                     f"column also counts what no plan moves ({unmoved})")
 
     fake_parameters(net, mode, _device_dtype(plan, blocks, low))
     micro = max(int(cfg.data.batch_size) // (plan.chunks * (plan.world if plan.strategy == XLA_SPMD else 1)), 1)

@@ -25,10 +25,9 @@ from lightning_accel.config.errors import UserError
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.partition import partition_units
-from lightning_accel.offload.plan import make_plan
-from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
-from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, WEIGHT_BUFFERS_BEYOND_PREFETCH, check_tier_optimizers,
-                                                compute_reads, tier_inputs)
+from lightning_accel.offload.plan import Unit, make_plan
+from lightning_accel.offload.tier_plan import TierPlan, UnitBytes
+from lightning_accel.offload.tier_setup import TierOptions, check_tier_optimizers, compute_reads, plan_tier_for
 from lightning_accel.stored import stored_nbytes
 
 
@@ -37,47 +36,57 @@ class TierRefused(UserError, ValueError):
     strategy raises it, so callers that report an estimate's ValueError as a line report this one)."""
 
 
-def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockPolicy = "auto", offload_resident: bool = False,
+def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockPolicy = "auto", offload_resident: bool | None = False,
               compute_dtype: torch.dtype = torch.float32, host_budget: int | None = None, nvme_path: str | None = None,
               cuda: bool = False, stored: Mapping[str, int] | None = None, owner: str = "L2LOffloadStrategy",
-              steps_in_backward: bool = False, checkpoint_blocks: bool = True, offload_activations: bool = False,
-              prefetch_blocks: int = 1, world: int = 1) -> TierPlan:
+              overlap_step: bool | None = None, cannot_overlap: tuple[str, str | None] | None = None,
+              checkpoint_blocks: bool = True, offload_activations: bool = False, prefetch_blocks: int = 1, world: int = 1,
+              nvme_chunk: int | None = None) -> TierPlan:
     """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
     spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
-    budget); ``steps_in_backward``: every step runs block by block during the backward (the strategy then counts
-    :data:`~lightning_accel.offload.tier_setup.BLOCKS_IN_FLIGHT` blocks' gradients at once); ``stored``: stored bytes of
-    frozen weights that differ from their tensors (a QLoRA base left unquantized
-    on meta: :func:`~lightning_accel.estimate.params.nf4_weights`), by name in ``net``; ``world`` (>1: data parallel,
-    the host step partitioned over that many ranks): the plan of the rank stepping the most, whose files hold the
-    optimizer state of its own units only (:func:`~lightning_accel.offload.partition.partition_units`).
+    budget; on the CPU the resident unit kept on the device does); ``overlap_step``, ``offload_resident``,
+    ``nvme_chunk``: the strategy's options (None: the plan chooses, :mod:`~lightning_accel.offload.tier_choice`);
+    ``cannot_overlap``: why the blocks cannot step during the backward in this fit, and the fix (clipping,
+    accumulation); ``stored``: stored bytes of frozen weights that differ from their tensors (a QLoRA base left
+    unquantized on meta: :func:`~lightning_accel.estimate.params.nf4_weights`), by name in ``net``; ``world`` (>1: data
+    parallel, the host step partitioned over that many ranks): the plan of the rank stepping the most, whose files hold
+    the optimizer state of its own units only (:func:`~lightning_accel.offload.partition.partition_units`).
 
     Builds a :class:`~lightning_accel.offload.host_store.HostStore` over ``net``'s blocks, which points each
-    trainable parameter's ``data`` at its fp32 master (the tensor itself where it already is one). Raises
-    :class:`TierRefused` with the strategy's message where it would refuse the budget or the optimizer."""
+    trainable parameter's ``data`` at its fp32 master (the tensor itself where it already is one). The plan's
+    ``held`` says whether it streams the resident unit. Raises :class:`TierRefused` with the strategy's message where
+    it would refuse the budget or the optimizer."""
     if nvme_path is not None:
         try:
             check_tier_optimizers(list(optimizers), owner)
         except ValueError as err:
             raise TierRefused(str(err)) from None
     optimizer = optimizers[0]
-    plan = make_plan(net, blocks, offload_resident=offload_resident)
-    units = plan.blocks + ([plan.resident] if offload_resident else [])  # the executor's tier_units
+    plan = make_plan(net, blocks, offload_resident=bool(offload_resident))
+    units = plan.blocks + ([plan.resident] if plan.offload_resident else [])  # the executor's tier_units
     store = HostStore(units, compute_dtype, pin=False)  # pinned: same bytes
-    reads = compute_reads(len(plan.blocks), offload_resident, checkpoint_blocks, offload_activations)
     stepped = None
     if world > 1:  # as L2LOffloadDDPStrategy gives the units out (UnitOwners), and as estimate's l2l() picks the rank
         numels = [sum(p.numel() for _, p in u.params if p.requires_grad) for u in units]
         owners = partition_units(numels, world)
         rank = max(range(world), key=lambda r: sum(numels[i] for i in owners.owned(r)))
         stepped = {p for i in owners.owned(rank) for _, p in units[i].params}
-    sizes, fixed, _ = tier_inputs(units, store, optimizer, cuda, reads, stepped)  # what the strategy's _setup_tier plans from
-    sizes = [_as_stored(size, u.params, store, stored or {}) for size, u in zip(sizes, units)]
-    try:
-        return plan_tier(sizes, host_budget, nvme=nvme_path is not None, fixed=fixed,
-                         grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=1 if offload_resident else 0,
-                         weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH + (1 if offload_resident else 0))
+    options = TierOptions(overlap=overlap_step, overlap_default=cuda, cannot_overlap=cannot_overlap,
+                          resident=offload_resident if world == 1 else bool(offload_resident), cpu=not cuda,
+                          resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk)
+
+    def reads_of(streamed: bool) -> list[int]:
+        return compute_reads(len(plan.blocks), streamed, checkpoint_blocks, offload_activations)
+
+    def as_stored(size: UnitBytes, unit: Unit) -> UnitBytes:
+        return _as_stored(size, unit.params, store, stored or {})
+
+    try:  # what the strategy's _setup_tier plans from
+        chosen, _, _ = plan_tier_for(plan, store, optimizer, host_budget, options, reads_of, pin=cuda,
+                                     prefetch_blocks=prefetch_blocks, stepped=stepped, adjust=as_stored)
     except ValueError as err:
         raise TierRefused(f"{owner}: {err}") from None
+    return chosen
 
 
 def _as_stored(unit: UnitBytes, params: list[tuple[str, nn.Parameter]], store: HostStore, stored: Mapping[str, int]) -> UnitBytes:
@@ -101,14 +110,21 @@ def strategy_tier(strategy: Any, module: Any, net: nn.Module, compute_dtype: tor
     optimizers = _optimizers(module.configure_optimizers())
     if not optimizers:
         return None
-    # as the strategy decides it (_steps_in_backward): the overlap wanted, no clipping, no accumulation
+    # as the strategy decides it (_overlap_blocker): what needs every gradient before any block steps
     trainer = trainer or {}
-    wanted = cuda if getattr(strategy, "overlap_step", None) is None else bool(strategy.overlap_step)
-    in_backward = wanted and not trainer.get("gradient_clip_val") and int(trainer.get("accumulate_grad_batches") or 1) == 1
+    accumulate, clip = int(trainer.get("accumulate_grad_batches") or 1), trainer.get("gradient_clip_val")
+    blocker = None
+    if type(strategy).__name__ == "L2LOffloadDDPStrategy":
+        blocker = ("l2l_offload_ddp steps a block once its gradients are averaged over the ranks, after the backward", None)
+    elif accumulate != 1:
+        blocker = (f"accumulate_grad_batches={accumulate} sums every block's gradients over the micro-batches before any block "
+                   "steps", "set accumulate_grad_batches=1")
+    elif clip:
+        blocker = f"gradient_clip_val={clip} needs every gradient before any block steps", "drop gradient_clip_val"
     return tier_plan(net, optimizers, blocks=strategy.blocks, offload_resident=strategy.offload_resident,
                      compute_dtype=compute_dtype, host_budget=budget, nvme_path=nvme_path, cuda=cuda, stored=stored,
-                     owner=type(strategy).__name__, steps_in_backward=in_backward,
+                     owner=type(strategy).__name__, overlap_step=getattr(strategy, "overlap_step", None), cannot_overlap=blocker,
                      checkpoint_blocks=getattr(strategy, "checkpoint_blocks", True),
                      offload_activations=getattr(strategy, "offload_activations", False),
-                     prefetch_blocks=getattr(strategy, "prefetch_blocks", 1),
+                     prefetch_blocks=getattr(strategy, "prefetch_blocks", 1), nvme_chunk=getattr(strategy, "nvme_chunk", None),
                      world=world if getattr(strategy, "host_step", None) == "partitioned" else 1)

@@ -316,6 +316,16 @@ class L2LExecutor(HostSteps):
         param.grad = None  # the device buffer goes; the host keeps the sum
         self.streamer.grad_to_host(param, grad)
         index = self._unit_of[param]
+        if index == RESIDENT and self._block_step is not None and self.tier is not None \
+                and self.tier.is_spilled(len(self.plan.blocks)):
+            # a streamed resident unit's parameter steps as its gradient lands (the head's at the start of the backward,
+            # the embedding's at its end): never both gradients held at once (:meth:`.HostSteps.step_resident_param`)
+            assert self._pool is not None
+            with self._ready_lock:
+                self._unstepped += 1  # (a gradient in flight as a block's is: the backward holds back beyond the plan's)
+            self._futures.append(self._pool.submit(self.step_resident_param, param, self._block_step))
+            self._hold_back()
+            return
         if index == RESIDENT or index not in self._pending_grads:
             return
         self._pending_grads[index] -= 1

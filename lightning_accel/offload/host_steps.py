@@ -4,7 +4,8 @@ landed, while the backward of the blocks before it goes on (part of :class:`~.ex
 One worker thread keeps the steps in block order; blocks whose gradients landed while the previous step ran are
 batched into one optimizer call. Units whose optimizer state lives on the NVMe tier step one at a time through its
 buffers (:meth:`~.tier.NVMeTier.step_unit`), during the backward or, where every gradient is needed first (clipping,
-accumulation), after the closure (:meth:`HostSteps.step_spilled`). With the tier, the backward waits while more than
+accumulation), after the closure (:meth:`HostSteps.step_spilled`); a streamed resident unit in the tier steps parameter
+by parameter as their gradients land (:meth:`HostSteps.step_resident_param`). With the tier, the backward waits while more than
 ``max_unstepped`` blocks' gradients wait for their step: the gradients held at once are what its plan counted.
 Nothing here imports Lightning.
 """
@@ -132,15 +133,36 @@ class HostSteps:
         self.stats.blocks_stepped_in_backward += len(indices)
         self.stats.host_step_calls += 1
 
-    def _step_unit(self, index: int, params: list[nn.Parameter], step: UnitStep) -> None:
-        """Step ``params`` of spilled unit ``index`` through the tier, their gradients then let go."""
+    def _step_unit(self, index: int, params: list[nn.Parameter], step: UnitStep, computing: bool = False,
+                   grads: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
+        """Step ``params`` of spilled unit ``index`` through the tier, their gradients then let go (``computing``: the
+        unit is still held for the compute, which no longer reads these parameters; ``grads``: their gradients, where
+        not ``param.grad``)."""
         assert self.tier is not None
         shadows = {p: self.store.shadow[p] for p in params if self.store.shadow[p] is not self.store.master[p]}
-        self.tier.step_unit(index, params, shadows, self.store.exact_low_grads(params), step)
+        low = self.store.exact_low_grads(params) if grads is None else {}
+        self.tier.step_unit(index, params, shadows, low, step, computing=computing, grads=grads)
         for param in params:
-            param.grad = None
+            if grads is None or param not in grads:
+                param.grad = None
         self.store.drop_low_grads(params)
         self._fresh.update(params)
+
+    def step_resident_param(self, param: nn.Parameter, step: UnitStep) -> None:
+        """On the host-step thread, during the backward: step ``param`` of the streamed resident unit (in the tier) as
+        soon as its gradient has landed, its gradient let go. Its value is not read again by this backward (autograd
+        accumulates a leaf's gradient once all its uses are done), so the compute's copy stays as it was."""
+        try:
+            self.streamer.finish_grads([param])
+            grad = self.store.grads.pop(param, None)
+            if grad is None:
+                return
+            with record_function("l2l/host_step"):  # (its .grad takes the device copy's dtype: the gradient goes apart)
+                self._step_unit(len(self.plan.blocks), [param], step, computing=True, grads={param: grad})
+        finally:
+            with self._stepped:
+                self._unstepped -= 1
+                self._stepped.notify_all()
 
     def step_spilled(self, step: UnitStep) -> None:
         """After the closure (gradients final, clipped), before the optimizer steps the rest: step every spilled

@@ -2,7 +2,7 @@
 
 What :func:`~.tier_plan.plan_tier` puts on disk lives in one file per unit under the run's scratch
 directory (:mod:`.tier_dir`), each tensor in a region of its own aligned for ``O_DIRECT``: the unit's
-masters first, then its optimizer state, so the host step reads and writes one contiguous span.
+frozen weights and shadows, then its masters, then its optimizer state.
 
 At rest (between steps, in a checkpoint, after fit) each of those tensors *is* a view of its file
 region through a shared memory map: ``param.data``, ``store.master[param]`` and
@@ -11,13 +11,14 @@ region through a shared memory map: ``param.data``, ``store.master[param]`` and
 pages the kernel may drop again, and never needs the whole state in memory; a checkpoint is
 written from the page cache as it streams.
 
-For a unit's host step the tier reads its span into one of :data:`~.tier_plan.SLOTS` reusable
-buffers (pinned on CUDA) with ``O_DIRECT`` (:mod:`.disk_io`), points the parameters and their
-state at views of that buffer, runs the same update as in memory (the caller's step function: the
-fused kernel, the shadow written in the same pass), writes the span back, and points everything at
-the file again. While one unit steps, the next expected unit's span is already being read
-(:meth:`NVMeTier.expect`: the backward's block order when blocks step during the backward, the
-plan's order after it) and the previous one's is being written. Reads and writes of ``O_DIRECT`` and
+A unit's host step goes through its span chunk by chunk (:mod:`.tier_chunks`: runs of parameters and
+element ranges of a parameter, each at most the plan's chunk): each chunk is read with ``O_DIRECT``
+(:mod:`.disk_io`) into one of :data:`~.tier_plan.SLOTS` reusable buffers of one chunk (pinned on CUDA;
+:mod:`.tier_buffers`), its ranges are stepped as parameters of their own (:mod:`.slice_step`: the same
+update as in memory, the caller's step function, the shadow written in the same pass), and it is written
+back, while the next chunk is already being read (:meth:`NVMeTier.expect`: the backward's block order when
+blocks step during the backward, the plan's order after it) and the previous one written. So what the
+host keeps for the step is three chunks, whatever the size of a unit. Reads and writes of ``O_DIRECT`` and
 the shared map stay coherent: a direct write drops the cached pages of its range, a direct read
 writes dirty ones back first (Linux), and loads through the map (a checkpoint restored into the
 views) are written back explicitly (:meth:`NVMeTier.sync`).
@@ -31,8 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -45,13 +45,15 @@ from lightning_accel.offload.disk_io import (DirectFile, DiskFull, DiskIO, IOCou
                                              give_large_frees_back)
 from lightning_accel.offload.host_store import HostStore
 from lightning_accel.offload.plan import Unit
+from lightning_accel.offload.slice_step import Slice, SlicedStep, UnitStep
 from lightning_accel.offload.state_keys import StateKeys
+from lightning_accel.offload.tier_buffers import Key, StepBuffers
+from lightning_accel.offload.tier_chunks import Chunk, Piece, Strand, cut_unit
 from lightning_accel.offload.tier_dir import make_run_dir
 from lightning_accel.offload.tier_plan import TierPlan
 from lightning_accel.offload.tier_weights import WeightReads, WeightSpan, in_a_file
 
-# a unit's update: (its parameters with gradients, their shadows, their bf16 gradients) -> parameters whose shadows it wrote
-UnitStep = Callable[[list[nn.Parameter], dict[nn.Parameter, Tensor], dict[nn.Parameter, Tensor]], list[Tensor]]
+__all__ = ["NVMeTier", "UnitStep"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class _Region:
 
     @property
     def nbytes(self) -> int:
-        return self.shape.numel() * torch.tensor([], dtype=self.dtype).element_size()
+        return self.shape.numel() * self.dtype.itemsize
 
     def view(self, base: Tensor, start: int = 0) -> Tensor:
         """This region's tensor inside ``base`` (a uint8 buffer or map that begins at file offset ``start``)."""
@@ -78,19 +80,13 @@ class _UnitFile:
     state: dict[tuple[nn.Parameter, str], _Region] = field(default_factory=dict)
     frozen: dict[nn.Parameter, _Region] = field(default_factory=dict)  # frozen weights as stored (the plan spilled weights)
     shadows: dict[nn.Parameter, _Region] = field(default_factory=dict)  # trainable parameters' low-precision shadows
-    step_start: int = 0  # where the host step's span begins: after the frozen weights, which it never reads
     rest: dict[object, Tensor] = field(default_factory=dict)  # region key -> its view through the map
+    params: list[nn.Parameter] = field(default_factory=list)  # the trainable parameters, in the chunks' order
+    chunks: list[Chunk] = field(default_factory=list)  # the host step's chunks (:mod:`.tier_chunks`)
 
     @property
     def size(self) -> int:
         return self.file.size
-
-
-@dataclass
-class _Slot:
-    buffer: Tensor
-    unit: int | None = None
-    read: Future[None] | None = None
 
 
 class NVMeTier:
@@ -99,7 +95,7 @@ class NVMeTier:
     Args:
         store: the host store whose masters move to disk (their views replace them).
         units: the offloaded units, in the order the plan indexes them.
-        plan: which units' state and masters live on disk.
+        plan: which units' state and masters live on disk, and the chunk of the step buffers.
         optimizer: the one optimizer stepping the host parameters.
         state_keys: each trainable parameter's per-element state (:func:`~.state_keys.per_element_state`).
         nvme_path: where the run's scratch directory is made.
@@ -111,14 +107,13 @@ class NVMeTier:
         self.store = store
         self.plan = plan
         self.optimizer = optimizer
+        self.keys = state_keys
         self.counters = IOCounters()
         self.directory = make_run_dir(nvme_path)
         self.files: dict[int, _UnitFile] = {}
         self._maps: list[np.memmap] = []
-        self._lock = threading.Condition()
-        self._writes: list[Future[None]] = []
-        self._expected: list[int] = []
-        self._waiting: list[int] = []  # units a step is waiting to take
+        self.buffers: StepBuffers | None = None
+        self._partial: dict[Key, list[tuple[int, int, int]]] = {}  # chunks a step needs part of: the requests of that part
         try:
             layouts = {i: self._layout(units[i], plan, i, state_keys, store) for i in range(len(units)) if plan.unit_disk_bytes(i)}
             need = sum(align_up(layout[0]) for layout in layouts.values())
@@ -127,11 +122,16 @@ class NVMeTier:
                 raise DiskFull(nvme_path, need, free, OSError(28, "No space left on device"))
             self.io = DiskIO(self.counters)
             give_large_frees_back()  # what moves to disk must leave the process (see give_large_frees_back)
-            for i, (size, masters, state, frozen, shadows, step_start) in layouts.items():
+            for i, (size, masters, state, frozen, shadows) in layouts.items():
                 path = os.path.join(self.directory, f"unit-{i:05d}.bin")
-                self.files[i] = _UnitFile(i, DirectFile(path, size), masters, state, frozen, shadows, step_start)
-            largest = max((f.size for f in self.files.values()), default=0)
-            self.slots = [_Slot(aligned_buffer(largest, pin)) for _ in range(plan.slots)] if self.files else []
+                unit_file = _UnitFile(i, DirectFile(path, size), masters, state, frozen, shadows)
+                unit_file.params = [p for _, p in units[i].params if p.requires_grad and p not in store.frozen]
+                unit_file.chunks = cut_unit([(p.numel(), self._strands(unit_file, p)) for p in unit_file.params],
+                                            plan.step_buffer) if plan.step_buffer else []
+                self.files[i] = unit_file
+            if plan.step_buffer:
+                held = frozenset(i for i in range(len(units) - plan.held, len(units)) if i in self.files)
+                self.buffers = StepBuffers(self.io, plan.slots, plan.step_buffer, pin, self._read_chunk, own_units=held)
             for unit_file in self.files.values():
                 self._spill(unit_file)
             # the compute's reads of the masters it runs on (:mod:`.tier_weights`)
@@ -143,7 +143,8 @@ class NVMeTier:
                 if plan.compute_span(i) and computed:
                     spans[i] = WeightSpan(unit_file.file, max(r.offset + r.nbytes for r in computed.values()),
                                           {p: (r.offset, r.shape, r.dtype) for p, r in computed.items()})
-            self.weights = WeightReads(self.io, spans, plan.weight_buffers, pin)
+            held = set(range(len(units) - plan.held, len(units)))
+            self.weights = WeightReads(self.io, spans, plan.weight_buffers, pin, own=held & set(spans))
         except BaseException:
             self.close()
             raise
@@ -151,10 +152,10 @@ class NVMeTier:
     # -- set-up ---------------------------------------------------------------------------------------
     @staticmethod
     def _layout(unit: Unit, plan: TierPlan, index: int, keys: dict[nn.Parameter, StateKeys],
-                store: HostStore) -> tuple[int, dict, dict, dict, dict, int]:
+                store: HostStore) -> tuple[int, dict, dict, dict, dict]:
         """Where each tensor of ``unit`` lies in its file: frozen weights, shadows, masters (those the compute runs on
-        first), optimizer state. The compute reads the head (up to the masters it runs on); the host step the span
-        from the shadows on."""
+        first), optimizer state. The compute reads the head (up to the masters it runs on); the host step the
+        shadows, masters and state, chunk by chunk."""
         at = 0
         masters: dict[nn.Parameter, _Region] = {}
         state: dict[tuple[nn.Parameter, str], _Region] = {}
@@ -167,8 +168,6 @@ class NVMeTier:
                     stored = store.shadow[param]
                     frozen[param] = _Region(at, stored.shape, stored.dtype)
                     at += align_up(frozen[param].nbytes)
-        step_start = at
-        if plan.spilled_weights(index):
             for param in trainable:
                 shadow = store.shadow[param]
                 if shadow is not store.master[param]:
@@ -186,11 +185,22 @@ class NVMeTier:
                     region = _Region(at, param.shape, dtype)
                     state[(param, key)] = region
                     at += align_up(region.nbytes)
-        return at, masters, state, frozen, shadows, step_start
+        return at, masters, state, frozen, shadows
+
+    def _strands(self, unit_file: _UnitFile, param: nn.Parameter) -> list[Strand]:
+        """``param``'s tensors the host step reads from ``unit_file``: its shadow, master and state where on disk."""
+        regions: list[tuple[object, _Region]] = []
+        if param in unit_file.shadows:
+            regions.append((("shadow", param), unit_file.shadows[param]))
+        if param in unit_file.masters:
+            regions.append((("master", param), unit_file.masters[param]))
+        regions += [(("state", param, key), unit_file.state[(param, key)]) for key, _ in self.keys.get(param, ())
+                    if (param, key) in unit_file.state]
+        return [Strand(key, region.offset, region.dtype.itemsize) for key, region in regions]
 
     def _spill(self, unit_file: _UnitFile) -> None:
-        """Write the unit's masters (and any state the optimizer already has) to its file, then make the
-        file's views what the parameters and the optimizer hold: the in-memory tensors are let go."""
+        """Write the unit's tensors (and any state the optimizer already has) to its file, then make the file's views
+        what the parameters and the optimizer hold: the in-memory tensors are let go."""
         mapped = np.memmap(unit_file.file.path, dtype=np.uint8, mode="r+", shape=(unit_file.size,)) if unit_file.size else None
         if mapped is not None:
             self._maps.append(mapped)
@@ -201,18 +211,20 @@ class NVMeTier:
                 unit_file.rest[("frozen", param)] = region.view(base)
             for param, region in unit_file.shadows.items():
                 unit_file.rest[("shadow", param)] = region.view(base)
-        slot = self.slots[0]
-        for param, region in unit_file.frozen.items():
-            region.view(slot.buffer).copy_(self.store.master[param])
-        for param, region in unit_file.shadows.items():
-            region.view(slot.buffer).copy_(self.store.shadow[param])
-        for param, region in unit_file.masters.items():
-            region.view(slot.buffer).copy_(self.store.master[param])
+        writes: list[tuple[_Region, Tensor]] = [(r, self.store.master[p]) for p, r in unit_file.frozen.items()]
+        writes += [(r, self.store.shadow[p]) for p, r in unit_file.shadows.items()]
+        writes += [(r, self.store.master[p]) for p, r in unit_file.masters.items()]
         for (param, key), region in unit_file.state.items():
             held = self.optimizer.state.get(param, {}).get(key)
             if isinstance(held, Tensor):
-                region.view(slot.buffer).copy_(held)
-        self.io.wait(self.io.write(unit_file.file, slot.buffer, 0, unit_file.size))
+                writes.append((region, held))
+        buffer = self.buffers.slots[0].buffer if self.buffers is not None else aligned_buffer(min(unit_file.size, 4 << 20))
+        for region, tensor in writes:  # through one buffer, a buffer's worth at a time
+            data = tensor.detach().reshape(-1).view(torch.uint8)
+            for at in range(0, data.numel(), buffer.numel()):
+                n = min(buffer.numel(), data.numel() - at)
+                buffer[:n].copy_(data[at:at + n])
+                self.io.wait(self.io.write(unit_file.file, buffer, region.offset + at, n))
         self._point_at_rest(unit_file)
 
     def _point_at_rest(self, unit_file: _UnitFile) -> None:
@@ -258,114 +270,95 @@ class NVMeTier:
     @property
     def buffer_bytes(self) -> int:
         weights = self.weights.buffer_bytes if hasattr(self, "weights") else 0
-        return sum(s.buffer.numel() for s in self.slots) + weights
+        return (self.buffers.nbytes if self.buffers is not None else 0) + weights
 
     # -- streaming ---------------------------------------------------------------------------------------
     def expect(self, order: Iterable[int]) -> None:
-        """The spilled units about to step, in order: their reads start as buffers free up."""
-        with self._lock:
-            self._expected = [i for i in order if i in self.files]
-        self._read_ahead()
+        """The spilled units about to step, in order: their chunks' reads start as buffers free up."""
+        if self.buffers is not None:
+            self.buffers.expect((i, c) for i in order if i in self.files for c in range(len(self.files[i].chunks)))
 
-    def _read_ahead(self) -> None:
-        with self._lock:
-            # a unit a step is waiting for comes first: a freed buffer must not go to a unit needed later
-            for index in [*self._waiting, *self._expected]:
-                if any(s.unit == index for s in self.slots):
-                    continue
-                slot = self._free_slot()
-                if slot is None:
-                    return
-                self._start_read(slot, index)
+    def _read_chunk(self, key: Key, buffer: Tensor) -> Future[None]:
+        unit_file = self.files[key[0]]
+        return self.io.read_spans(unit_file.file, buffer, self._partial.get(key) or list(unit_file.chunks[key[1]].spans))
 
-    def _free_slot(self) -> _Slot | None:
-        return next((s for s in self.slots if s.unit is None), None)
-
-    def _start_read(self, slot: _Slot, index: int) -> None:
-        unit_file = self.files[index]
-        slot.unit = index
-        slot.read = self.io.read(unit_file.file, slot.buffer, unit_file.step_start, unit_file.size - unit_file.step_start)
-
-    def _take(self, index: int) -> _Slot:
-        """The slot holding ``index``'s span, read now if it was not read ahead (waiting for a free slot first)."""
-        with self._lock:
-            # first in line while it waits (_waiting): a write's callback that frees a slot reads ahead, and must read
-            # this unit, not a later one (all slots holding later units, none ever released, was a deadlock)
-            if index in self._expected:
-                self._expected.remove(index)
-            self._waiting.append(index)
-            try:
-                slot = next((s for s in self.slots if s.unit == index), None)
-                while slot is None:
-                    free = self._free_slot()
-                    if free is not None:
-                        self._start_read(free, index)
-                    else:
-                        self._lock.wait()
-                    slot = next((s for s in self.slots if s.unit == index), None)
-            finally:
-                self._waiting.remove(index)
-        assert slot.read is not None
-        self.io.wait(slot.read)
-        return slot
-
-    def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.unit = None
-            slot.read = None
-            self._lock.notify_all()
+    def _spans(self, unit_file: _UnitFile, pieces: list[Piece]) -> list[tuple[int, int, int]]:
+        """The requests of ``pieces`` alone (file offset, buffer offset, bytes), adjacent ones merged."""
+        ranges = sorted((s.offset + piece.start * s.itemsize, piece.at[s.key], align_up((piece.stop - piece.start) * s.itemsize))
+                        for piece in pieces for s in self._strands(unit_file, unit_file.params[piece.param]) if s.key in piece.at)
+        spans: list[list[int]] = []
+        for offset, at, nbytes in ranges:
+            if spans and spans[-1][0] + spans[-1][2] == offset and spans[-1][1] + spans[-1][2] == at:
+                spans[-1][2] += nbytes
+            else:
+                spans.append([offset, at, nbytes])
+        return [(o, a, n) for o, a, n in spans]
 
     def step_unit(self, index: int, params: list[nn.Parameter], shadows: dict[nn.Parameter, Tensor],
-                  low_grads: dict[nn.Parameter, Tensor], step: UnitStep) -> None:
-        """Step ``params`` (the unit's parameters with gradients) of spilled unit ``index`` through a buffer: read
-        (or take the read-ahead), point parameters and state at the buffer, ``step``, refresh the shadows the step
-        did not write, write the span back, point everything at the file again. Thread-safe against other units'
-        calls (the block steps run on the host-step thread)."""
+                  low_grads: dict[nn.Parameter, Tensor], step: UnitStep, computing: bool = False,
+                  grads: dict[nn.Parameter, Tensor] | None = None) -> None:
+        """Step ``params`` (the unit's parameters with gradients) of spilled unit ``index`` through the step buffers,
+        chunk by chunk: take the chunk (read ahead, or read now), step its ranges (:class:`.SlicedStep`: ``step`` on
+        them, the shadows the step did not write refreshed), write it back; then give each parameter its state as
+        the file's views. Thread-safe against other units' calls (the block steps run on the host-step thread). A step
+        that raises leaves the chunks before it stepped in the file and the rest as they were; every buffer is freed.
+        Chunks holding none of ``params`` are neither read nor written. ``computing``: the compute still holds the unit
+        (a streamed resident unit, its parameters stepping as their gradients land), on weights read before: it keeps
+        them (it reads none of ``params`` again); ``grads``: their gradients, where not ``param.grad``."""
         unit_file = self.files[index]
-        self.weights.forget(index)  # a read-ahead of the masters as they are now would be stale after this step
-        slot = self._take(index)
-        buffer, start = slot.buffer, unit_file.step_start
-        try:
-            for param, region in unit_file.masters.items():
-                param.data = region.view(buffer, start)
-            for (param, key), region in unit_file.state.items():
-                state = self.optimizer.state.get(param)
-                if state and key in state:
-                    state[key] = region.view(buffer, start)
-            # shadows on disk are written in the buffer, with their masters
-            shadows = {p: unit_file.shadows[p].view(buffer, start) if p in unit_file.shadows else s for p, s in shadows.items()}
-            written = {id(p) for p in step(params, shadows, low_grads)}
-            for (param, key), region in unit_file.state.items():  # state the step made (a first step) moves in
-                held = self.optimizer.state.get(param, {}).get(key)
-                view = region.view(buffer, start)
-                if isinstance(held, Tensor) and held is not view and held.data_ptr() != view.data_ptr():
-                    view.copy_(held)
-            for param in params:
-                shadow = shadows.get(param)
-                if shadow is not None and id(param) not in written:
-                    shadow.copy_(param.data)
-        except BaseException:
-            self._point_at_rest(unit_file)  # the file still holds the unit as it was before this step
-            self._release(slot)
-            raise
-        self._point_at_rest(unit_file)
-        write = self.io.write(unit_file.file, buffer, start, unit_file.size - start)
-        with self._lock:
-            self._writes.append(write)
-        write.add_done_callback(lambda _: (self._release(slot), self._read_ahead()))
-        self._read_ahead()
+        # a read-ahead of the weights as they are now would be stale after this step
+        self.weights.forget(index, keep_taken=computing)
+        wanted = {id(p) for p in params}
+        stepping = SlicedStep(self.optimizer, step)
+        assert self.buffers is not None
+        for number, chunk in enumerate(unit_file.chunks):
+            pieces = [piece for piece in chunk.pieces if id(unit_file.params[piece.param]) in wanted]
+            if not pieces:
+                self.buffers.skip((index, number))
+                continue
+            # part of a chunk (a resident unit's parameter stepping alone): its ranges alone are read and written
+            spans = list(chunk.spans) if len(pieces) == len(chunk.pieces) else self._spans(unit_file, pieces)
+            self._partial[(index, number)] = spans
+            try:
+                slot = self.buffers.take((index, number))
+            finally:
+                del self._partial[(index, number)]
+            try:
+                stepping.run([self._slice(unit_file, piece, slot.buffer, shadows, grads) for piece in pieces], low_grads)
+            except BaseException:
+                self.buffers.freed(slot)
+                raise
+            self.buffers.write_back(slot, self.io.write_spans(unit_file.file, slot.buffer, spans))
+        stepping.finish(lambda param, key: unit_file.rest[(param, key)])
+
+    def _slice(self, unit_file: _UnitFile, piece: Piece, buffer: Tensor, shadows: dict[nn.Parameter, Tensor],
+               grads: dict[nn.Parameter, Tensor] | None = None) -> Slice:
+        """``piece``'s ranges: in ``buffer`` where its tensors are on disk, else of the tensors in memory."""
+        param = unit_file.params[piece.param]
+        count = piece.stop - piece.start
+
+        def ranged(key: object, whole: Tensor) -> Tensor:
+            at = piece.at.get(key)
+            if at is None:
+                return whole.view(-1)[piece.start:piece.stop]
+            return buffer[at:at + count * whole.dtype.itemsize].view(whole.dtype)
+
+        held = self.optimizer.state.get(param, {})
+        state = {}
+        for key, dtype in self.keys.get(param, ()):
+            if ("state", param, key) in piece.at:
+                state[key] = ranged(("state", param, key), torch.empty(0, dtype=dtype))
+            else:  # (a spilled unit's state is on disk; kept in memory it is stepped where it is)
+                assert key in held, f"no optimizer state {key!r} in memory or on disk for a parameter of unit {unit_file.index}"
+                state[key] = ranged(None, held[key])
+        shadow = shadows.get(param)
+        return Slice(param, piece.start, piece.stop, ranged(("master", param), self.store.master[param]), state,
+                     ranged(("shadow", param), shadow) if shadow is not None else None, (grads or {}).get(param))
 
     def finish_step(self) -> None:
         """After the optimizer step: every write done (the views read what was written), read-ahead dropped."""
-        with self._lock:
-            writes, self._writes = self._writes, []
-            self._expected = []
-        for write in writes:
-            self.io.wait(write)
-        for slot in self.slots:
-            if slot.unit is not None and slot.read is not None:
-                self.io.wait(slot.read)
-                self._release(slot)
+        if self.buffers is not None:
+            self.buffers.finish()
 
     def adopt_state(self) -> None:
         """State the optimizer holds outside the files (a checkpoint just loaded) is written to them and replaced

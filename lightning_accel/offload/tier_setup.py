@@ -8,44 +8,78 @@ Lightning.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_accel.offload.disk_io import align_up
 from lightning_accel.offload.host_optimizer import PER_PARAMETER
 from lightning_accel.offload.host_store import HostStore
-from lightning_accel.offload.plan import Unit
+from lightning_accel.offload.plan import OffloadPlan, Unit
 from lightning_accel.offload.state_keys import StateKeys, per_element_state, state_nbytes
 from lightning_accel.offload.tier import NVMeTier
+from lightning_accel.offload.tier_choice import BLOCKS_IN_FLIGHT, Sizes, TierChoice, TierOptions, choose_tier
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
 from lightning_accel.offload.tier_weights import in_a_file
 from lightning_accel.stored import stored_nbytes
+
+__all__ = ["BLOCKS_IN_FLIGHT", "TierChoice", "TierOptions", "check_tier_optimizers", "compute_reads", "make_tier", "plan_tier_for",
+           "tier_inputs", "unit_bytes"]
+
+
+def _master_dtype(param: nn.Parameter, store: HostStore) -> torch.dtype:
+    """The dtype of ``param``'s master in ``store``, or the one the store would give it (HostStore._keep_trainable)."""
+    if param in store.master:
+        return store.master[param].dtype
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
 def unit_bytes(unit: Unit, store: HostStore, keys: dict[nn.Parameter, StateKeys], reads: int = 0) -> UnitBytes:
     """``unit``'s host bytes by kind; state and masters as laid out on disk (each tensor aligned). ``reads``: how often a
     step's compute runs on this unit's weights; it reads the fp32 masters only where they are what it runs on (no
-    low-precision shadow)."""
-    state = masters = weights = grads = on_masters = on_disk = 0
+    low-precision shadow). A unit the store does not hold (a resident unit kept on the device) is sized as the store
+    would hold it streamed: a trainable matrix gets a shadow where the compute dtype is a low precision."""
+    state = masters = weights = grads = on_masters = on_disk = shadows = 0
+    param_grads = []
     for _, param in unit.params:
-        if param in store.frozen or not param.requires_grad:
-            weights += stored_nbytes(store.shadow[param])
-            on_disk += align_up(stored_nbytes(store.shadow[param])) if in_a_file(store.shadow[param]) else 0
+        held = param in store.master
+        if (param in store.frozen) if held else not param.requires_grad:
+            stored = store.shadow[param] if held else param.data
+            weights += stored_nbytes(stored)
+            on_disk += align_up(stored_nbytes(stored)) if in_a_file(stored) else 0
             continue
-        master = store.master[param]
-        nbytes = master.numel() * master.element_size()
+        dtype = _master_dtype(param, store)
+        nbytes = param.numel() * dtype.itemsize
         masters += align_up(nbytes)
         grads += nbytes
-        state += sum(align_up(state_nbytes(((k, d),), master.numel())) for k, d in keys.get(param, ()))
-        shadow = store.shadow[param]
-        if shadow is not master:
-            weights += stored_nbytes(shadow)
-            on_disk += align_up(stored_nbytes(shadow))
+        param_grads.append(nbytes)
+        state += sum(align_up(state_nbytes(((k, d),), param.numel())) for k, d in keys.get(param, ()))
+        if held:
+            shadow = None if store.shadow[param] is store.master[param] else stored_nbytes(store.shadow[param])
+        else:
+            low = store.compute_dtype != torch.float32 and dtype != torch.float64 and param.ndim >= 2
+            shadow = param.numel() * store.compute_dtype.itemsize if low else None
+        if shadow is not None:
+            weights += shadow
+            on_disk += align_up(shadow)
+            shadows += align_up(shadow)
         else:
             on_masters += align_up(nbytes)
     return UnitBytes(unit.name, state, masters, weights, grads, reads if reads and (on_masters or on_disk) else 0, on_masters,
-                     on_disk)
+                     on_disk, shadows, tuple(param_grads))
 
+
+def kept_bytes(unit: Unit, keys: dict[nn.Parameter, StateKeys]) -> int:
+    """Host bytes of a unit kept on a CPU device (the resident unit): its parameters as they are, a gradient for each
+    trainable one, and its optimizer state."""
+    total = 0
+    for _, param in unit.params:
+        total += stored_nbytes(param.data)
+        if param.requires_grad:
+            total += param.numel() * param.element_size() + state_nbytes(keys.get(param, ()), param.numel())
+    return total
 
 
 def check_tier_optimizers(optimizers: list[Optimizer], owner: str) -> None:
@@ -60,11 +94,6 @@ def check_tier_optimizers(optimizers: list[Optimizer], owner: str) -> None:
             f"{type(optimizer).__name__}; use one of {', '.join(c.__name__ for c in PER_PARAMETER)}, or drop nvme_path")
 
 
-# With the host step during the backward: the blocks whose gradients may be held at once (one arriving, one stepping,
-# two waiting); the executor holds the backward back beyond that (L2LExecutor.max_unstepped)
-BLOCKS_IN_FLIGHT = 4
-
-
 def compute_reads(blocks: int, offload_resident: bool, checkpoint_blocks: bool = True, offload_activations: bool = False) -> list[int]:
     """How often a step's compute runs on each tier unit's weights (:meth:`~.executor.L2LExecutor.tier_units`' order):
     a checkpointed block twice (its forward, its recomputation in the backward), the last block once where its
@@ -75,41 +104,72 @@ def compute_reads(blocks: int, offload_resident: bool, checkpoint_blocks: bool =
     return reads + ([1] if offload_resident else [])
 
 
-# Buffers for the compute's reads of masters on disk beyond the prefetch depth: the block computing, and the block
-# whose forward turned into its backward, held while the blocks before it are recomputed (:mod:`.executor`); a
-# streamed resident unit (held for the whole step) adds one
+# Buffers for the compute's reads of a block's masters or weights on disk beyond the prefetch depth: the block
+# computing, and the block whose forward turned into its backward, held while the blocks before it are recomputed
+# (:mod:`.executor`); a streamed resident unit (held for the whole step) reads into one of its own (:mod:`.tier_weights`)
 WEIGHT_BUFFERS_BEYOND_PREFETCH = 2
 
 
 def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None, cuda: bool,
-                reads: list[int] | None = None, stepped: set[nn.Parameter] | None = None,
+                reads: list[int] | None = None, stepped: set[nn.Parameter] | None = None, kept: Unit | None = None,
                 ) -> tuple[list[UnitBytes], int, dict[nn.Parameter, StateKeys]]:
     """What the plan is made from, for the strategy and ``estimate`` alike: each unit's bytes, the host bytes outside
     the units that no plan moves (on CUDA the pinned staging each trainable parameter's gradient lands in, in its
-    device dtype: a shadow's, or fp32), and the per-element state keys. ``reads``: :func:`compute_reads`.
-    ``stepped``: the parameters this process steps, the only ones it keeps optimizer state for (data parallel with the
-    host step partitioned: its own units'); None: every one."""
+    device dtype: a shadow's, or fp32), and the per-element state keys (of ``kept``'s parameters too: a resident unit
+    kept on the device). ``reads``: :func:`compute_reads`. ``stepped``: the parameters this process steps, the only ones
+    it keeps optimizer state for (data parallel with the host step partitioned: its own units'); None: every one."""
     trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
-    owned = [p for p in trainable if stepped is None or p in stepped]
-    keys = per_element_state(optimizer, owned, {p: store.master[p].dtype for p in owned}) if optimizer else {}
+    extra = [p for _, p in kept.params if p.requires_grad and p not in store.master] if kept is not None else []
+    # (a resident unit kept on the device steps on every rank: its state is each rank's)
+    owned = [p for p in trainable if stepped is None or p in stepped] + extra
+    keys = per_element_state(optimizer, owned, {p: _master_dtype(p, store) for p in owned}) if optimizer else {}
     fixed = sum(stored_nbytes(store.shadow[p]) for p in trainable) if cuda else 0
     reads = reads if reads is not None else [0] * len(units)
     return [unit_bytes(u, store, keys, r) for u, r in zip(units, reads, strict=True)], fixed, keys
 
 
+def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | None, budget: int | None, options: TierOptions,
+                  reads_of: Callable[[bool], list[int]], pin: bool, prefetch_blocks: int = 1,
+                  stepped: set[nn.Parameter] | None = None, adjust: Callable[[UnitBytes, Unit], UnitBytes] | None = None,
+                  ) -> tuple[TierPlan, TierChoice, dict[nn.Parameter, StateKeys]]:
+    """The tier's plan for an executor's ``plan`` and ``store`` under ``budget``, with what it chose
+    (:func:`~.tier_choice.choose_tier`): when the blocks step, and (a CPU device with ``nvme_path``, ``offload_resident``
+    left open) whether the resident unit streams. ``reads_of(streamed)``: :func:`compute_reads` with the resident unit
+    streamed or not; ``adjust``: a unit's bytes as ``estimate`` knows them better (a quantized base left unquantized on
+    meta). The strategy streams the resident unit (a new executor) where the plan chose it, then plans again.
+    Raises :class:`~.tier_plan.BudgetRefused` (a ValueError) with the figures and the fix."""
+    streams = plan.offload_resident
+    units = plan.blocks + ([plan.resident] if streams else [])
+    _, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, stepped=stepped, kept=None if streams else plan.resident)
+
+    def sizes(stream: bool) -> tuple[list[UnitBytes], int]:
+        tier_units = plan.blocks + ([plan.resident] if stream else [])
+        sized = [unit_bytes(u, store, keys, r) for u, r in zip(tier_units, reads_of(stream), strict=True)]
+        if adjust is not None:
+            sized = [adjust(size, unit) for size, unit in zip(sized, tier_units)]
+        return sized, kept_bytes(plan.resident, keys) if options.cpu and not stream else 0
+
+    tier_plan, choice = choose_tier(options, sizes, budget, fixed=fixed, streamed=streams,
+                                    weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH)
+    return tier_plan, choice, keys
+
+
 def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
               pin: bool, steps_in_backward: bool = False, held: int = 0, reads: list[int] | None = None,
-              prefetch_blocks: int = 1, stepped: set[nn.Parameter] | None = None) -> tuple[TierPlan, NVMeTier | None]:
+              prefetch_blocks: int = 1, stepped: set[nn.Parameter] | None = None, chunk: int | None = None,
+              tier_plan: TierPlan | None = None) -> tuple[TierPlan, NVMeTier | None]:
     """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
     tier itself when the plan spills (else None). ``steps_in_backward``: every step runs block by block during the
     backward (gradients held at once: :data:`BLOCKS_IN_FLIGHT` blocks'); ``held``: the last units keep theirs;
     ``reads``: :func:`compute_reads` (None: the compute never reads masters); ``prefetch_blocks``: the executor's
     prefetch depth (blocks whose weights are read ahead of their compute); ``stepped``: as for :func:`tier_inputs` (the
-    other units' files hold their masters and weights only)."""
+    other units' files hold their masters and weights only); ``chunk``: ``strategy.nvme_chunk``; ``tier_plan``: a plan
+    already made for these units (:func:`plan_tier_for`), laid out as it is."""
     sizes, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, reads=reads, stepped=stepped)
-    tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, fixed=fixed,
-                          grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=held,
-                          weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH + held)
+    if tier_plan is None:
+        tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, fixed=fixed,
+                              grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=held,
+                              weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH, chunk=chunk)
     if not tier_plan.spills:
         return tier_plan, None
     assert optimizer is not None and nvme_path is not None

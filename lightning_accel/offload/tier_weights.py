@@ -13,9 +13,11 @@ gives them back when it releases the block (:meth:`WeightReads.drop`).
 
 A read-ahead no block took is dropped before the host step rewrites that unit (:meth:`forget`), and
 after anything wrote through the maps (:meth:`forget_all`): a buffer never holds weights older than the
-file. The plan counts ``weight_buffers`` (prefetch depth + 2: the block computing, the block whose
-forward turned into its backward, a streamed resident unit); should more blocks ever be held at once a
-buffer is added (``grown``) rather than waiting for one that only a later block's release would free.
+file. The plan counts ``weight_buffers`` of the largest block's span (prefetch depth + 2: the block
+computing, the block whose forward turned into its backward); a unit held for the whole step (a streamed
+resident unit, ``own``: often far larger than a block, a 128k-vocabulary embedding) reads into a buffer of
+its own size, so it does not size the blocks' buffers. Should more blocks ever be held at once a buffer is
+added (``grown``) rather than waiting for one that only a later block's release would free.
 Nothing here imports Lightning.
 """
 
@@ -57,12 +59,15 @@ class WeightSpan:
 class WeightReads:
     """Reads spilled units' masters for the compute, ahead of it, into ``buffers`` reusable buffers."""
 
-    def __init__(self, io: DiskIO, spans: dict[int, WeightSpan], buffers: int, pin: bool = False) -> None:
+    def __init__(self, io: DiskIO, spans: dict[int, WeightSpan], buffers: int, pin: bool = False,
+                 own: set[int] | frozenset[int] = frozenset()) -> None:
         self.io = io
         self.spans = spans
         self._pin = pin
-        self._size = max((s.nbytes for s in spans.values()), default=0)
-        self._buffers = [_Buffer(aligned_buffer(self._size, pin)) for _ in range(buffers if spans else 0)]
+        shared = [i for i in spans if i not in own]
+        self._size = max((spans[i].nbytes for i in shared), default=0)
+        self._buffers = [_Buffer(aligned_buffer(self._size, pin)) for _ in range(buffers if shared else 0)]
+        self._own = {i: _Buffer(aligned_buffer(spans[i].nbytes, pin)) for i in own}  # each held unit's buffer
         self._lock = threading.Lock()
         self.grown = 0  # buffers added beyond the plan's (more blocks held at once than it counted)
 
@@ -71,13 +76,13 @@ class WeightReads:
 
     @property
     def buffer_bytes(self) -> int:
-        return sum(b.data.numel() for b in self._buffers)
+        return sum(b.data.numel() for b in (*self._buffers, *self._own.values()))
 
     def start(self, index: int) -> None:
         """Begin reading ``index``'s masters if a buffer is free (else :meth:`take` reads them when they are needed)."""
         with self._lock:
             if self._holding(index) is None:
-                free = next((b for b in self._buffers if b.unit is None), None)
+                free = self._free(index)
                 if free is not None:
                     self._read(free, index)
 
@@ -86,7 +91,7 @@ class WeightReads:
         with self._lock:
             buffer = self._holding(index)
             if buffer is None:
-                buffer = next((b for b in self._buffers if b.unit is None), None)
+                buffer = self._free(index)
                 if buffer is None:  # a read-ahead nobody holds yet gives way, else one more buffer
                     buffer = next((b for b in self._buffers if not b.taken), None)
                     if buffer is not None:
@@ -110,24 +115,36 @@ class WeightReads:
             if buffer is not None:
                 self._settle(buffer)
 
-    def forget(self, index: int) -> None:
-        """``index``'s file is about to change (its host step): a read-ahead of the old masters goes."""
+    def forget(self, index: int, keep_taken: bool = False) -> None:
+        """``index``'s file is about to change (its host step): a read-ahead of the old masters goes. Taken (the compute
+        holds it), it stays where ``keep_taken`` (the caller knows the compute reads none of what steps), else that is
+        an error."""
         with self._lock:
             buffer = self._holding(index)
             if buffer is not None:
                 if buffer.taken:
+                    if keep_taken:
+                        return
                     raise RuntimeError(f"unit {index}'s masters are stepped while its block still computes on them")
                 self._settle(buffer)
 
     def forget_all(self) -> None:
         """Every read-ahead nobody holds goes (the files changed through their maps: a checkpoint loaded)."""
         with self._lock:
-            for buffer in self._buffers:
+            for buffer in (*self._buffers, *self._own.values()):
                 if buffer.unit is not None and not buffer.taken:
                     self._settle(buffer)
 
     def _holding(self, index: int) -> _Buffer | None:
+        if index in self._own:
+            return self._own[index] if self._own[index].unit == index else None
         return next((b for b in self._buffers if b.unit == index), None)
+
+    def _free(self, index: int) -> _Buffer | None:
+        """A buffer ``index`` may be read into now: its own (a held unit's), else a shared one nobody uses."""
+        if index in self._own:
+            return self._own[index]
+        return next((b for b in self._buffers if b.unit is None), None)
 
     def _read(self, buffer: _Buffer, index: int) -> None:
         span = self.spans[index]

@@ -41,7 +41,9 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         prefetch_blocks: how many blocks ahead to copy while one computes (device memory
             grows by one block per step of depth; 1 hides the copy behind compute).
         offload_resident: also keep the non-block parameters on the host, streamed in for
-            each step (saves their device memory, costs their copy every step).
+            each step (saves their device memory, costs their copy every step). None (default): off, except where
+            the NVMe tier's plan streams them to keep ``host_budget`` on a CPU device (there they are host memory
+            with their gradients and optimizer state; streamed, those go to the tier's files like a block's).
         checkpoint_blocks: recompute each block in backward instead of keeping its
             activations and weights (device memory independent of depth; about one extra
             forward of compute).
@@ -49,8 +51,10 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
             the backward pass continues (off automatically under clipping / fp16). None
             (default): on when the device is an accelerator; off on the CPU, where the
             "host" step would compete with the "device" compute for the same cores
-            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``). With
-            ``delayed_update`` it applies to the warm-up steps only.
+            (measured: 1.58x plain with it, 1.26x without, in ``bench offload``), except with
+            ``nvme_path``, or where ``host_budget`` needs it: stepped during the backward only a few
+            blocks' gradients are held at once, after it every block's (the plan line says the choice).
+            With ``delayed_update`` it applies to the warm-up steps only.
         delayed_update: ZeRO-Offload's one-step delayed parameter update. The host update
             for step t (computed from step t's gradients, clipped by their own global norm
             when ``gradient_clip_val`` is set, with step t's learning rate) runs on the host
@@ -82,8 +86,13 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
             the end of fit), streamed through a few reusable host buffers for each block's host step. Without
             ``host_budget`` every block's state and masters go there. See docs/offload.md.
         host_budget: the host memory the offload may keep (bytes, or a string such as ``"32GB"``): masters,
-            shadows, frozen weights, gradient buffers, optimizer state and the tier's buffers. Without
-            ``nvme_path`` a model that does not fit it is refused before any work, with the figures.
+            shadows, frozen weights, gradient buffers, optimizer state and the tier's buffers (on a CPU device the
+            resident unit too). Without ``nvme_path`` a model that does not fit it is refused before any work, with
+            the figures; a setting that keeps it from being met (``overlap_step=False``, clipping, accumulation) is
+            refused naming it.
+        nvme_chunk: the NVMe tier's step buffers (three) are each this size (bytes, or ``"64MiB"``; at least 1 MiB):
+            each unit's host step streams through them in chunks of it. None (default): the plan's choice, 1/64 of
+            ``host_budget`` between 1 and 256 MiB (64 MiB without a budget), capped at the largest unit.
         device: the device to compute on; default: the Trainer's accelerator (cuda:0 or cpu).
     """
 
@@ -94,7 +103,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         self,
         blocks: BlockPolicy = "auto",
         prefetch_blocks: int = 1,
-        offload_resident: bool = False,
+        offload_resident: bool | None = None,
         checkpoint_blocks: bool = True,
         overlap_step: bool | None = None,
         delayed_update: bool = False,
@@ -102,13 +111,14 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
         offload_activations: bool = False,
         nvme_path: str | None = None,
         host_budget: int | str | None = None,
+        nvme_chunk: int | str | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         check_options(type(self).__name__, locals())  # each argument by kind, before any is used
         super().__init__(device=device if device is not None else "cpu", **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
-                           delayed_update_warmup, offload_activations, nvme_path, host_budget)
+                           delayed_update_warmup, offload_activations, nvme_path, host_budget, nvme_chunk)
         self._device_given = device is not None
         self._devices: list[torch.device] = []  # what Trainer(devices=...) asked for (see parallel_devices)
         self._num_nodes = 1

@@ -121,7 +121,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             each owner applies its blocks' update one step late and then sends their weights.
         timeout: as for :class:`~lightning_accel.strategies.ddp_without_wrapper.DDPWithoutWrapper` (30 minutes by
             default, Lightning's; a number is seconds).
-        nvme_path, host_budget: as for ``L2LOffloadStrategy``, on each rank: its own files under ``nvme_path`` (its own
+        nvme_path, host_budget, nvme_chunk: as for ``L2LOffloadStrategy``, on each rank: its own files under ``nvme_path`` (its own
             units' optimizer state when partitioned), and ``host_budget`` is what each rank (process) may keep.
         process_group_backend, start_method, parallel_devices, cluster_environment,
             checkpoint_io, precision_plugin: as for Lightning's ``DDPStrategy``.
@@ -137,7 +137,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         host_step: HostStep = "partitioned",
         blocks: BlockPolicy = "auto",
         prefetch_blocks: int = 1,
-        offload_resident: bool = False,
+        offload_resident: bool | None = None,
         checkpoint_blocks: bool = True,
         overlap_step: bool | None = None,
         delayed_update: bool = False,
@@ -146,6 +146,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         nvme_path: str | None = None,
         host_budget: int | str | None = None,
+        nvme_chunk: int | str | None = None,
         **kwargs: Any,
     ) -> None:
         check_options(type(self).__name__, locals())  # each argument by kind, before any is used
@@ -158,7 +159,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             )
         super().__init__(timeout=timeout, **kwargs)
         self._init_offload(blocks, prefetch_blocks, offload_resident, checkpoint_blocks, overlap_step, delayed_update,
-                           delayed_update_warmup, offload_activations, nvme_path, host_budget)
+                           delayed_update_warmup, offload_activations, nvme_path, host_budget, nvme_chunk)
         self.host_step = host_step
         self._host_group: dist.ProcessGroup | None = None  # gloo, host tensors only, used by the sync worker
         self._grad_sync: HostGradientSync | None = None
@@ -348,6 +349,14 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
     @override
     def _can_overlap(self, optimizer: Optimizer) -> bool:
         return False
+
+    @override
+    def _overlap_blocker(self, optimizer: Optimizer) -> tuple[str, str | None] | None:
+        return "l2l_offload_ddp steps a block once its gradients are averaged over the ranks, after the backward", None
+
+    @override
+    def _may_stream_resident(self) -> bool:
+        return False  # the units' owners are given out at set-up, before the tier's plan
 
     @override
     def _reads_low_grads(self, fuse: bool) -> bool:

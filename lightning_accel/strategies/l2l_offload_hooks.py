@@ -87,8 +87,9 @@ from lightning_accel.offload.host_store import KEEP_IT_FROZEN, cannot_train
 from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.materialize import Materialized
 from lightning_accel.offload.optimizer_state import state_bytes
-from lightning_accel.offload.tier_plan import TierPlan, parse_bytes
-from lightning_accel.offload.tier_setup import BLOCKS_IN_FLIGHT, check_tier_optimizers, make_tier
+from lightning_accel.offload.tier_plan import TierPlan, parse_bytes, parse_chunk
+from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, TierChoice, TierOptions, check_tier_optimizers, compute_reads,
+                                                make_tier, plan_tier_for)
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
@@ -109,7 +110,7 @@ class L2LOffloadHooks(Strategy):
         self,
         blocks: BlockPolicy,
         prefetch_blocks: int,
-        offload_resident: bool,
+        offload_resident: bool | None,
         checkpoint_blocks: bool,
         overlap_step: bool | None,
         delayed_update: bool,
@@ -117,6 +118,7 @@ class L2LOffloadHooks(Strategy):
         offload_activations: bool,
         nvme_path: str | None = None,
         host_budget: int | str | None = None,
+        nvme_chunk: int | str | None = None,
     ) -> None:
         """Check and keep the offload options (see :class:`L2LOffloadStrategy`'s arguments)."""
         if prefetch_blocks < 0:
@@ -142,7 +144,13 @@ class L2LOffloadHooks(Strategy):
                              "copy of every host parameter in memory; set delayed_update=False or drop nvme_path")
         self.nvme_path = os.fspath(nvme_path) if nvme_path is not None else None
         self.host_budget = parse_bytes(host_budget) if host_budget is not None else None
+        if nvme_chunk is not None and nvme_path is None:
+            raise ValueError(f"strategy.nvme_chunk={nvme_chunk!r} sizes the NVMe tier's step buffers, but nvme_path is not set; "
+                             "set strategy.nvme_path=DIR, or drop nvme_chunk")
+        self.nvme_chunk = parse_chunk(nvme_chunk)
         self._tier_plan: TierPlan | None = None
+        self._tier_overlap: bool | None = None  # whether the tier's plan has the blocks step during the backward
+        self._stream_resident = False  # the tier's plan streams the resident unit (offload_resident left unset)
         self.blocks = blocks
         self.prefetch_blocks = prefetch_blocks
         self.offload_resident = offload_resident
@@ -252,36 +260,89 @@ class L2LOffloadHooks(Strategy):
                         f"LightningModule's backbone, whose parameter {names[param]} {refusal}; {KEEP_IT_FROZEN}"
                     )
 
-    def _setup_tier(self) -> list[str]:
-        """With ``host_budget`` or ``nvme_path``: plan what stays in host memory (refusing a budget that cannot be met,
-        with the figures) and move what does not fit to disk. Returns the plan line's part."""
+    def _setup_tier(self, rebuild: bool = True) -> list[str]:
+        """With ``host_budget`` or ``nvme_path``: plan what stays in host memory (choosing when the blocks step and where
+        the resident unit lives where the user left it open, refusing a budget that cannot be met, with the figures)
+        and move what does not fit to disk. ``rebuild``: the executor may be made again to stream the resident unit
+        (at set-up; not while a fit runs). Returns the plan line's part."""
         executor = self._executor
         if executor is None or (self.nvme_path is None and self.host_budget is None) or not self.optimizers:
             return []  # (validate/test/predict alone: nothing steps, nothing to stream)
         label = self._tier_label()
         if executor.tier is not None:  # fit, then validate: set up once per placement
             return [f"{label}: {executor.tier.plan.describe()}"]
-        if self.nvme_path is not None and self.optimizers:
+        if self.nvme_path is not None:
             check_tier_optimizers(self.optimizers, type(self).__name__)
-        store, plan = executor.store, executor.plan
-        optimizer = self.optimizers[0] if self.optimizers else None
-        in_backward = optimizer is not None and self._steps_in_backward(optimizer)
+        optimizer = self.optimizers[0]
         try:
-            tier_plan, tier = make_tier(executor.tier_units(), store, optimizer, self.host_budget,
-                                        self.nvme_path if optimizer else None, pin=self.root_device.type == "cuda",
-                                        steps_in_backward=in_backward, held=1 if plan.offload_resident else 0,
-                                        reads=executor.compute_reads(), prefetch_blocks=plan.prefetch_blocks,
-                                        stepped=self._tier_stepped())
+            tier_plan, choice = self._plan_tier(executor, optimizer, rebuild)
+            if choice.stream_resident and not executor.plan.offload_resident:
+                self._stream_resident = True  # the plan's choice: the executor is made again, the resident unit streamed
+                self.model_to_device()
+                executor = self._executor
+                assert executor is not None
+                tier_plan, choice = self._plan_tier(executor, optimizer, rebuild)
+            tier_plan, tier = make_tier(executor.tier_units(), executor.store, optimizer, self.host_budget, self.nvme_path,
+                                        pin=self.root_device.type == "cuda", reads=executor.compute_reads(),
+                                        prefetch_blocks=executor.plan.prefetch_blocks, stepped=self._tier_stepped(),
+                                        tier_plan=tier_plan)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan
+        self._tier_overlap = choice.in_backward
         # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
-        executor.max_unstepped = BLOCKS_IN_FLIGHT - 2 if in_backward else None
+        executor.max_unstepped = BLOCKS_IN_FLIGHT - 2 if choice.in_backward else None
         executor.retier = self._retier
         if tier is not None:
             executor.attach_tier(tier)
             return [f"{label}: {tier_plan.describe()} under {tier.directory}"]
         return [f"{label}: {tier_plan.describe()}"]
+
+    def _plan_tier(self, executor: L2LExecutor, optimizer: Optimizer, rebuild: bool) -> tuple[TierPlan, TierChoice]:
+        """The tier's plan for ``executor`` and what it chose (:mod:`lightning_accel.offload.tier_choice`)."""
+        cpu = self.root_device.type == "cpu"
+        options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
+                              resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
+                              cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
+                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk)
+        blocks = len(executor.plan.blocks)
+
+        def reads_of(streamed: bool) -> list[int]:
+            return compute_reads(blocks, streamed, self.checkpoint_blocks, self.offload_activations)
+
+        tier_plan, choice, _ = plan_tier_for(executor.plan, executor.store, optimizer, self.host_budget, options, reads_of,
+                                             pin=not cpu, prefetch_blocks=executor.plan.prefetch_blocks, stepped=self._tier_stepped())
+        return tier_plan, choice
+
+    def _may_stream_resident(self) -> bool:
+        """Whether the tier's plan may stream the resident unit where ``offload_resident`` is unset."""
+        return True
+
+    def _overlap_blocker(self, optimizer: Optimizer) -> tuple[str, str | None] | None:
+        """Why the blocks cannot step during the backward in this fit, and the fix (None: nothing stops it)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.accumulate_grad_batches != 1:
+            return (f"accumulate_grad_batches={trainer.accumulate_grad_batches} sums every block's gradients over the micro-batches "
+                    "before any block steps", "set accumulate_grad_batches=1")
+        if trainer is not None and trainer.gradient_clip_val:
+            return f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient before any block steps", "drop gradient_clip_val"
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            return "fp16 loss scaling checks every gradient before any block steps", "use precision='bf16-mixed'"
+        if self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
+            return ("on_after_backward / on_before_optimizer_step read every gradient before any block steps",
+                    "drop those overrides")
+        if not isinstance(optimizer, PER_PARAMETER):
+            return f"{type(optimizer).__name__} is not a per-parameter optimizer", f"use one of {', '.join(c.__name__ for c in PER_PARAMETER)}"
+        return None
+
+    def _overlap_wanted(self) -> bool:
+        """Whether the blocks should step during the backward: ``overlap_step`` as given; unset, the tier plan's choice,
+        else on an accelerator only (on the CPU the host step would compete with the compute for the same cores)."""
+        if self.overlap_step is not None:
+            return self.overlap_step
+        if self._tier_overlap is not None:
+            return self._tier_overlap
+        return self.root_device.type != "cpu"
 
     def _tier_label(self) -> str:
         """What the plan line calls the tier's part (data parallel: whose plan it is)."""
@@ -294,16 +355,8 @@ class L2LOffloadHooks(Strategy):
     def _retier(self) -> None:
         """The parameters changed during fit (unfrozen, frozen again, replaced): the tier is planned and laid out again from
         them and their state as they are now (read from the old files' views, written to new ones), and says so."""
-        said = self._setup_tier()
+        said = self._setup_tier(rebuild=False)
         rank_zero_info(f"{type(self).__name__}: the trained parameters changed; " + "; ".join(said))
-
-    def _steps_in_backward(self, optimizer: Optimizer) -> bool:
-        """Whether every step of this fit runs block by block during the backward, as set up now: the overlap wanted,
-        nothing that needs every gradient first (clipping, loss scaling, hooks reading gradients), no accumulation."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
-        accumulate = trainer is not None and trainer.accumulate_grad_batches != 1
-        return bool(wanted and not accumulate and self._can_overlap(optimizer))
 
     def _check_delayed_update(self, trainer: Trainer) -> None:
         """Refuse what the delayed update cannot do, before any step (preflight asks the same of the composed config)."""
@@ -318,11 +371,12 @@ class L2LOffloadHooks(Strategy):
         assert self.model is not None
         if self._executor is not None:
             self._executor.detach()
-        materialized = materialize_meta(self.model, self.blocks, self.prefetch_blocks, self.offload_resident, self.nvme_path,
+        resident = bool(self.offload_resident) or self._stream_resident
+        materialized = materialize_meta(self.model, self.blocks, self.prefetch_blocks, resident, self.nvme_path,
                                         type(self).__name__, supported=self._materializes_meta)
         self._materialized = materialized or self._materialized
         try:
-            plan = make_plan(self.model, self.blocks, self.prefetch_blocks, self.offload_resident)
+            plan = make_plan(self.model, self.blocks, self.prefetch_blocks, resident)
         except ValueError as err:
             raise ValueError(f"L2LOffloadStrategy: {err}") from None
         device = self.root_device
@@ -481,8 +535,7 @@ class L2LOffloadHooks(Strategy):
             return self._delayed_optimizer_step(optimizer, closure, model, **kwargs)
         executor.finish_delayed_update()  # (nothing pending unless delaying was just turned off)
 
-        wanted = self.root_device.type != "cpu" if self.overlap_step is None else self.overlap_step
-        overlap = wanted and self._can_overlap(optimizer)
+        overlap = self._overlap_wanted() and self._can_overlap(optimizer)
         fuse = self._fuse(optimizer)
 
         def closure_then_host_grads() -> Any:

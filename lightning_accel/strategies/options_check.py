@@ -164,7 +164,7 @@ def _device(owner: str, name: str, value: Any) -> None:
 _KINDS: dict[str, Callable[[str, str, Any], None]] = {
     "prefetch_blocks": _count(0, "blocks copied to the device ahead of the one computing", 1),
     "delayed_update_warmup": _count(0, "steps updated at once before the delay starts", 10, optional=True),
-    "offload_resident": _flag(),
+    "offload_resident": _flag(optional=True),
     "checkpoint_blocks": _flag(),
     "delayed_update": _flag(),
     "offload_activations": _flag(),

@@ -31,7 +31,7 @@ def _tiered(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer, NVMeTier,
     store = HostStore(plan.blocks, torch.float32, pin=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _, tier = make_tier(plan.blocks, store, optimizer, None, str(tmp_path), pin=False)
-    assert tier is not None and len(tier.files) == 8 and len(tier.slots) == 3
+    assert tier is not None and len(tier.files) == 8 and tier.buffers is not None and len(tier.buffers.slots) == 3
     return model, optimizer, tier, plan.blocks
 
 
@@ -43,7 +43,7 @@ def _grads(model: nn.Module, step: int) -> None:
 
 def _slow_writes(tier: NVMeTier, seconds: float) -> None:
     """Every write lands ``seconds`` late, on a thread of its own: steps outrun the disk, as on a slow one."""
-    write = tier.io.write
+    write = tier.io.write_spans
 
     def late(*args: object) -> Future[None]:
         done: Future[None] = Future()
@@ -57,7 +57,7 @@ def _slow_writes(tier: NVMeTier, seconds: float) -> None:
         threading.Thread(target=land, daemon=True).start()
         return done
 
-    tier.io.write = late  # type: ignore[method-assign]
+    tier.io.write_spans = late  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("order", ["forward", "backward"])
@@ -105,21 +105,22 @@ def test_a_loaded_state_moves_into_the_files_and_the_views_outlive_them(tmp_path
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_freed_buffer_goes_to_the_unit_a_step_waits_for_not_to_the_read_ahead(tmp_path: Path) -> None:
+def test_a_step_for_a_chunk_nobody_read_ahead_takes_over_a_read_ahead_buffer(tmp_path: Path) -> None:
+    # every buffer holds a read-ahead when a step asks for unit 5 (a streamed resident unit's parameter stepping as its
+    # gradient lands does): waiting for a buffer that only those units' steps would free, after unit 5's, never ends
     model, optimizer, tier, units = _tiered(tmp_path)
-    tier.expect(range(8))  # units 0, 1, 2 read ahead into the three buffers
-    assert sorted(s.unit for s in tier.slots) == [0, 1, 2]
-    taken: list[int] = []
-    waiter = threading.Thread(target=lambda: taken.append(tier._take(5).unit or -1), daemon=True)
-    waiter.start()
-    while 5 not in tier._waiting:  # no buffer free: it waits
-        time.sleep(0.001)
-    first = next(s for s in tier.slots if s.unit == 0)
-    with tier._lock:  # a write's completion: the buffer is freed and the read-ahead runs before the waiter wakes
-        tier._release(first)
-        tier._read_ahead()
-    waiter.join(timeout=10)
-    assert taken == [5], "the read-ahead took the freed buffer; the step waiting for unit 5 would wait forever"
+    buffers = tier.buffers
+    assert buffers is not None
+    tier.expect(range(8))  # units 0, 1, 2 (a chunk each) read ahead into the three buffers
+    assert sorted(s.key for s in buffers.slots) == [(0, 0), (1, 0), (2, 0)]
+    slot = buffers.take((5, 0))
+    assert slot.key == (5, 0) and slot.taken and len([s for s in buffers.slots if s.key in {(0, 0), (1, 0), (2, 0)}]) == 2
+    displaced = buffers._expected[0]
+    buffers.freed(slot)  # its chunk did not change: the buffer reads the displaced chunk again, first
+    assert any(s.key == displaced for s in buffers.slots)
+    _grads(model, 0)
+    for index in range(8):  # and every unit still steps through the buffers
+        tier.step_unit(index, [p for _, p in units[index].params], {}, {}, functools.partial(step_params, optimizer, fuse=True))
     tier.finish_step()
     tier.close()
 
@@ -128,6 +129,7 @@ def test_a_step_that_raises_leaves_the_unit_as_it_was_and_frees_its_buffer(tmp_p
     model, optimizer, tier, units = _tiered(tmp_path)
     first = [p for _, p in units[0].params]
     before = [p.detach().clone() for p in first]
+    _grads(model, 0)
 
     def fails(params: list, shadows: dict, low: dict) -> list:
         for p in params:
@@ -137,6 +139,6 @@ def test_a_step_that_raises_leaves_the_unit_as_it_was_and_frees_its_buffer(tmp_p
     for _ in range(4):  # more times than there are buffers: each one came back
         with pytest.raises(ValueError, match="the user's optimizer failed"):
             tier.step_unit(0, first, {}, {}, fails)
-    assert all(s.unit is None for s in tier.slots)
+    assert tier.buffers is not None and all(s.key is None for s in tier.buffers.slots)
     assert all(torch.equal(a, b) for a, b in zip(first, before))  # the views read the file, which the step never reached
     tier.close()

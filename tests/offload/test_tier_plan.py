@@ -59,7 +59,8 @@ def test_a_budget_that_even_the_disk_cannot_meet_is_refused() -> None:
 
 def test_the_weights_leave_last_and_the_compute_reads_them_from_disk() -> None:
     # bf16 shadows (2 kB a unit) the compute runs on twice a step; 3 weight buffers of a unit's shadows
-    units = [UnitBytes(f"layers.{i}", state=8000, masters=4000, weights=2000, grads=4000, compute_reads=2, disk_weights=2000)
+    units = [UnitBytes(f"layers.{i}", state=8000, masters=4000, weights=2000, grads=4000, compute_reads=2, disk_weights=2000,
+                       step_weights=2000)
              for i in range(10)]
     masters = plan_tier(units, 96_000, nvme=True, weight_buffers=3)  # 10 x (2 + 4) kB + 3 x 12 kB: state and masters suffice
     assert all(masters.masters_on_disk) and not any(masters.weights_on_disk) and masters.compute_read_bytes == 0
@@ -110,3 +111,13 @@ def test_gradients_held_at_once_count_once_blocks_step_as_they_land() -> None:
     assert held.grad_bytes == 40_000 + 4000 + 4000
     with pytest.raises(ValueError, match=r"gradient buffers 44.00 kB \(2 units' at once\)"):
         plan_tier(units, 1000, nvme=False, grads_in_flight=2)
+
+
+def test_a_streamed_resident_unit_in_the_tier_holds_one_parameter_s_gradient_at_a_time() -> None:
+    # its parameters step as their gradients land (the head's at the start of the backward, the embedding's at its end):
+    # each is one more gradient in flight among the blocks', not the whole unit's held to the step
+    resident = UnitBytes("resident", state=80_000, masters=40_000, weights=0, grads=40_000, param_grads=(30_000, 10_000))
+    units = _units() + [resident]
+    in_memory = plan_tier(units, None, nvme=False, grads_in_flight=3, held=1)
+    on_disk = plan_tier(units, None, nvme=True, grads_in_flight=3, held=1)
+    assert in_memory.grad_bytes == 3 * 4000 + 40_000 and on_disk.grad_bytes == 30_000 + 10_000 + 4000

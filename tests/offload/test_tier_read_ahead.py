@@ -1,4 +1,4 @@
-"""The NVMe tier's read-ahead hands a unit waiting for a buffer the next buffer freed, however the landed writes interleave."""
+"""The NVMe tier's read-ahead hands a chunk waiting for a buffer the next buffer freed, however the landed writes interleave."""
 
 from __future__ import annotations
 
@@ -24,23 +24,24 @@ def test_a_unit_waiting_for_a_buffer_gets_the_next_one_freed(tmp_path: Path) -> 
     plan = make_plan(model, "auto")
     store = HostStore(plan.blocks, torch.float32, pin=False)
     _, tier = make_tier(plan.blocks, store, torch.optim.AdamW(model.parameters()), None, str(tmp_path), pin=False)
-    assert tier is not None and len(tier.slots) == SLOTS == 3
+    assert tier is not None and tier.buffers is not None and len(tier.buffers.slots) == SLOTS == 3
+    buffers = tier.buffers
     try:
-        tier.expect(range(8))
-        held = [tier._take(i) for i in range(3)]
+        tier.expect(range(8))  # (each unit one chunk)
+        held = [buffers.take((i, 0)) for i in range(3)]
         got: dict[str, object] = {}
-        waiter = threading.Thread(target=lambda: got.setdefault("slot", tier._take(3)), daemon=True)
+        waiter = threading.Thread(target=lambda: got.setdefault("slot", buffers.take((3, 0))), daemon=True)
         waiter.start()
         deadline = time.monotonic() + 5
-        while not tier._lock._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while not buffers._lock._waiters and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.001)
-        assert tier._lock._waiters, "unit 3 did not wait for a buffer"  # type: ignore[attr-defined]
+        assert buffers._lock._waiters, "unit 3 did not wait for a buffer"  # type: ignore[attr-defined]
         for slot in held:
-            with tier._lock:  # what a landed write's callback does, with nothing in between
-                tier._release(slot)
-                tier._read_ahead()
+            with buffers._lock:  # what a landed write's callback does, with nothing in between
+                buffers.release(slot)
+                buffers._read_ahead()
         waiter.join(5)
         assert not waiter.is_alive(), "unit 3 never got a buffer: the freed ones were read ahead for later units"
-        assert got["slot"].unit == 3  # type: ignore[attr-defined]
+        assert got["slot"].key == (3, 0)  # type: ignore[attr-defined]
     finally:
         tier.close()

@@ -303,11 +303,12 @@ def test_each_rank_keeps_its_own_files_with_the_state_of_its_own_units(two_ranks
 
 
 def test_the_host_budget_is_per_rank_and_counts_the_ranks_own_state(two_ranks: Path, tmp_path: Path) -> None:
-    """gpt32 keeps 642.30 kB on one host with every block's AdamW state (393.22 kB of it); partitioned, a rank keeps its
-    own half of the state: 445.70 kB, within a 500 kB budget per rank, nothing on disk. One process under that budget
-    cannot keep the model even with everything on disk (the tier's buffers), and is refused before the first step."""
+    """gpt32 on 2 ranks, partitioned: a rank keeps its own half of the blocks' AdamW state (393.22 kB in all) and the
+    resident unit kept on the CPU device with its state (10.75 kB): 456.45 kB, within a 500 kB budget per rank, nothing
+    on disk. One process under that budget cannot keep the model even with everything on disk (653.06 kB: the tier's
+    buffers), and is refused before the first step."""
     for rank in _ranks(two_ranks, "gpt32-part-budget"):
-        assert rank["tier_plan"] == f"host 445.70 kB, disk 0 B (host_budget {TIER_BUDGET[:-2]}.00 kB)"
-    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=500.00 kB is less than the 642.30 kB"):
+        assert rank["tier_plan"] == f"host 456.45 kB, disk 0 B (host_budget {TIER_BUDGET[:-2]}.00 kB)"
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=500.00 kB is less than the 653.06 kB"):
         _trainer(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=TIER_BUDGET), devices=1,
                  max_steps=1).fit(gpt_task(torch.float32), _gpt_loader())

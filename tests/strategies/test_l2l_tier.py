@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_accel.estimate.tier import tier_plan
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.offload import tier as tier_module
+from lightning_accel.offload import tier_plan as tier_plan_module
 from lightning_accel.offload.tier_dir import PREFIX
 from lightning_accel.plugins.precision import OffloadPrecision
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
@@ -25,8 +27,9 @@ SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
 class Task(LanguageModelTask):
-    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] = ADAMW, freeze: bool = False, n_layer: int = 3) -> None:
-        super().__init__(GPT("tiny", n_layer=n_layer, block_size=16))
+    def __init__(self, optimizer: Callable[..., torch.optim.Optimizer] = ADAMW, freeze: bool = False, n_layer: int = 3,
+                 vocab_size: int = 256) -> None:
+        super().__init__(GPT("tiny", n_layer=n_layer, block_size=16, vocab_size=vocab_size))
         self.optimizer = optimizer
         if freeze:  # a fine-tune's shape: each block's attention frozen, its MLP trained
             for block in self.net.blocks:
@@ -72,10 +75,11 @@ def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(tmp_path: Path
     task = functools.partial(Task, optimizer)
     kwargs = {"gradient_clip_val": clip, "accumulate_grad_batches": accumulate}
     in_memory = _fit(L2LOffloadStrategy(overlap_step=overlap), precision, task, **kwargs)
-    with caplog.at_level("INFO"):
-        tiered = _fit(L2LOffloadStrategy(overlap_step=overlap, nvme_path=str(tmp_path)), precision, task, **kwargs)
+    with caplog.at_level("INFO"):  # each block (2.5-2.8 MB of state, masters, shadows) stepped in chunks of 1 MiB
+        tiered = _fit(L2LOffloadStrategy(overlap_step=overlap, nvme_path=str(tmp_path), nvme_chunk="1MiB"), precision, task, **kwargs)
     _assert_same(in_memory, tiered)
     stats = tiered[1].strategy.offload_stats
+    assert tiered[1].strategy._tier_plan.step_buffer == 2**20 and "in chunks of 1.05 MB" in caplog.text
     # each step reads every spilled unit once; the masters the blocks compute on (all in fp32, the vectors kept in fp32
     # under bf16-mixed) each forward-backward reads too: the checkpointed blocks' twice (forward, recomputation), the
     # last block's once (its forward turns into its backward)
@@ -86,9 +90,12 @@ def test_a_run_with_the_tier_equals_the_run_in_memory_bit_for_bit(tmp_path: Path
     compute = (2 * (blocks - 1) + 1) * plan.compute_span(0)  # (under bf16 the shadows too: no budget, weights on disk)
     assert plan.spilled_weights(0) == (precision is not None)  # (fp32: no shadows, the masters are the weights)
     assert stats.nvme_bytes > 0 and stats.nvme_read_bytes == 3 * stats.nvme_bytes + 3 * accumulate * compute
-    assert stats.nvme_write_bytes == 4 * stats.nvme_bytes  # and writes it, after the first write at set-up
-    # what the offload kept is what the plan counted (its sizes as laid out: each tensor rounded up to 4 KiB)
-    assert 0.99 * plan.host_bytes <= stats.peak_host_bytes + stats.host_optimizer_bytes <= plan.host_bytes + 1024
+    # and writes it, after the first write at set-up of what existed then (the masters and shadows: no optimizer state yet)
+    assert stats.nvme_write_bytes == 4 * stats.nvme_bytes - sum(u.state for u in plan.units)
+    # what the offload kept is what the plan counted (its sizes as laid out: each tensor rounded up to 4 KiB), beside the
+    # resident unit kept on the CPU device (its parameters, gradients and AdamW state: host memory too, in the plan)
+    kept = stats.peak_host_bytes + stats.host_optimizer_bytes + plan.resident_kept
+    assert plan.resident_kept > 0 and 0.99 * plan.host_bytes <= kept <= plan.host_bytes + 1024
     assert "NVMe tier: host " in caplog.text and " by the compute) and " in caplog.text
     assert not list(tmp_path.iterdir())  # the scratch directory went with the fit
 
@@ -120,15 +127,52 @@ def test_a_frozen_base_and_the_shadows_go_to_disk_too_and_resume_alike(tmp_path:
 
 
 def test_a_budget_spills_only_what_does_not_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # 6 blocks of 0.79 MB of masters, 1.64 MB of AdamW state (as laid out: each tensor aligned), 0.79 MB of gradients:
-    # 19.35 MB in memory; each block's state on disk saves 1.64 MB once the first has paid for 3 buffers of it (4.92 MB):
-    # 4 blocks' leave 17.71 MB, 5 blocks' 16.07 MB
+    # 6 blocks of 0.82 MB of masters, 1.64 MB of AdamW state (as laid out: each tensor aligned), 0.79 MB of gradients (4
+    # blocks' at once: with the tier they step during the backward), the resident unit kept on the CPU device 0.56 MB:
+    # 18.48 MB in memory; each block's state on disk saves 1.64 MB once the first has paid for 3 step buffers of one
+    # chunk (17.5 MB / 64 under 1 MiB: the least chunk, 1.05 MB): 2 blocks' leave 18.35 MB, 3 blocks' 16.71 MB
     task = functools.partial(Task, ADAMW, False, 6)
     with caplog.at_level("INFO"):
         module, trainer = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget="17.5MB"), task=task, max_steps=1)
-    assert "optimizer state of 5/6 units, fp32 masters of 0/6" in caplog.text
-    stats = trainer.strategy.offload_stats
-    assert stats.peak_host_bytes + stats.host_optimizer_bytes <= 17.5e6 and stats.nvme_bytes > 0  # as the plan said: 16.07 MB
+    assert "optimizer state of 3/6 units, fp32 masters of 0/6" in caplog.text and "in chunks of 1.05 MB" in caplog.text
+    stats, plan = trainer.strategy.offload_stats, trainer.strategy._tier_plan
+    assert plan.host_bytes == 16_709_632
+    assert stats.peak_host_bytes + stats.host_optimizer_bytes + plan.resident_kept <= 17.5e6 and stats.nvme_bytes > 0
+
+
+def test_a_budget_met_by_streaming_the_resident_unit_streams_it_and_trains_as_the_run_in_memory(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # fp32 on the CPU device: the resident unit kept (a 4096-token embedding tied to the head: 8.5 MB of parameters,
+    # gradients and AdamW state) is host memory; a budget between the least the plan keeps with it kept and with it
+    # streamed: the plan streams it (the strategy's executor is made again), its parameters stepping as their gradients
+    # land, and the run is the one in memory (the resident unit kept)
+    task = functools.partial(Task, ADAMW, False, 3, 4096)
+    net = task().net
+    plans = [tier_plan(net, [ADAMW(net.parameters())], nvme_path=str(tmp_path), offload_resident=streamed, nvme_chunk=2**20)
+             for streamed in (False, True)]
+    assert plans[1].host_bytes < plans[0].host_bytes
+    budget = (plans[0].host_bytes + plans[1].host_bytes) // 2
+    in_memory = _fit(L2LOffloadStrategy(), task=task)
+    with caplog.at_level("INFO"):
+        tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget), task=task)
+    _assert_same(in_memory, tiered)
+    plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
+    assert plan.held == 1 and tiered[1].strategy._executor is None  # (torn down)
+    assert "the plan chose: the blocks step during the backward (4 blocks' gradients at once), the resident unit streamed " \
+           "through the tier" in caplog.text and "resident unit of 526,592 parameters (streamed)" in caplog.text
+    # one gradient of the resident unit at a time (its 2.1 MB embedding's), and each of its bytes read once a step
+    assert plan.grad_bytes < 4 * plan.units[0].grads + plan.units[-1].grads and stats.nvme_read_bytes == 3 * plan.step_read_bytes
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
+                                         r"offload_resident=False keeps the resident unit .*: leave offload_resident unset, or "
+                                         r"raise host_budget to at least"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget=budget, offload_resident=False), task=task)
+    # six blocks' gradients held after the backward where the budget needs four at once: named, with the fix
+    six = functools.partial(Task, ADAMW, False, 6)
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=.* cannot be met as configured: "
+                                         r"gradient_clip_val=0.5 needs every gradient before any block steps .*: drop "
+                                         r"gradient_clip_val, or raise host_budget"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), host_budget="10MB"), task=six, gradient_clip_val=0.5)
+    assert not list(tmp_path.iterdir())
 
 
 def test_blocks_stepped_in_the_backward_hold_the_gradients_the_plan_counted(tmp_path: Path) -> None:
@@ -138,7 +182,8 @@ def test_blocks_stepped_in_the_backward_hold_the_gradients_the_plan_counted(tmp_
     _, trainer = _fit(L2LOffloadStrategy(overlap_step=True, nvme_path=str(tmp_path)), task=task, max_steps=2)
     plan, stats = trainer.strategy._tier_plan, trainer.strategy.offload_stats
     assert plan.grads_in_flight == 4 and plan.grad_bytes < sum(u.grads for u in plan.units)
-    assert plan.host_bytes - 1024 <= stats.peak_host_bytes + stats.host_optimizer_bytes <= plan.host_bytes + 1024
+    kept = stats.peak_host_bytes + stats.host_optimizer_bytes + plan.resident_kept
+    assert plan.host_bytes - 1024 <= kept <= plan.host_bytes + 1024
 
 
 def test_checkpoints_of_a_tiered_run_are_the_in_memory_runs_and_resume_alike(tmp_path: Path) -> None:
@@ -220,15 +265,22 @@ def test_what_the_tier_cannot_do_is_refused_before_any_work(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["after", "overlapped"])
-def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_streamed_resident_unit_goes_to_disk_too(tmp_path: Path, overlap: bool, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # every unit, the resident one (embedding, head: 0.49 MB of bf16 shadows, fp32 masters and AdamW state) too, stepped in
+    # chunks of 256 KiB (a test's chunk: below the least a user may give, so that this small model's units are cut)
+    monkeypatch.setattr(tier_plan_module, "MIN_CHUNK", 64 << 10)
     in_memory = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap), "bf16-mixed")
     with caplog.at_level("INFO"):
-        tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path)), "bf16-mixed")
+        tiered = _fit(L2LOffloadStrategy(offload_resident=True, overlap_step=overlap, nvme_path=str(tmp_path), nvme_chunk="256KiB"),
+                      "bf16-mixed")
     _assert_same(in_memory, tiered)
     assert "optimizer state of 4/4 units, fp32 masters of 4/4" in caplog.text
-    # the resident unit's weights too are read through the tier, once a step (held from the forward to the step)
+    # the resident unit's weights too are read through the tier, once a step (held from the forward to the step), into a
+    # buffer of its own; every unit's step through three buffers of 256 KiB, the resident unit's through one more
     plan, stats = tiered[1].strategy._tier_plan, tiered[1].strategy.offload_stats
-    assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0
+    assert plan.units[-1].compute_reads == 1 and plan.compute_span(3) > 0 and plan.step_span(3) > 256 << 10
+    assert plan.step_buffer == 256 << 10 and plan.buffer_bytes == 4 * (256 << 10) + 3 * plan.weight_buffer + plan.compute_span(3)
     assert stats.nvme_read_bytes == 3 * plan.step_read_bytes
     if overlap:  # blocks step as their gradients land: at most 4 units' gradients counted (the resident's always)
         assert tiered[1].strategy._tier_plan.grads_in_flight == 4
