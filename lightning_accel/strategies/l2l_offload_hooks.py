@@ -90,7 +90,7 @@ from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes, parse_chunk
 from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, TierChoice, TierOptions, check_tier_optimizers, compute_reads,
                                                 make_tier, plan_tier_for)
-from lightning_accel.patching import swapped
+from lightning_accel.patching import patch, swapped
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.l2l_materialize import kept_on_meta, materialize_meta, settle_in_memory
@@ -236,6 +236,7 @@ class L2LOffloadHooks(Strategy):
         if self.delayed_update:
             self._check_delayed_update(trainer)
         self._refuse_declared_unfreezing(trainer)
+        self._land_before_on_after_backward()
 
     def _refuse_declared_unfreezing(self, trainer: Trainer) -> None:
         """Before the first step: a callback that declares what it will unfreeze (``BackboneFinetuning``: the
@@ -479,29 +480,30 @@ class L2LOffloadHooks(Strategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval(super().predict_step, *args, **kwargs)
 
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Lightning calls on_after_backward from the precision plugin's post_backward, before this strategy's
-        # post_backward; the block gradients went to the host as they arrived, so they are landed and shown as
-        # ``param.grad`` (host tensors) for the hooks, as plain Lightning shows them, and taken off again after
-        # (the next backward of an accumulation must not add into them twice).
+    def _land_before_on_after_backward(self) -> None:
+        """Lightning calls ``on_after_backward`` from the precision plugin's ``post_backward``, after the backward and
+        before this strategy's ``post_backward``; where the user's code overrides it, the block gradients (gone to the
+        host as they arrived) are landed and shown as ``param.grad`` there first, as plain Lightning shows them. Done on
+        the plugin instance (for the fit), not in ``backward``: ``backward`` stays Lightning's own, so that code that
+        wraps or mocks ``Strategy.backward`` finds it (our ``super().backward()`` would call such a wrapper again)."""
+        self._unpatch_plugin()
         if not self._reads_gradients("on_after_backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            return
         plugin = self.precision_plugin
         post_backward = plugin.post_backward
 
         def landed_for_hooks(tensor: torch.Tensor, module: Any) -> torch.Tensor:
-            executor = self._executor
-            assert executor is not None
-            self._gradients_for_hooks(tensor)
-            try:
-                return post_backward(tensor, module)
-            finally:
-                for param in executor.store.grads:
-                    param.grad = None
+            if self._executor is not None:
+                self._gradients_for_hooks(tensor)
+            return post_backward(tensor, module)
 
-        with swapped(plugin, "post_backward", landed_for_hooks):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._plugin_patch = patch(plugin, "post_backward", landed_for_hooks)
+
+    def _unpatch_plugin(self) -> None:
+        found = getattr(self, "_plugin_patch", None)
+        if found is not None:
+            found.remove()
+            self._plugin_patch = None
 
     def _gradients_for_hooks(self, closure_loss: torch.Tensor) -> None:
         """Before ``on_after_backward``: the host gradients landed and shown as ``param.grad``."""
@@ -516,6 +518,7 @@ class L2LOffloadHooks(Strategy):
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         assert self._executor is not None
+        self._executor.store.take_grads()  # the gradients shown since the last backward, as the user's code left them
         self._executor.begin_backward()
         super().pre_backward(closure_loss)
 
@@ -524,6 +527,14 @@ class L2LOffloadHooks(Strategy):
         super().post_backward(closure_loss)
         assert self._executor is not None
         self._executor.end_backward()
+        self._show_grads()
+
+    def _show_grads(self) -> None:
+        """After a backward: the host gradients summed so far are ``param.grad`` until the next backward or the step,
+        as plain Lightning shows them (to ``clip_gradients`` or ``clip_grad_norm_`` between ``manual_backward`` and
+        ``opt.step()``, to a validation run inside an accumulation window)."""
+        assert self._executor is not None
+        self._executor.install_grads()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -645,6 +656,7 @@ class L2LOffloadHooks(Strategy):
 
     @override
     def teardown(self) -> None:
+        self._unpatch_plugin()
         if self._executor is not None:
             self._executor.detach()  # the model computes normally again; stats stay readable
             if self._executor.tier is not None:  # its files go; the module and the optimizer keep reading their maps
