@@ -70,7 +70,8 @@ def make_plan(model: nn.Module, policy: BlockPolicy = "auto", prefetch_blocks: i
     """
     if prefetch_blocks < 0:
         raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; 1 overlaps the next block's copy with this block's compute")
-    blocks = find_blocks(model, policy, stacks="all")  # an encoder-decoder streams both stacks
+    # an encoder-decoder streams both stacks; a model without a container of blocks, each child with parameters
+    blocks = find_blocks(model, policy, stacks="all", children=True)
     owner: dict[int, str] = {}
     units = []
     for block in blocks:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accel import L2LOffloadStrategy
+from lightning_accel.offload.plan import make_plan
 
 
 def _data(n: int = 32, batch_size: int = 4) -> DataLoader:
@@ -164,3 +165,77 @@ def test_strategy_backward_mocked_on_the_base_class_does_not_recurse() -> None:
     assert backward.call_count == 8
     assert all(offload.after)
     _assert_same_weights(plain, offload)
+
+
+# -- models without a block container; blocks named as registered ------------------------------------------------------
+
+class Boring(pl.LightningModule):
+    """Lightning's BoringModel (tests_pytorch/helpers/boring_model.py): one Linear as an attribute, SGD(lr=0.1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class FewLayers(Boring):
+    """Layers as attributes, registered in another order than forward calls them, a parameterless child between, a
+    parameter of the module's own, and a wrapper around a net of attributes (looked into)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 1)
+        self.act = nn.Tanh()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.body = nn.Module()
+        self.body.c1, self.body.c2 = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.body.c2(self.act(self.body.c1(x))))) * self.scale + self.layer(x)
+
+
+class Wrapped(Boring):
+    def __init__(self) -> None:
+        super().__init__()
+        del self.layer
+        self.net = nn.Module()
+        self.net.a, self.net.b = nn.Linear(6, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.b(torch.relu(self.net.a(x)))
+
+
+class Named(Stacked):
+    """Blocks in an nn.Sequential(OrderedDict(...)): named as registered (``layer.mlp_1``), not by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = nn.Sequential(OrderedDict((f"mlp_{i}", nn.Sequential(nn.Linear(8, 8), nn.Tanh())) for i in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.stack(self.inp(x)))
+
+
+@pytest.mark.parametrize(("make", "blocks"), [
+    (Boring, ["layer"]),
+    (FewLayers, ["layer", "head", "body"]),
+    (Wrapped, ["net.a", "net.b"]),
+    (Named, ["stack.mlp_0", "stack.mlp_1", "stack.mlp_2"]),
+])
+def test_models_without_a_block_list_train_as_plain_lightning(make: Callable[[], pl.LightningModule], blocks: list[str]) -> None:
+    plain, offload = make(), make()
+    _fit(plain)
+    trainer = _fit(offload, L2LOffloadStrategy())
+    _assert_same_weights(plain, offload)
+    assert trainer.strategy.offload_stats.steps == 8
+    assert [unit.name for unit in make_plan(make()).blocks] == blocks
