@@ -239,3 +239,30 @@ def test_models_without_a_block_list_train_as_plain_lightning(make: Callable[[],
     _assert_same_weights(plain, offload)
     assert trainer.strategy.offload_stats.steps == 8
     assert [unit.name for unit in make_plan(make()).blocks] == blocks
+
+
+# -- copy.deepcopy during fit -----------------------------------------------------------------------------------------
+
+class Copied(Stacked):
+    """Copies a streamed block and the whole model after each training batch (as EMA/SWA-like callbacks do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = 0
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        block, model = copy.deepcopy(self.stack[1]), copy.deepcopy(self)
+        assert "forward" not in vars(block) or vars(block)["forward"].__self__ is block  # an ordinary module
+        x = torch.randn(2, 6, dtype=torch.float64)
+        with torch.no_grad():
+            h = self.inp(x)
+            torch.testing.assert_close(block(h.cpu()), self.stack[1](h).cpu(), rtol=0, atol=0)
+            torch.testing.assert_close(model(x.cpu()), self(x).cpu(), rtol=0, atol=0)
+        for (name, mine), theirs in zip(self.state_dict().items(), model.state_dict().values()):
+            torch.testing.assert_close(theirs.cpu(), mine.cpu(), rtol=0, atol=0, msg=name)  # the current weights
+        self.checked += 1
+
+
+def test_deepcopy_of_a_streamed_block_or_the_model_during_fit() -> None:
+    plain, offload = _both(Copied)
+    assert offload.checked == 8
