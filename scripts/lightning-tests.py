@@ -39,8 +39,9 @@ from typing import Any
 
 DEFAULT_PATHS = ["trainer/optimization", "loops", "callbacks"]
 PER_TEST_SECONDS = 60  # a test that hangs under a strategy fails as a difference instead of stopping the run
-# tests that choose a multi-process strategy themselves (the swap never happens there) are left out: they only cost time
-DEFAULT_KEYWORDS = "not ddp and not spawn and not fsdp and not deepspeed"
+# tests that choose a multi-process strategy themselves, or spawn processes (the swap never happens there), are left
+# out: they only cost time (test_spike.py's integration test: 50 s each on 2 cores)
+DEFAULT_KEYWORDS = "not ddp and not spawn and not fsdp and not deepspeed and not spike_detection_integration"
 
 # What a failing test's assertion is about when it checks Lightning's machinery, not the user's results: (pattern in
 # the failure text, the reason given). The first match wins; everything else is a difference.
@@ -205,9 +206,9 @@ def main() -> int:
     if not (tests / "tests_pytorch").is_dir():
         parser.error(f"{tests} holds no tests_pytorch folder; give the tests/ folder of a copy of Lightning's repository")
     out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
     if args._run is not None:  # (the child process: one pytest run)
         return _run_pytest(tests, args.paths, args.keywords, None if args._run == "reference" else args._run, out / f"{args._run}.jsonl")
-    out.mkdir(parents=True, exist_ok=True)
     files = {mode: out / f"{mode}.jsonl" for mode in ["reference", *strategies]}
     if not args.compare_only:
         for mode in files:

@@ -288,7 +288,7 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
             raise ValueError(f"L2LOffloadStrategy: {err}") from None
         device = self.root_device
         compute_dtype = self._compute_dtype()
-        if device.type == "cuda":
+        if device.type == "cuda" and plan.blocks:
             _check_fits(plan, device, compute_dtype)
         if self._threads is None:  # the rank's CPU budget for the host step and the copies
             self._threads = HostThreads.plan(self._cpu_budget())
@@ -335,7 +335,8 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._executor is not None
+        if self._executor is None:  # after teardown (a test driving the loop by hand): the model is an ordinary module
+            return super().training_step(*args, **kwargs)
         self._begin_step()
         self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
         return super().training_step(*args, **kwargs)
@@ -367,7 +368,8 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
         return super().optimizer_state(optimizer)
 
     def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        assert self._executor is not None
+        if self._executor is None:  # (after teardown, as in training_step)
+            return step(*args, **kwargs)
         self._begin_step()
         try:
             return step(*args, **kwargs)
@@ -389,7 +391,8 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         executor = self._executor
-        assert executor is not None
+        if executor is None:  # (after teardown, as in training_step)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.delayed_update and trainer is not None and trainer.global_step >= self.delayed_update_warmup:

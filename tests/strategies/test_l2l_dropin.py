@@ -266,3 +266,20 @@ class Copied(Stacked):
 def test_deepcopy_of_a_streamed_block_or_the_model_during_fit() -> None:
     plain, offload = _both(Copied)
     assert offload.checked == 8
+
+
+def test_a_model_without_parameters_validates_and_predicts() -> None:
+    """An evaluation-only LightningModule (Lightning's loop tests have several): nothing to stream, nothing refused."""
+
+    class NoParameters(pl.LightningModule):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("mean", batch[0].mean())
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return batch[0].sum()
+
+    kwargs: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    plain = pl.Trainer(**kwargs)
+    offload = pl.Trainer(strategy=L2LOffloadStrategy(), **kwargs)
+    assert offload.validate(NoParameters(), _data()) == plain.validate(NoParameters(), _data())
+    assert offload.predict(NoParameters(), _data()) == plain.predict(NoParameters(), _data())
