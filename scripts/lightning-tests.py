@@ -154,7 +154,7 @@ def classify(reference: dict[str, Any], swapped: dict[str, Any] | None, strategy
     # our refusals are raised by our code as ValueError / TypeError / UserError naming the fix (an AssertionError or a
     # KeyError there is a crash: a difference)
     # (raised inside the test's ``pytest.warns`` it comes chained, "DID NOT WARN" on top)
-    raised_here = re.search(r"lightning_accel/[\w/]+\.py:\d+: (ValueError|TypeError|\w*UserError)\n", text) is not None
+    raised_here = re.search(r"lightning_accel/[\w/]+\.py:\d+: (ValueError|TypeError|\w*UserError)$", text, re.MULTILINE) is not None
     refusal = re.search(r"^E\s+((ValueError|TypeError|\w*UserError): .*)$", text, re.MULTILINE)
     if raised_here and refusal is not None:
         return "refused", refusal.group(1)
