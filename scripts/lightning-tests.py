@@ -178,7 +178,8 @@ def markdown(table: dict[str, dict[str, tuple[str, str]]], paths: list[str], det
     import torch
 
     classes = ["equal", "refused", "checks internals", "difference", "no swap", "not passing without the swap", "not run"]
-    lines = [f"Lightning {lightning.__version__}'s tests_pytorch/{{{','.join(paths)}}}, torch {torch.__version__}:", "",
+    lines = [f"tests_pytorch/{{{','.join(paths)}}} of the copy given; lightning {lightning.__version__} and torch "
+             f"{torch.__version__} installed:", "",
              "| strategy | " + " | ".join(classes) + " |", "|---|" + "---|" * len(classes)]
     for strategy, rows in table.items():
         counts = Counter(c for c, _ in rows.values())
