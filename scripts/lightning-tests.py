@@ -50,6 +50,8 @@ INTERNALS = [
      "the strategy's class"),
     (r"(assert_called|assert_not_called|assert_has_calls|call_count|call_args|mock_calls|called_once)",
      "the calls of a mocked Lightning method"),
+    (r"patch\(\"time\.(perf_counter|monotonic|time)\"", "mocks the process's clock with a fixed list of readings (the "
+     "offload's own timing reads it too)"),
     (r"_thread_police|thread.*(alive|leak)|threads? (left|still)", "threads left alive (the host-step pool)"),
     (r"_accelerator_connector|_strategy_flag|precision_plugin\b.*is\b", "the accelerator connector's choices"),
 ]
@@ -82,7 +84,8 @@ class _Recorder:
             self.report["outcome"] = "failed" if report.when == "call" else f"error in {report.when}"
             crash = getattr(report.longrepr, "reprcrash", None)
             self.report["message"] = (crash.message if crash is not None else str(report.longrepr)).strip()
-            self.report["text"] = report.longreprtext[-6000:]
+            text = report.longreprtext  # the test's source (its mocks) at the head, where it failed at the tail
+            self.report["text"] = text if len(text) < 12000 else text[:6000] + "\n...\n" + text[-6000:]
 
     def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
         if hasattr(signal, "SIGALRM"):
