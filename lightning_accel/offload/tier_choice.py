@@ -59,8 +59,9 @@ Sizes = Callable[[bool], tuple[list[UnitBytes], int]]
 
 
 def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed: int = 0, weight_buffers: int = 0,
-                blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False) -> tuple[TierPlan, TierChoice]:
-    """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place).
+                blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False, staged: int = 0) -> tuple[TierPlan, TierChoice]:
+    """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place);
+    ``staged``: the largest parameter crossing the bus through the pinned rings (:attr:`~.tier_plan.TierPlan.staged`).
     Raises :class:`~.tier_plan.BudgetRefused` naming the figures and the fix."""
     overlap_open = options.overlap is None and options.cannot_overlap is None
     if options.overlap is not None:
@@ -82,7 +83,7 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         units, kept = sizes(choice.stream_resident)
         found = plan_tier(units, budget, options.nvme, fixed=fixed, grads_in_flight=blocks_in_flight if choice.in_backward else None,
                           held=1 if choice.stream_resident else 0, weight_buffers=weight_buffers, chunk=options.chunk,
-                          resident_kept=0 if choice.stream_resident else kept)
+                          resident_kept=0 if choice.stream_resident else kept, staged=staged)
         return dataclasses.replace(found, chosen=_said(options, choice))
 
     refusals: list[BudgetRefused] = []
