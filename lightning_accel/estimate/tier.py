@@ -73,7 +73,8 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
         stepped = {p for i in owners.owned(rank) for _, p in units[i].params}
     options = TierOptions(overlap=overlap_step, overlap_default=cuda, cannot_overlap=cannot_overlap,
                           resident=offload_resident if world == 1 else bool(offload_resident), cpu=not cuda,
-                          resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk)
+                          resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk,
+                          activations=offload_activations)
 
     def reads_of(streamed: bool) -> list[int]:
         return compute_reads(len(plan.blocks), streamed, checkpoint_blocks, offload_activations)

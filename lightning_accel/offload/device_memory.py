@@ -33,6 +33,7 @@ class DeviceMemory:
         # weights and gradients cross through the pinned rings (:mod:`.staging`); the CPU device computes on the host's
         self.staged = self.cuda
         self.pinned_bytes = 0  # bytes asked to be pinned, all together (buffers are made once and reused)
+        self.requests: list[int] = []  # each request's bytes
         self._lock = threading.Lock()
 
     # -- page-locked memory ----------------------------------------------------------
@@ -40,6 +41,7 @@ class DeviceMemory:
         """``nbytes`` of page-locked host memory (uint8), counted."""
         with self._lock:
             self.pinned_bytes += nbytes
+            self.requests.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     # -- streams and events ------------------------------------------------------------
@@ -83,27 +85,22 @@ class StandIn(DeviceMemory):
     def __init__(self, device: torch.device | None = None) -> None:
         super().__init__(device or torch.device("cpu"))
         self.staged = True
-        self.requests: list[int] = []
-
-    def empty_pinned(self, nbytes: int) -> Tensor:
-        with self._lock:
-            self.requests.append(nbytes)
-        return super().empty_pinned(nbytes)
 
 
 _stand_in: DeviceMemory | None = None
 
 
 def for_device(device: torch.device) -> DeviceMemory:
-    """The layer for ``device``: CUDA's, or the CPU device's (the stand-in while :func:`standing_in` holds one)."""
-    if device.type == "cpu" and _stand_in is not None:
+    """The layer for ``device``: CUDA's, or the CPU device's; the one :func:`standing_in` holds for its device type."""
+    if _stand_in is not None and _stand_in.device.type == device.type:
         return _stand_in
     return DeviceMemory(device)
 
 
 @contextmanager
 def standing_in(memory: DeviceMemory) -> Iterator[DeviceMemory]:
-    """While open, the CPU device's layer is ``memory`` (a :class:`StandIn`: the GPU code path, counted)."""
+    """While open, the layer of ``memory``'s device type is ``memory``: a :class:`StandIn` (the GPU code path on the CPU
+    device), or one :class:`DeviceMemory` for CUDA that every part of the offload shares, so its count is the run's."""
     global _stand_in
     before, _stand_in = _stand_in, memory
     try:

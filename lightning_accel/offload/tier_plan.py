@@ -145,6 +145,7 @@ class TierPlan:
     resident_kept: int = 0  # the resident unit kept on a CPU device: host memory too (parameters, gradients, state)
     chosen: tuple[str, ...] = ()  # what the plan chose to keep the budget (:mod:`.tier_choice`), said on the plan line
     staged: int = 0  # the largest parameter crossing the bus through the pinned rings, as it crosses (0: a CPU device)
+    device_side: tuple[str, ...] = ()  # what keeps the device's memory (:mod:`.tier_choice`), said on the plan line
 
     @property
     def staging_slot(self) -> int:
@@ -247,6 +248,8 @@ class TierPlan:
 
     def describe(self) -> str:
         chosen = f"; the plan chose: {', '.join(self.chosen)}" if self.chosen else ""
+        if self.device_side:
+            chosen += f"; for the device: {', '.join(self.device_side)}"
         if not self.spills:
             budget = f" (host_budget {human(self.budget)})" if self.budget is not None else ""
             return f"host {human(self.host_bytes)}, disk 0 B{budget}{chosen}"

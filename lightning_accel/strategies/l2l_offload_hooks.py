@@ -306,7 +306,7 @@ class L2LOffloadHooks(Strategy):
         options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
                               resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
                               cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
-                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk)
+                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk, activations=self.offload_activations)
         blocks = len(executor.plan.blocks)
 
         def reads_of(streamed: bool) -> list[int]:

@@ -88,3 +88,29 @@ def test_the_gpu_path_without_the_tier_pins_six_slots_not_a_buffer_per_parameter
     # (before: one buffer per parameter, every block's; the slots do not grow with depth)
     every = sum(p.numel() * (2 if p.ndim >= 2 else 4) for b in blocks for p in b.parameters())
     assert memory.pinned_bytes == (GRAD_SLOTS + COPY_SLOTS) * largest < every
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_what_is_pinned_is_the_plan_s_rings_and_buffers_and_the_run_equals_the_one_in_memory(tmp_path: Path) -> None:
+    from lightning_accel.offload.device_memory import DeviceMemory
+
+    def fit(strategy: L2LOffloadStrategy) -> tuple[Task, pl.Trainer]:
+        torch.manual_seed(0)
+        module = Task(freeze=True)
+        tokens = torch.randint(0, 256, (32, 17), generator=torch.Generator().manual_seed(0))
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, max_steps=3,
+                             plugins=[OffloadPrecision("bf16-mixed")])
+        trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8))
+        return module, trainer
+
+    with standing_in(DeviceMemory(torch.device("cuda"))) as memory:
+        in_memory = fit(L2LOffloadStrategy())
+        assert memory.requests and set(memory.requests) == {max(memory.requests)}  # 6 slots, nothing else
+        memory.pinned_bytes, memory.requests = 0, []
+        tiered = fit(L2LOffloadStrategy(nvme_path=str(tmp_path), nvme_chunk="1MiB"))
+    _assert_same(in_memory, tiered)
+    plan = tiered[1].strategy._tier_plan
+    assert memory.pinned_bytes <= plan.staging_bytes + plan.buffer_bytes + ALIGN * len(memory.requests)
+    assert not any(p.is_pinned() for p in tiered[0].parameters())  # no master, shadow or frozen weight pinned
