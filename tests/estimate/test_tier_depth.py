@@ -52,3 +52,44 @@ def test_the_gpt_tiny_recipe_s_host_bytes_do_not_grow_with_depth() -> None:
     shallow, deep = plans
     assert deep.resident_kept == shallow.resident_kept > 0 and deep.grads_in_flight == 4
     assert deep.host_bytes < 1.05 * shallow.host_bytes, (shallow.describe(), deep.describe())
+
+
+# llama-3.1-70b_full-nvme_1gpu's model (meta-llama/Llama-3.1-70B's config.json) and gpt-175b_full-nvme_1gpu's (GPT-3's shape)
+LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64}
+
+
+def _large(recipe: str, layers: int) -> TierPlan:
+    with torch.device("meta"):
+        if recipe == "llama-70b":
+            net = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA_70B))
+        else:
+            net = GPT("gpt2-xl", vocab_size=50257, block_size=2048, n_embd=12288, n_head=96, n_layer=layers)
+    fake_parameters(net, FakeTensorMode())
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
+    return tier_plan(net, [optimizer], compute_dtype=torch.bfloat16, nvme_path="unused", cuda=True, offload_resident=True,
+                     offload_activations=True)
+
+
+@pytest.mark.parametrize("recipe", ["llama-70b", "gpt-175b"])
+def test_the_largest_recipes_host_bytes_do_not_grow_with_depth(recipe: str) -> None:
+    # the recipes' settings on a GPU (the resident unit streamed, activations on the host: theirs, in the device's column),
+    # everything on disk, at 4 and 8 of their blocks: 4 blocks' fp32 gradients, 3 step buffers of a chunk, the compute's
+    # weight buffers, 6 pinned slots of a chunk; nothing of it per block
+    shallow, deep = _large(recipe, 4), _large(recipe, 8)
+    assert all(deep.state_on_disk) and all(deep.masters_on_disk) and deep.held == 1
+    assert deep.staging_bytes == shallow.staging_bytes == 6 * deep.staging_slot <= 6 * (64 << 20)
+    assert deep.host_bytes < 1.05 * shallow.host_bytes, (shallow.describe(), deep.describe())
+    assert "for the device: the resident unit streamed (offload_resident" in deep.describe()
+    assert "the blocks' inputs on the host (offload_activations)" in deep.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("recipe", "host"), [("llama-3.1-70b_full-nvme_1gpu", 64e9), ("gpt-175b_full-nvme_1gpu", 128e9)])
+def test_the_largest_recipes_fit_a_24_gb_gpu_and_their_host(recipe: str, host: float) -> None:
+    from lightning_accel.estimate import estimate_recipe
+
+    estimate = estimate_recipe(recipe, [])  # (the whole estimate of the full model on fake tensors: a minute or two)
+    (rank,) = estimate.ranks
+    assert rank.device_peak_bytes <= 24e9 and sum(rank.host.values()) <= host, (rank.device, rank.host)
+    assert estimate.tier is not None and estimate.tier.host_bytes <= estimate.tier.budget
+    assert "for the device: the resident unit streamed" in estimate.tier.describe()
