@@ -43,7 +43,7 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
               checkpoint_blocks: bool = True, offload_activations: bool = False, prefetch_blocks: int = 1, world: int = 1,
               nvme_chunk: int | None = None) -> TierPlan:
     """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
-    spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
+    spilling only with ``nvme_path``; ``cuda``: the device is a GPU (the pinned rings the copies cross count against the
     budget; on the CPU the resident unit kept on the device does); ``overlap_step``, ``offload_resident``,
     ``nvme_chunk``: the strategy's options (None: the plan chooses, :mod:`~lightning_accel.offload.tier_choice`);
     ``cannot_overlap``: why the blocks cannot step during the backward in this fit, and the fix (clipping,
