@@ -83,13 +83,22 @@ def test_the_largest_recipes_host_bytes_do_not_grow_with_depth(recipe: str) -> N
     assert "the blocks' inputs on the host (offload_activations)" in deep.describe()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("recipe", "host"), [("llama-3.1-70b_full-nvme_1gpu", 64e9), ("gpt-175b_full-nvme_1gpu", 128e9)])
-def test_the_largest_recipes_fit_a_24_gb_gpu_and_their_host(recipe: str, host: float) -> None:
+@pytest.mark.parametrize(("recipe", "depth", "layers", "host"), [
+    ("llama-3.1-70b_full-nvme_1gpu", "model.net.config.num_hidden_layers", 80, 64e9),
+    ("gpt-175b_full-nvme_1gpu", "model.net.n_layer", 96, 128e9),
+])
+def test_the_largest_recipes_fit_a_24_gb_gpu_and_their_host(recipe: str, depth: str, layers: int, host: float) -> None:
     from lightning_accel.estimate import estimate_recipe
 
-    estimate = estimate_recipe(recipe, [])  # (the whole estimate of the full model on fake tensors: a minute or two)
+    # the recipe as shipped at 4 of its blocks (the whole estimate at full depth takes minutes on fake tensors; its
+    # figures are in docs/offload.md): the device's bytes do not depend on the depth (one block's compute, the resident
+    # unit streamed, the blocks' inputs on the host), the plan keeps its budget at any depth, and what the host holds
+    # beyond the plan grows by one parked block input a block
+    estimate = estimate_recipe(recipe, [f"{depth}=4"])
     (rank,) = estimate.ranks
-    assert rank.device_peak_bytes <= 24e9 and sum(rank.host.values()) <= host, (rank.device, rank.host)
-    assert estimate.tier is not None and estimate.tier.host_bytes <= estimate.tier.budget
+    assert rank.device_peak_bytes <= 24e9, rank.device
+    assert estimate.tier is not None and estimate.tier.budget is not None and estimate.tier.host_bytes <= estimate.tier.budget
+    parked = rank.host["parked block inputs"] / 4 * layers
+    beyond = sum(rank.host.values()) - estimate.tier.host_bytes - rank.host["parked block inputs"]  # (the loader's batches)
+    assert estimate.tier.budget + parked + beyond <= host, (estimate.tier.budget, parked, beyond)
     assert "for the device: the resident unit streamed" in estimate.tier.describe()
