@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.config.errors import UserError, one_line
 
-__all__ = ["check_offload_precision", "check_strategy_setup"]
+__all__ = ["check_load_by_block", "check_offload_precision", "check_strategy_setup", "check_tier"]
 
 
 def _line(err: BaseException) -> str:
@@ -42,6 +42,7 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig, optimizers
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
     optimizers = list(optimizers) if optimizers is not None else configured(module, cfg).optimizers  # under every strategy
+    _as_user_error("model.net.load_by_block=true", check_load_by_block, module, strategy)
     if not isinstance(strategy, (GPipeStrategy, DistributedGPipeStrategy, L2LOffloadHooks)):
         return
     net = getattr(module, "net", None)
@@ -61,6 +62,8 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig, optimizers
         _check_host_optimizers(strategy, optimizers)
     _check_placement(strategy, cfg)
     _check_fit(strategy, module, cfg)
+    if isinstance(strategy, L2LOffloadHooks):
+        check_tier(strategy, module, cfg)
 
 
 def _check_prefetch(strategy: Any, blocks: Sequence[Any]) -> None:
@@ -226,3 +229,53 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
             f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "
             f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
         )
+
+
+def check_tier(strategy: Any, module: Any, cfg: DictConfig) -> None:
+    """With ``host_budget`` or ``nvme_path``: the NVMe tier's plan, made as the strategy makes it at set-up (the same
+    functions, :func:`lightning_accel.estimate.tier.strategy_tier`) on a copy of the meta network whose parameters stand
+    for the fp32 masters (fake tensors: nothing allocated), so a budget that cannot be met is refused here in the
+    strategy's own line, before ``l2l_offload_ddp``'s ranks start."""
+    import copy
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_accel.estimate.fake import fake_parameters
+    from lightning_accel.estimate.params import nf4_weights
+    from lightning_accel.estimate.recipe import _precision
+    from lightning_accel.estimate.tier import TierRefused, strategy_tier
+
+    if getattr(strategy, "nvme_path", None) is None and getattr(strategy, "host_budget", None) is None:
+        return
+    module = copy.deepcopy(module)  # the caller's meta module stays as it is (the resume checks read it)
+    net = module.net if isinstance(getattr(module, "net", None), torch.nn.Module) else module
+    stored = nf4_weights(net, getattr(getattr(module, "frozen_base", None), "adapter", None))
+    mode = FakeTensorMode()
+    fake_parameters(net, mode, lambda _n, p: torch.float32 if p.requires_grad else p.dtype)
+    low, _ = _precision(cfg)
+    cuda = str((cfg.get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")
+    key = "strategy.host_budget" if getattr(strategy, "host_budget", None) is not None else "strategy.nvme_path"
+    try:
+        strategy_tier(strategy, module, net, low, cuda=cuda, stored=stored, trainer=cfg.get("trainer") or {},
+                      world=_world_size(cfg) or 1)
+    except TierRefused as err:
+        raise UserError(f"{key}={(cfg.get('strategy') or {}).get(key.split('.', 1)[1])}: {_line(err)}") from None
+    except ValueError as err:
+        raise UserError(f"{key}: {_line(err)}") from None
+
+
+def check_load_by_block(module: Any, strategy: Any) -> None:
+    """A model marked to be filled block by block (``hf_causal_lm(load_by_block=True)``, on the meta device) needs the L2L
+    strategies, which materialize it unit by unit; under any other its weights would still be on meta at the first copy
+    (torch's "Cannot copy out of meta tensor"). A ``ValueError`` naming the strategy and the fix: preflight and
+    ``LanguageModelTask.setup`` (the Python API) ask it."""
+    from lightning_accel.offload.materialize import _CHECKPOINTS  # the models load_by_block marked
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+
+    if isinstance(strategy, L2LOffloadHooks) or not any(m in _CHECKPOINTS for m in module.modules()):
+        return
+    name = getattr(strategy, "strategy_name", None) or (type(strategy).__name__ if strategy is not None and not isinstance(strategy, str) else strategy or "auto")
+    raise ValueError(f"the model is on the meta device, to be filled block by block from its pretrained_path by strategy=l2l_offload "
+                     f"or l2l_offload_ddp, but the strategy is {name}; use strategy=l2l_offload (or l2l_offload_ddp), or set "
+                     "model.net.load_by_block=false to load it whole")
