@@ -220,6 +220,8 @@ def _interrupted(stop: RunInterrupted, status: dict[str, Any], cfg: DictConfig, 
                   config=str(output_dir / ".hydra" / "config.yaml"), log=str(output_dir / f"{HydraConfig.get().job.name}.log"))
     if stop.requeued:
         status["requeued"] = True
+    if stop.seconds:
+        status["interrupt_seconds"] = stop.seconds  # what a scheduler's grace period must cover (docs/reliability.md)
     _write_status(output_dir, status)
     if rank_zero_only.rank == 0:
         end_ranks(trainer, grace_s=10.0)  # every rank stopped after the same step; none is left running

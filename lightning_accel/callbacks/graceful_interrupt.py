@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,11 @@ class RunInterrupted(BaseException):
     training loop, nothing to save); ``requeued``: SLURM was asked to requeue the job. A ``BaseException``, as
     ``KeyboardInterrupt`` is, so that no ``except Exception`` on the way takes it for a failure."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None = None, requeued: bool = False) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: str | None = None, requeued: bool = False,
+                 seconds: dict[str, float] | None = None) -> None:
         super().__init__(f"{signal_name(signum)} at step {step}")
         self.signum, self.step, self.checkpoint, self.requeued = int(signum), step, checkpoint, requeued
+        self.seconds = seconds or {}  # save: the checkpoint's write; signal_to_saved: from the signal to the checkpoint written
 
     @property
     def exit_status(self) -> int:
@@ -121,6 +124,7 @@ class GracefulInterrupt(Callback):
         self._installed = False
         self._requeue_signal: int | None = None
         self._timer: threading.Timer | None = None
+        self._signalled_at: float | None = None
         self._launcher_procs: Callable[[], list[Any]] = list
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -131,7 +135,7 @@ class GracefulInterrupt(Callback):
                 self._end_launched(signal.SIGKILL)
                 os._exit(EXIT_INTERRUPTED)
             return  # a forwarded or repeated SIGTERM: the timer bounds the wait
-        self.requested, self.signum = True, int(signum)
+        self.requested, self.signum, self._signalled_at = True, int(signum), time.monotonic()
         again = "; Ctrl-C again exits at once" if signum == signal.SIGINT else ""
         print(f"\nlightning-accel: {signal_name(signum)}: stopping after the step in flight and saving it "
               f"(at most {self.grace_s:g} s){again}", file=sys.stderr, flush=True)
@@ -213,6 +217,7 @@ class GracefulInterrupt(Callback):
         checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath), None)
         dirpath = Path(checkpoint.dirpath) if checkpoint is not None else self.dirpath
         path = dirpath / f"last{ModelCheckpoint.FILE_EXTENSION}"
+        start = time.monotonic()
         trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank 0 writes (atomically: the trainer's checkpoint IO)
         self.saved = str(path)
         if checkpoint is not None:
@@ -221,7 +226,11 @@ class GracefulInterrupt(Callback):
         if signum == self._requeue_signal and (job := slurm_job_id()) is not None:
             requeued = trainer.is_global_zero and requeue_slurm_job(job)
         self.cancel_timer()
-        raise RunInterrupted(signum, trainer.global_step, str(path), requeued)
+        saved = time.monotonic()
+        seconds = {"save": round(saved - start, 3)}
+        if self._signalled_at is not None:  # this process saw the signal (another rank's: the all-reduce told it)
+            seconds["signal_to_saved"] = round(saved - self._signalled_at, 3)
+        raise RunInterrupted(signum, trainer.global_step, str(path), requeued, seconds)
 
 
 @contextlib.contextmanager

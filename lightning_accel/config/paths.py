@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.config.errors import UserError
 
-__all__ = ["ENV_PATHS", "PathRule", "check_config_paths", "check_env_paths", "check_path", "path_problem", "rule_for"]
+__all__ = ["ENV_PATHS", "PathRule", "check_config_paths", "check_env_paths", "check_path", "config_paths", "path_keys", "path_problem", "rule_for"]
 
 
 @dataclass(frozen=True)
@@ -167,27 +167,32 @@ def _walk(node: Any, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
             yield from _walk(value, f"{prefix}[{i}]")
 
 
-def config_paths(cfg: DictConfig) -> Iterator[tuple[str, Any, PathRule]]:
-    """Every path-valued key of a composed config, its value and its rule: ``paths.*``, ``ckpt_path``, and the
-    parameters of every ``_target_`` the schema calls paths (:func:`lightning_accel.config.schema.path_parameters`)."""
+def path_keys(cfg: DictConfig) -> Iterator[tuple[str, PathRule]]:
+    """Every path-valued key of a composed config, set or not, and its rule: ``paths.root_dir`` / ``paths.cache_dir``
+    (what the environment variables set) and the parameters of every ``_target_`` the schema calls paths
+    (:func:`lightning_accel.config.schema.path_parameters`)."""
     from lightning_accel.config.schema import path_parameters
 
     plain = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]), resolve=False)
     assert isinstance(plain, dict)
-
-    def value(key: str) -> Any:
-        try:
-            return OmegaConf.select(cfg, key)
-        except Exception:  # an interpolation only the run resolves (${hydra:runtime.output_dir}): the run makes it
-            return None
-
     for key in ("root_dir", "cache_dir"):
         if key in (plain.get("paths") or {}):
-            yield f"paths.{key}", value(f"paths.{key}"), WRITE_DIR
+            yield f"paths.{key}", WRITE_DIR
     for where, node in _walk(plain, ""):
         for name in path_parameters(str(node["_target_"])):
-            if name in node and (rule := rule_for(name)) is not None and (found := value(f"{where}.{name}")) is not None:
-                yield f"{where}.{name}", found, rule
+            if (rule := rule_for(name)) is not None:
+                yield f"{where}.{name}", rule
+
+
+def config_paths(cfg: DictConfig) -> Iterator[tuple[str, Any, PathRule]]:
+    """:func:`path_keys` that are set, with their values (an interpolation only the run resolves is left to it)."""
+    for key, rule in path_keys(cfg):
+        try:
+            value = OmegaConf.select(cfg, key)
+        except Exception:  # ${hydra:runtime.output_dir}: the run makes it
+            continue
+        if value is not None:
+            yield key, value, rule
 
 
 def check_config_paths(cfg: DictConfig) -> None:
