@@ -256,13 +256,44 @@ def check_tier(strategy: Any, module: Any, cfg: DictConfig) -> None:
     low, _ = _precision(cfg)
     cuda = str((cfg.get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")
     key = "strategy.host_budget" if getattr(strategy, "host_budget", None) is not None else "strategy.nvme_path"
+    def plan(of: Any) -> None:
+        strategy_tier(of, module, net, low, cuda=cuda, stored=stored, trainer=cfg.get("trainer") or {}, world=_world_size(cfg) or 1)
+
     try:
-        strategy_tier(strategy, module, net, low, cuda=cuda, stored=stored, trainer=cfg.get("trainer") or {},
-                      world=_world_size(cfg) or 1)
-    except TierRefused as err:
-        raise UserError(f"{key}={(cfg.get('strategy') or {}).get(key.split('.', 1)[1])}: {_line(err)}") from None
+        plan(strategy)
+    except TierRefused as err:  # the strategy's own line, which names the key and the value
+        line = _line(err)
+        if getattr(strategy, "nvme_path", None) is None and "; set strategy.nvme_path=DIR" in line:
+            line = _with_disk_floor(line, strategy, plan)
+        raise UserError(line if key in line else f"{key}={(cfg.get('strategy') or {}).get(key.split('.', 1)[1])}: {line}") from None
     except ValueError as err:
         raise UserError(f"{key}: {_line(err)}") from None
+
+
+def _with_disk_floor(line: str, strategy: Any, plan: Any) -> str:
+    """A budget refused without ``nvme_path`` says "set strategy.nvme_path=DIR to put ... on disk": advice that leads
+    nowhere when the budget is below what stays on the host even with the disk (the tier's I/O buffers join it). The
+    plan is made again with a scratch directory; when that too is refused, the advice names the budget it needs."""
+    import copy
+    import re
+    import tempfile
+
+    from lightning_accel.estimate.tier import TierRefused
+
+    with_disk = copy.copy(strategy)
+    with_disk.nvme_path = tempfile.gettempdir()  # only planned: nothing is written
+    try:
+        plan(with_disk)
+    except TierRefused as err:
+        floor = re.search(r"at least ([\d.,]+ ?[kMGT]?i?B)", str(err))
+        if floor is not None:
+            head, _, rest = line.partition("; set strategy.nvme_path=DIR")
+            least = re.search(r"raise host_budget to at least ([\d.,]+ ?[kMGT]?i?B)", rest)
+            return (f"{head}; raise host_budget to at least {least.group(1) if least else 'that'}, or set strategy.nvme_path=DIR "
+                    f"and host_budget to at least {floor.group(1)} (what stays on the host with the disk: its I/O buffers too)")
+    except ValueError:
+        pass
+    return line
 
 
 def check_load_by_block(module: Any, strategy: Any) -> None:
@@ -270,11 +301,17 @@ def check_load_by_block(module: Any, strategy: Any) -> None:
     strategies, which materialize it unit by unit; under any other its weights would still be on meta at the first copy
     (torch's "Cannot copy out of meta tensor"). A ``ValueError`` naming the strategy and the fix: preflight and
     ``LanguageModelTask.setup`` (the Python API) ask it."""
+    from torch import nn
+
     from lightning_accel.offload.materialize import _CHECKPOINTS  # the models load_by_block marked
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
     if isinstance(strategy, L2LOffloadHooks) or not any(m in _CHECKPOINTS for m in module.modules()):
         return
+    if isinstance(module, nn.Module):
+        # the fit ends here, and Lightning's teardown moves the module to the CPU, which a meta module cannot do: torch's
+        # "Cannot copy out of meta tensor" would replace this line. Moves of this module (it holds no weight) do nothing.
+        object.__setattr__(module, "_apply", lambda fn, recurse=True: module)
     name = getattr(strategy, "strategy_name", None) or (type(strategy).__name__ if strategy is not None and not isinstance(strategy, str) else strategy or "auto")
     raise ValueError(f"the model is on the meta device, to be filled block by block from its pretrained_path by strategy=l2l_offload "
                      f"or l2l_offload_ddp, but the strategy is {name}; use strategy=l2l_offload (or l2l_offload_ddp), or set "
