@@ -73,6 +73,7 @@ def _first_line(err: BaseException) -> str:
 def _compose(path: Path, overrides: Sequence[str], notes: list[str] | None = None) -> DictConfig:
     import yaml
 
+    _check_options(overrides)
     try:
         return compose_recipe(path, overrides, with_hydra=True, notes=notes)
     except UserError:  # our own check at composition (a pretrained_path against the user's config): already one line
@@ -90,6 +91,23 @@ def _compose(path: Path, overrides: Sequence[str], notes: list[str] | None = Non
         if removed:
             raise UserError(f"{removed[0]}=null removes the {removed[0]} config a run needs; choose an option, e.g. {_example(removed[0])}") from None
         raise UserError(f"cannot compose {path.stem}: {_first_line(err)}; rerun with HYDRA_FULL_ERROR=1 for the traceback") from None
+
+
+def _check_options(overrides: Sequence[str]) -> None:
+    """An option of a config group that does not exist is refused by name: Hydra refuses it itself for most groups, but
+    skips an ``optional`` group's (``hparams_search=optuan`` ran without the search, in silence)."""
+    from lightning_accel.config.errors import close_matches
+    from lightning_accel.config.locate import conf_dir
+
+    for override in overrides:
+        match = re.fullmatch(r"\+{0,2}(\w+)=([\w.-]+)", override)
+        if match is None or match.group(2) == "null" or not (conf_dir() / match.group(1)).is_dir():
+            continue
+        group, option = match.groups()
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if p.stem != "base")
+        if options and option not in options:
+            raise UserError(f"unknown {group} option {option!r}{close_matches(option, options)}; "
+                            f"choose one of: {', '.join(options)} (e.g. {group}={options[0]})")
 
 
 def _example(group: str) -> str:
