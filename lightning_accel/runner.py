@@ -214,7 +214,8 @@ def _interrupted(stop: RunInterrupted, status: dict[str, Any], cfg: DictConfig, 
     started ended, the summary printed, exit ``128 + signum``. Stopped before the training loop (nothing saved, nothing to
     resume), the run directory is removed as a failed run's is (``keep_failed=true`` keeps it)."""
     checkpoint = stop.checkpoint or _checkpoint_of(trainer, output_dir)
-    status.update(status="interrupted", signal=signal_name(stop.signum), seconds=seconds, global_step=stop.step,
+    step = stop.step or (trainer.global_step if trainer is not None else 0)  # a signal in the closing validation: the fit's
+    status.update(status="interrupted", signal=signal_name(stop.signum), seconds=seconds, global_step=step,
                   checkpoint=checkpoint, output_dir=str(output_dir), metrics={},
                   metrics_csv=_metrics_file(trainer) if trainer is not None else None,
                   config=str(output_dir / ".hydra" / "config.yaml"), log=str(output_dir / f"{HydraConfig.get().job.name}.log"))
