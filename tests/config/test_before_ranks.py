@@ -77,3 +77,17 @@ def test_the_python_api_refuses_load_by_block_under_another_strategy_with_one_va
     with pytest.raises(ValueError, match=r"^the model is on the meta device, .* but the strategy is \w+; use strategy=l2l_offload") as raised:
         trainer.fit(task, DataLoader(list(zip(tokens[:, :-1], tokens[:, 1:])), batch_size=4))
     assert "\n" not in str(raised.value) and trainer.global_step == 0
+
+
+def test_every_adapter_target_a_refusal_suggests_trains(tmp_path: Path) -> None:
+    """Advice that works: the target modules a refused LoRA target list suggests each build the adapted model (the list
+    was cut at 12 names, leaving out ones that would work)."""
+    recipe = "llama-tiny_lora_cpu"
+    with pytest.raises(UserError) as raised:
+        _check(recipe, (), ["model.adapter.target_modules=[no_such_proj]"])
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("model.adapter.target_modules=['no_such_proj']: "), line
+    names = line.rsplit("any of its Linear layers: ", 1)[1].split(", ")
+    assert {"q_proj", "v_proj", "down_proj"} <= set(names), names
+    for name in names:  # each suggestion, applied
+        _check(recipe, (), [f"model.adapter.target_modules=[{name}]"])
