@@ -123,8 +123,9 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
 def _claim_run_dir(cfg: Any, args: list[str]) -> Any:
     """The run (or sweep) directory Hydra would name from the clock, made by an exclusive create
     (:func:`lightning_accel.run_dir.claim_run_dir`) and handed to Hydra as ``hydra.run.dir`` (``hydra.sweep.dir``), so
-    no two runs share one: a directory the user named (``hydra.run.dir=...``) too, which another run holding it makes
-    ``<dir>_1``."""
+    no two runs share one: a run directory the user named (``hydra.run.dir=...``) too, which another run holding it makes
+    ``<dir>_1``. A sweep directory the user named is used as given: a sweep resumes there (Optuna's study), and each of
+    its trials has a numbered directory of its own."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
@@ -134,6 +135,8 @@ def _claim_run_dir(cfg: Any, args: list[str]) -> Any:
 
     multirun = any(a in _HYDRA_FLAGS or is_sweep(a) for a in args) or str(OmegaConf.select(cfg, "hydra.mode", default="")).endswith("MULTIRUN")
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if multirun and any(a.lstrip("+").split("=", 1)[0] == key for a in args):
+        return None  # a sweep the user points at its directory resumes there (Optuna's study); its trials get their own
     try:
         where = Path(str(OmegaConf.select(cfg, key))).expanduser()
     except Exception:  # an interpolation only Hydra's run resolves: Hydra makes it
