@@ -17,7 +17,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning_accel.commands import cmd_cp, cmd_estimate, cmd_export, cmd_ls, cmd_validate
 
@@ -86,14 +86,16 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
             check_rank(cfg)  # the same as rank 0's, or refused by name
         else:
             given = [a for a in args if a.split("=", 1)[0] == "ckpt_path"]
-            if cfg.get("ckpt_path") is not None and any(a.split("=", 1)[1] == "last" for a in given):
-                # Every rank and trial resumes from the file preflight checked, not a newer one.
+            if cfg.get("ckpt_path") is not None and (not given or given[-1].split("=", 1)[1] == "last"):
+                # Every rank and trial resumes from the file preflight checked, not a newer one (a requeued SLURM job's
+                # too, which preflight found without a ckpt_path given).
                 args.append(f"ckpt_path='{cfg.ckpt_path}'")
             os.environ.pop(CONFIG_ENV, None)  # an earlier run's, in this process
             multirun = str(OmegaConf.select(cfg, "hydra.mode", default="")).endswith("MULTIRUN")
             if not (multirun or any(a in ("-m", "--multirun") or is_sweep(a) for a in args)):
                 publish(cfg)  # a sweep's trials compose differently from this: each trial's ranks are its own
                 published = True
+    claimed = _claim_run_dir(cfg, args) if check and not relaunched else None
     register_schemas()  # the ConfigStore schemas, in this process (a re-launched rank too)
     os.environ[RECIPE_ENV] = str(path)
     # Keep argv[0]: Lightning re-runs it (the console script's path, or -m lightning_accel)
@@ -112,7 +114,37 @@ def cmd_run(recipe: str, args: Sequence[str]) -> int:
     finally:
         if published:  # the ranks this run started have read it
             os.environ.pop(CONFIG_ENV, None)
+        if claimed is not None:
+            with contextlib.suppress(OSError):
+                claimed.rmdir()  # only when Hydra stopped before writing anything in it
     return 0
+
+
+def _claim_run_dir(cfg: Any, args: list[str]) -> Any:
+    """The run (or sweep) directory Hydra would name from the clock, made by an exclusive create
+    (:func:`lightning_accel.run_dir.claim_run_dir`) and handed to Hydra as ``hydra.run.dir`` (``hydra.sweep.dir``), so
+    no two runs share one: a run directory the user named (``hydra.run.dir=...``) too, which another run holding it makes
+    ``<dir>_1``. A sweep directory the user named is used as given: a sweep resumes there (Optuna's study), and each of
+    its trials has a numbered directory of its own."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_accel.config.preflight import is_sweep
+    from lightning_accel.run_dir import claim_run_dir
+
+    multirun = any(a in _HYDRA_FLAGS or is_sweep(a) for a in args) or str(OmegaConf.select(cfg, "hydra.mode", default="")).endswith("MULTIRUN")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if multirun and any(a.lstrip("+").split("=", 1)[0] == key for a in args):
+        return None  # a sweep the user points at its directory resumes there (Optuna's study); its trials get their own
+    try:
+        where = Path(str(OmegaConf.select(cfg, key))).expanduser()
+    except Exception:  # an interpolation only Hydra's run resolves: Hydra makes it
+        return None
+    claimed = claim_run_dir(where)
+    quoted = str(claimed).replace("\\", "\\\\").replace("'", "\\'")
+    args.append(f"{key}='{quoted}'")
+    return claimed
 
 
 def cmd_bench(name: str | None, args: Sequence[str]) -> int:

@@ -146,6 +146,40 @@ def find_last_checkpoint(recipe_root: Path, cfg: DictConfig) -> Path:
     )
 
 
+def requeued_checkpoint(recipe_root: Path, job: str) -> Path | None:
+    """The checkpoint a requeued SLURM job resumes from: the newest of this recipe's runs whose ``run.json`` names the
+    job (``slurm_job``, recorded by the run that SLURM's requeue signal interrupted); None when there is none."""
+    found = []
+    for status_file in recipe_root.glob("**/run.json"):
+        try:
+            status = json.loads(status_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if status.get("slurm_job") == job and (ckpt := newest_checkpoint(status_file.parent)) is not None:
+            found.append(ckpt)
+    return max(found, key=lambda p: p.stat().st_mtime_ns, default=None)
+
+
+CLAIM_TRIES = 1000
+
+
+def claim_run_dir(where: Path) -> Path:
+    """Make ``where`` for this run alone and return it: an exclusive create (``mkdir`` of a directory that must not exist),
+    so two runs started in the same second (a job array, a sweep launched by hand, two terminals) never share a run
+    directory; when another run holds ``where``, the first free of ``where_1``, ``where_2``, ... (Hydra's run directory
+    is named by the second it starts)."""
+    where.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(CLAIM_TRIES):
+        candidate = where if n == 0 else where.with_name(f"{where.name}_{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise UserError(f"'{where}' and {CLAIM_TRIES - 1} numbered variants of it exist already; remove old runs there, or point "
+                    "LIGHTNING_ACCEL_OUTPUTS at another directory")
+
+
 def remove_run_dir(run_dir: Path, *, keep_parent: bool = False) -> None:
     """Remove a failed run's directory, and its recipe's directory when that is left empty
     (``keep_parent``: a sweep's trial, whose parent holds the sweep's own files)."""

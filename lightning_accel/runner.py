@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from hydra.core.hydra_config import HydraConfig
@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_accel.atomic import atomic_write_text
-from lightning_accel.callbacks.graceful_interrupt import EXIT_INTERRUPTED, GracefulInterrupt
+from lightning_accel.callbacks.graceful_interrupt import (DEFAULT_GRACE_S, GracefulInterrupt, RunInterrupted, signal_name, slurm_job_id,
+                                                          stop_on_signals)
 from lightning_accel.callbacks.random_state import RandomState
 from lightning_accel.config.errors import UserError, failure_line, missing_file_line
 from lightning_accel.console import KNOWN_WARNINGS, DropNoise
@@ -116,17 +117,34 @@ def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit the recipe and return its summary (final metrics and where things went)."""
+    """Fit the recipe and return its summary (final metrics and where things went). A signal (SIGTERM, SIGINT, SLURM's
+    requeue signal) ends it at the next step boundary with that step saved, ``run.json`` ``interrupted``, and exit status
+    ``128 + signum`` (see :mod:`lightning_accel.callbacks.graceful_interrupt`)."""
+    with stop_on_signals():
+        return _train(cfg)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     status: dict[str, Any] = {"status": "running", "recipe": HydraConfig.get().job.config_name, **this_process()}
+    if (job := slurm_job_id()) is not None:
+        status["slurm_job"] = job  # a requeued job resumes from this run (config.preflight)
     _write_status(output_dir, status)
     started = time.perf_counter()
 
     def interrupted_now() -> None:  # a second Ctrl-C: no checkpoint, but a true run.json
-        status.update(status="interrupted", error="second Ctrl-C: exited without saving", seconds=round(time.perf_counter() - started, 1))
+        status.update(status="interrupted", signal="SIGINT", error="second Ctrl-C: exited without saving",
+                      seconds=round(time.perf_counter() - started, 1))
         _write_status(output_dir, status)
 
-    interrupt = GracefulInterrupt(output_dir / "checkpoints", on_second=interrupted_now)
+    def timed_out(signum: int) -> None:  # the step in flight outlived the grace period
+        status.update(status="interrupted", signal=signal_name(signum), seconds=round(time.perf_counter() - started, 1),
+                      error=f"{signal_name(signum)}: the step in flight did not end within {grace_s:g} s; exited without saving it "
+                            f"(interrupt_grace_s={grace_s:g}; the newest checkpoint, if any, is older)")
+        _write_status(output_dir, status)
+
+    grace_s = float(cfg.get("interrupt_grace_s") or DEFAULT_GRACE_S)
+    interrupt = GracefulInterrupt(output_dir / "checkpoints", on_second=interrupted_now, grace_s=grace_s, on_timeout=timed_out)
     trainer: pl.Trainer | None = None
     try:
         pl.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -150,7 +168,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             status["resumed_from"] = resumed_from
             rank_zero_info(f"lightning-accel: resuming from {resumed_from}")
         trainer.fit(model, datamodule=datamodule, ckpt_path=resumed_from)
-        final = [] if interrupt.interrupted else trainer.validate(model, datamodule=datamodule, verbose=False)
+        final = trainer.validate(model, datamodule=datamodule, verbose=False)
+    except RunInterrupted as stop:
+        interrupt.cancel_timer()
+        return _interrupted(stop, status, cfg, output_dir, trainer, round(time.perf_counter() - started, 1))
     except Exception as err:  # past preflight: one line, the traceback in the log (see _failed)
         line = failure_line(err)
         status.update(status="failed", error=line, seconds=round(time.perf_counter() - started, 1))
@@ -159,19 +180,24 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise  # the traceback, as Hydra shows it with that variable
         raise failed from err
-    except BaseException as err:  # KeyboardInterrupt before the handler is installed, SystemExit
-        status.update(status="failed", error=f"{type(err).__name__}: {err}", seconds=round(time.perf_counter() - started, 1))
+    except BaseException as err:  # SystemExit (Lightning's own SIGTERMException is one, of status 0: made 143)
+        code = getattr(err, "code", None)
+        signalled = type(err).__name__ == "SIGTERMException"
+        status.update(status="interrupted" if signalled else "failed", error=f"{type(err).__name__}: {err}",
+                      seconds=round(time.perf_counter() - started, 1))
         _write_status(output_dir, status)
+        if signalled or (isinstance(err, SystemExit) and code in (None, 0)):
+            sys.exit(128 + 15 if signalled else 1)  # never status 0 for a run that did not finish
         raise
     assert trainer is not None
     metrics = {k: float(v) for k, v in (final[0] if final else {}).items()}
     status.update(
-        status="interrupted" if interrupt.interrupted else "completed",
+        status="completed",
         seconds=round(time.perf_counter() - started, 1),
         global_step=trainer.global_step,
         metrics=metrics,
         output_dir=str(output_dir),
-        checkpoint=interrupt.saved or _checkpoint_of(trainer, output_dir),
+        checkpoint=_checkpoint_of(trainer, output_dir),
         metrics_csv=_metrics_file(trainer),
         config=str(output_dir / ".hydra" / "config.yaml"),
         log=str(output_dir / f"{HydraConfig.get().job.name}.log"),
@@ -179,9 +205,34 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     _write_status(output_dir, status)
     if trainer.is_global_zero:
         print(summary(status), flush=True)
-    if interrupt.interrupted:
-        sys.exit(EXIT_INTERRUPTED)
     return status
+
+
+def _interrupted(stop: RunInterrupted, status: dict[str, Any], cfg: DictConfig, output_dir: Path, trainer: pl.Trainer | None,
+                 seconds: float) -> NoReturn:
+    """A signal ended the run: ``run.json`` ``interrupted`` with the step and its checkpoint, the ranks this process
+    started ended, the summary printed, exit ``128 + signum``. Stopped before the training loop (nothing saved, nothing to
+    resume), the run directory is removed as a failed run's is (``keep_failed=true`` keeps it)."""
+    checkpoint = stop.checkpoint or _checkpoint_of(trainer, output_dir)
+    step = stop.step or (trainer.global_step if trainer is not None else 0)  # a signal in the closing validation: the fit's
+    status.update(status="interrupted", signal=signal_name(stop.signum), seconds=seconds, global_step=step,
+                  checkpoint=checkpoint, output_dir=str(output_dir), metrics={},
+                  metrics_csv=_metrics_file(trainer) if trainer is not None else None,
+                  config=str(output_dir / ".hydra" / "config.yaml"), log=str(output_dir / f"{HydraConfig.get().job.name}.log"))
+    if stop.requeued:
+        status["requeued"] = True
+    if stop.seconds:
+        status["interrupt_seconds"] = stop.seconds  # what a scheduler's grace period must cover (docs/reliability.md)
+    _write_status(output_dir, status)
+    if rank_zero_only.rank == 0:
+        end_ranks(trainer, grace_s=10.0)  # every rank stopped after the same step; none is left running
+        if checkpoint is None and not bool(cfg.get("keep_failed", False)):
+            remove_run_dir(output_dir, keep_parent=HydraConfig.get().mode == RunMode.MULTIRUN)
+            print(f"lightning-accel: {signal_name(stop.signum)} before the first step: nothing to save, so the run directory is "
+                  "removed", file=sys.stderr, flush=True)
+        else:
+            print(summary(status), flush=True)
+    sys.exit(stop.exit_status)
 
 
 def _failed(err: Exception, line: str, cfg: DictConfig, output_dir: Path, trainer: pl.Trainer | None) -> RunFailed:
@@ -250,7 +301,8 @@ def summary(status: dict[str, Any]) -> str:
         checkpoint = f"(none new; resumed from {status['resumed_from']})"
     else:
         checkpoint = "(none: no ModelCheckpoint callback, e.g. callbacks=none)"
-    ended = "interrupted (Ctrl-C) after" if status["status"] == "interrupted" else "finished"
+    how = "Ctrl-C" if status.get("signal", "SIGINT") == "SIGINT" else status["signal"]
+    ended = f"interrupted ({how}{', requeued' if status.get('requeued') else ''}) after" if status["status"] == "interrupted" else "finished"
     return "\n".join(
         [
             f"lightning-accel: {status['recipe']} {ended} {status['global_step']} steps in {status['seconds']} s",

@@ -12,7 +12,8 @@
 #   run(command="scripts/gpu-verify.sh run recipes", carry=[".gpu-site"])  # Llama 3.2 1B under L2L bf16, a 7B LoRA, measured
 #   run(command="scripts/gpu-verify.sh run estimate", carry=[".gpu-site"]) # a plain bf16 GPT's device estimate, measured
 #   run(command="scripts/gpu-verify.sh run tier", carry=[".gpu-site"])     # issue #49's NVMe tier with pinned buffers: the
-#       tier tests on CUDA (bit for bit against the run in memory), torch.cuda.gds where present, bench offload --nvme
+#       tier tests on CUDA (bit for bit against the run in memory; the pinned rings' bytes held to the plan, issue 59),
+#       torch.cuda.gds where present, bench offload --nvme
 #   run(command="scripts/gpu-verify.sh run schedules", carry=[".gpu-site"]) # not in all: issue #30's schedule table on this
 #       machine's unshared CPU cores (2 gloo ranks, sleeping blocks; ~4 min): on the 2-core sandbox its zero-bubble target
 #       sits inside the spread (docs/pipeline.md), a core coming back cold from every sleep
@@ -100,7 +101,8 @@ PY
     if [ "$part" = tier ] || [ "$part" = all ]; then
         # issue #49: pinned O_DIRECT buffers under a CUDA device (the cuda-marked tier test compares with the run in memory)
         step "NVMe tier tests" tier-tests.log python3 -m pytest -ra -q -p no:cacheprovider tests/strategies/test_l2l_tier.py \
-            tests/strategies/test_l2l_materialize.py tests/offload/test_disk_io.py tests/offload/test_tier_plan.py
+            tests/strategies/test_l2l_materialize.py tests/offload/test_disk_io.py tests/offload/test_tier_plan.py \
+            tests/offload/test_staging.py tests/strategies/test_l2l_gpu_path.py
         step "torch.cuda.gds present" tier-gds.log python3 -c "import torch, torch.cuda.gds as g; print('gds', hasattr(g, 'GdsFile'))"
         step "bench offload --nvme" bench-offload-nvme.txt python3 -m lightning_accel.cli bench offload --nvme
     fi

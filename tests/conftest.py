@@ -26,12 +26,26 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, cache_dir: Path, tmp_path: Path) -> Iterator[None]:
     monkeypatch.setenv("LIGHTNING_ACCEL_CACHE", str(cache_dir))
     monkeypatch.setenv("LIGHTNING_ACCEL_OUTPUTS", str(tmp_path / "outputs"))
+    # a strategy set up in-process as rank r (DDPStrategy._set_world_ranks) sets Lightning's rank_zero_only.rank to r
+    # for the whole process: put back after each test, or every later rank_zero_warn/rank_zero_info is silent and
+    # pytest.warns/caplog in tests far away see nothing (CI on 2026-12-02: 14 tests after test_gpipe_ranks.py)
+    ranks = [(holder, holder.rank) for holder in _rank_zero_holders()]
     yield
+    for holder, rank in ranks:
+        holder.rank = rank
     # seed_everything (the seed fixture, an in-process run) exports PL_GLOBAL_SEED and PL_SEED_WORKERS: dropped after
     # each test, or every later multi-process test's ranks inherit them and Lightning's DistributedSampler shuffles by
     # that seed, not the reference's 0
     for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
         os.environ.pop(var, None)
+
+
+def _rank_zero_holders() -> list[object]:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only as pytorch_rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    return [fabric_rank_zero_only, pytorch_rank_zero_only, utils_rank_zero_only]
 
 
 @pytest.fixture

@@ -349,7 +349,7 @@ def test_malformed_recipe_yaml_unwritable_outputs_and_bad_sweep_values(tmp_path:
     a_file.write_text("")
     monkeypatch.setenv("LIGHTNING_ACCEL_OUTPUTS", str(a_file / "outputs"))
     assert cli.main(["run", "gpt-tiny_cpu"]) == 2
-    assert "is not a writable directory; set LIGHTNING_ACCEL_OUTPUTS" in capsys.readouterr().err
+    assert "on its way is a file, not a directory; set LIGHTNING_ACCEL_OUTPUTS to a directory" in capsys.readouterr().err
 
 
 def test_validate_all_with_and_without_the_extras(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,11 @@ CASES = {
 # Ctrl-C at step 6: once (the step in flight is saved), twice (the second press exits at once)
 CTRL_C = {"once": [*KILL, "+callbacks.kill.sig=SIGINT"], "twice": [*KILL, "+callbacks.kill.sig=SIGINT", "+callbacks.kill.times=2"]}
 
+# SIGTERM at step 6 (what SLURM, Kubernetes and spot instances send): the step is saved, exit 143, and the resume ends as
+# the uninterrupted run of the case named; under DDP only rank 1 is signalled (Kubernetes signals one process)
+SIGTERM = {"sigterm": ("plain", [*KILL, "+callbacks.kill.sig=SIGTERM"]),
+           "sigterm-ddp-rank1": ("ddp-2proc", [*KILL, "+callbacks.kill.sig=SIGTERM", "+callbacks.kill.rank=1"])}
+
 
 def run_dirs(outputs: Path, recipe: str) -> list[Path]:
     return sorted(p.parent for p in (outputs / recipe).glob("*/run.json"))
@@ -60,7 +65,7 @@ class Case:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Callable[[Path], dict[str, str]],
-         cli_processes: Any) -> tuple[dict[str, Case], dict[str, tuple[Path, subprocess.CompletedProcess[str]]]]:
+         cli_processes: Any) -> tuple[dict[str, Case], dict[str, tuple[Path, subprocess.CompletedProcess[str]]], dict[str, Any]]:
     """Every run this file checks, side by side (:meth:`CliProcesses.side_by_side`): most of a short run is
     importing Lightning, on one core, and a launched DDP rank imports only after its rank 0 has; one case
     after another, the seven took 4 minutes with a core idle much of it. Killed runs go first, so that each
@@ -78,6 +83,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Callable[[Path]
         jobs[f"{case}/killed"] = cli_processes.job(["run", recipe, *SMALL, *extra, *KILL], env(root / case / "crashed"), processes)
         jobs[f"{case}/resumed"] = cli_processes.job(["run", recipe, *SMALL, *extra, "ckpt_path=last"], env(root / case / "crashed"),
                                                     processes, after=f"{case}/killed")
+    for name, (case, more) in SIGTERM.items():
+        recipe, extra = CASES[case]
+        processes = 2 if case.endswith("2proc") else 1
+        jobs[f"{name}/killed"] = cli_processes.job(["run", recipe, *SMALL, *extra, *more], env(root / name), processes)
+        jobs[f"{name}/resumed"] = cli_processes.job(["run", recipe, *SMALL, *extra, "ckpt_path=last"], env(root / name), processes,
+                                                    after=f"{name}/killed")
     for name, more in CTRL_C.items():
         jobs[f"ctrl-c/{name}"] = cli_processes.job(["run", "gpt-tiny_cpu", *SMALL, *more], env(root / f"ctrl-c-{name}"))
     for case, (recipe, extra) in CASES.items():
@@ -86,7 +97,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, make_cli_env: Callable[[Path]
     done = cli_processes.side_by_side(jobs)
     cases = {case: Case(root / case / "ref", root / case / "crashed", done[f"{case}/reference"], done[f"{case}/killed"],
                         done[f"{case}/resumed"]) for case in CASES}
-    return cases, {name: (root / f"ctrl-c-{name}", done[f"ctrl-c/{name}"]) for name in CTRL_C}
+    signalled = {name: (root / name, done[f"{name}/killed"], done[f"{name}/resumed"]) for name in SIGTERM}
+    return cases, {name: (root / f"ctrl-c-{name}", done[f"ctrl-c/{name}"]) for name in CTRL_C}, signalled
 
 
 @pytest.mark.slow
@@ -146,3 +158,38 @@ def test_a_second_ctrl_c_exits_at_once(runs: Any) -> None:
     status = json.loads((run / "run.json").read_text())
     assert status["status"] == "interrupted" and "second Ctrl-C" in status["error"], status
     assert _global_step(run / "checkpoints" / "last.ckpt") == 4  # nothing saved after the second press
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Processes whose command line holds ``text`` (a launched rank's names its run directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SIGTERM))
+def test_sigterm_saves_the_step_exits_143_and_the_resume_equals_uninterrupted(name: str, runs: Any) -> None:
+    case = SIGTERM[name][0]
+    recipe = CASES[case][0]
+    outputs, killed, resumed = runs[2][name]
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    assert "SIGTERM: stopping after the step in flight" in killed.stderr and "Traceback" not in killed.stderr
+    interrupted, resumed_dir = run_dirs(outputs, recipe)
+    status = json.loads((interrupted / "run.json").read_text())
+    assert status["status"] == "interrupted" and status["signal"] == "SIGTERM" and status["global_step"] == 6, status
+    assert _global_step(interrupted / "checkpoints" / "last.ckpt") == 6
+    assert not list(interrupted.glob("checkpoints/.*.tmp"))
+    assert not _processes_naming(str(interrupted)), "a rank of the interrupted run is still running"
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {interrupted / 'checkpoints' / 'last.ckpt'}" in resumed.stderr + resumed.stdout
+    want_weights, want_metrics = final_state(run_dirs(runs[0][case].ref, recipe)[0])
+    got_weights, got_metrics = final_state(resumed_dir)
+    for key, tensor in want_weights.items():
+        assert torch.equal(got_weights[key], tensor), key
+    assert got_metrics == want_metrics

@@ -70,3 +70,43 @@ def test_ckpt_last_takes_the_newest_fitting_run_and_names_a_misfit(tmp_path: Pat
         find_last_checkpoint(tmp_path, OmegaConf.create({"model": {"net": {"n_layer": 6}}}))
     with pytest.raises(UserError, match="no earlier run of this recipe"):
         find_last_checkpoint(tmp_path / "none", cfg)
+
+
+def test_runs_claiming_one_directory_at_once_each_get_their_own(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_accel.run_dir import claim_run_dir
+
+    where = tmp_path / "outputs" / "gpt-tiny_cpu" / "2026-12-02_13-00-00"  # named by the second: every run at once names it
+    with ThreadPoolExecutor(8) as pool:
+        claimed = list(pool.map(lambda _: claim_run_dir(where), range(16)))
+    assert len(set(claimed)) == 16 and all(p.is_dir() and not any(p.iterdir()) for p in claimed)
+    assert sorted(p.name for p in claimed) == sorted([where.name, *(f"{where.name}_{n}" for n in range(1, 16))])
+
+
+def test_a_requeued_slurm_job_finds_the_run_it_interrupted(tmp_path: Path) -> None:
+    from lightning_accel.run_dir import requeued_checkpoint
+
+    _run(tmp_path, "a", {"status": "interrupted", "slurm_job": "77_3"}, ckpts=("last.ckpt",))
+    _run(tmp_path, "b", {"status": "interrupted", "slurm_job": "78"}, ckpts=("last.ckpt",))
+    assert requeued_checkpoint(tmp_path, "77_3") == tmp_path / "a" / "checkpoints" / "last.ckpt"
+    assert requeued_checkpoint(tmp_path, "99") is None
+
+
+@pytest.mark.slow
+def test_two_runs_started_at_once_into_one_directory_never_share_it(tmp_path: Path, cli_env: dict, cli_processes) -> None:
+    same = tmp_path / "outputs" / "same"
+    args = ["run", "gpt-tiny_cpu", "trainer.max_steps=2", "trainer.limit_val_batches=1", "data.block_size=32", "data.batch_size=4",
+            f"hydra.run.dir={same}"]
+    done = cli_processes.side_by_side({"a": cli_processes.job(args, cli_env), "b": cli_processes.job(args, cli_env)})
+    assert [p.returncode for p in done.values()] == [0, 0], [p.stderr[-2000:] for p in done.values()]
+    runs = sorted(p.parent for p in same.parent.glob("*/run.json"))
+    assert [p.name for p in runs] == ["same", "same_1"]
+    pids = set()
+    for run in runs:
+        status = json.loads((run / "run.json").read_text())
+        assert status["status"] == "completed" and status["output_dir"] == str(run), status
+        assert (run / "checkpoints" / "last.ckpt").is_file()  # each run's own, never last-v1.ckpt beside another's
+        assert not list((run / "checkpoints").glob("last-v*.ckpt"))
+        pids.add(status["pid"])
+    assert len(pids) == 2

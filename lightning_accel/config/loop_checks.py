@@ -168,3 +168,16 @@ def check_seed(seed: Any) -> None:
         raise UserError(f"seed={_shown(seed)} is not a whole number; pass an integer in [0, {_SEED_MAX}], e.g. seed=1234")
     if not 0 <= seed <= _SEED_MAX:
         raise UserError(f"seed={seed} is outside [0, {_SEED_MAX}] (numpy's range, which the run seeds too); pass e.g. seed=1234")
+
+
+def check_run_options(cfg: Any) -> None:
+    """The run's own top-level settings: ``keep_failed`` a boolean, ``interrupt_grace_s`` a positive number of seconds."""
+    keep = cfg.get("keep_failed")
+    if keep is not None and not isinstance(keep, bool):
+        raise UserError(f"keep_failed={_shown(keep)} is not true or false; pass keep_failed=true or keep_failed=false")
+    grace = cfg.get("interrupt_grace_s")
+    if grace is None:
+        return
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace <= 0:
+        raise UserError(f"interrupt_grace_s={_shown(grace)} is not a positive number of seconds; pass the longest a signalled run "
+                        "may take to finish its step and save it, e.g. interrupt_grace_s=120")

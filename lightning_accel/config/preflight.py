@@ -44,8 +44,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
 from lightning_accel.config.data_fit import check_data_fits
 from lightning_accel.config.errors import UserError, explain, missing_file_line, one_line
-from lightning_accel.config.loop_checks import check_seed, check_trainer
+from lightning_accel.config.loop_checks import check_run_options, check_seed, check_trainer
 from lightning_accel.config.optim_checks import Configured, check_optimization
+from lightning_accel.config.paths import check_config_paths, check_env_paths
 from lightning_accel.config.resume_checks import check_checkpoint
 from lightning_accel.config.setup_checks import check_offload_precision, check_strategy_setup
 from lightning_accel.config.validate import check_launchable, check_top_level, validate
@@ -72,6 +73,7 @@ def _first_line(err: BaseException) -> str:
 def _compose(path: Path, overrides: Sequence[str], notes: list[str] | None = None) -> DictConfig:
     import yaml
 
+    _check_options(overrides)
     try:
         return compose_recipe(path, overrides, with_hydra=True, notes=notes)
     except UserError:  # our own check at composition (a pretrained_path against the user's config): already one line
@@ -89,6 +91,23 @@ def _compose(path: Path, overrides: Sequence[str], notes: list[str] | None = Non
         if removed:
             raise UserError(f"{removed[0]}=null removes the {removed[0]} config a run needs; choose an option, e.g. {_example(removed[0])}") from None
         raise UserError(f"cannot compose {path.stem}: {_first_line(err)}; rerun with HYDRA_FULL_ERROR=1 for the traceback") from None
+
+
+def _check_options(overrides: Sequence[str]) -> None:
+    """An option of a config group that does not exist is refused by name: Hydra refuses it itself for most groups, but
+    skips an ``optional`` group's (``hparams_search=optuan`` ran without the search, in silence)."""
+    from lightning_accel.config.errors import close_matches
+    from lightning_accel.config.locate import conf_dir
+
+    for override in overrides:
+        match = re.fullmatch(r"\+{0,2}(\w+)=([\w.-]+)", override)
+        if match is None or match.group(2) == "null" or not (conf_dir() / match.group(1)).is_dir():
+            continue
+        group, option = match.groups()
+        options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if p.stem != "base")
+        if options and option not in options:
+            raise UserError(f"unknown {group} option {option!r}{close_matches(option, options)}; "
+                            f"choose one of: {', '.join(options)} (e.g. {group}={options[0]})")
 
 
 def _example(group: str) -> str:
@@ -293,9 +312,10 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     """:func:`preflight`, and the LightningModule its checks built on the meta device from the
     config it returns: ``estimate`` measures that one instead of building it again (a 70B
     LoRA's build, peft's injection on meta, takes seconds)."""
-    from lightning_accel.run_dir import find_last_checkpoint, reap
+    from lightning_accel.run_dir import find_last_checkpoint, reap, requeued_checkpoint
     from lightning_accel.sweep import check_sweep, sweep_jobs
 
+    check_env_paths()  # an empty LIGHTNING_ACCEL_OUTPUTS would put the run at the file system's root
     path = resolve_recipe(recipe)
     flags = [o for o in overrides if o.startswith("-")]
     plain = [o for o in overrides if not o.startswith("-") and not is_sweep(o)]
@@ -310,6 +330,7 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     jobs = None if relaunched else sweep_jobs(cfg, [o for o in overrides if not o.startswith("-")], multirun=any(f in ("-m", "--multirun") for f in flags))
     if launch and not remote:  # jobs sent to SLURM run on its nodes, not on this machine
         check_launchable(cfg, path.stem)
+        check_config_paths(cfg)  # every path-valued key: the outputs, the cache, checkpoints' dirpath, nvme_path, pretrained_path
         _check_writable(recipe_root(cfg, path))
         check_run_dir(cfg, multirun=jobs is not None)
     module, optimization = check_job(cfg, path, launch)
@@ -321,6 +342,15 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     ckpt_path = cfg.get("ckpt_path")
     if launch and not relaunched and recipe_root(cfg, path).is_dir():
         reap(recipe_root(cfg, path))  # earlier runs that died: marked killed, their last.ckpt made true
+    if ckpt_path is None and launch and not relaunched and _requeued_job() is not None and recipe_root(cfg, path).is_dir():
+        # a SLURM job requeued by its requeue signal (SLURMEnvironment(auto_requeue=True)) continues where it stopped
+        found = requeued_checkpoint(recipe_root(cfg, path), str(_requeued_job()))
+        if found is not None:
+            ckpt_path = str(found)
+            with open_dict(cfg):
+                cfg.ckpt_path = ckpt_path
+            if notes is not None:
+                notes.append(f"requeued SLURM job {_requeued_job()}: resuming from {found}")
     if ckpt_path == "last":
         ckpt_path = str(find_last_checkpoint(recipe_root(cfg, path), cfg))
         with open_dict(cfg):
@@ -332,6 +362,14 @@ def preflight_built(recipe: str, overrides: Sequence[str], *, launch: bool = Tru
     return cfg, module
 
 
+def _requeued_job() -> str | None:
+    """This SLURM job's id when SLURM has restarted it (``SLURM_RESTART_COUNT`` above 0), else None."""
+    from lightning_accel.callbacks.graceful_interrupt import slurm_job_id
+
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0").strip()
+    return slurm_job_id() if restarts.isdigit() and int(restarts) > 0 else None
+
+
 def check_job(cfg: DictConfig, path: Path, launch: bool) -> tuple[Any, Configured]:
     """Every check of one job's composed config that builds something: the data module, the strategy and the other
     constructors, the loop, the network on meta and its optimization, the network against the data."""
@@ -341,6 +379,7 @@ def check_job(cfg: DictConfig, path: Path, launch: bool) -> tuple[Any, Configure
         with _quiet():
             check_trainer(_resolved(cfg.trainer))
         check_seed(cfg.get("seed"))
+        check_run_options(cfg)
         _resolved(OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]))  # every interpolation, its key named
         data = check_data(cfg)
         check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))

@@ -17,6 +17,7 @@ groups).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 import inspect
 import types
@@ -124,3 +125,27 @@ def register_schemas() -> None:
         "rich_progress_bar": RichProgressBar,
     }.items():
         store_schema("schema/callbacks", name, callback)
+
+
+@functools.lru_cache(maxsize=None)
+def path_parameters(target: str) -> tuple[str, ...]:
+    """The parameters of ``target`` (a ``_target_`` string) that take a path: typed as a string or a path
+    (``str``, ``os.PathLike``, ``Path``, their ``Optional``) and named as one (:func:`lightning_accel.config.paths.rule_for`).
+    Empty when the target does not import (binding reports that)."""
+    from hydra.utils import get_object
+
+    from lightning_accel.config.paths import rule_for
+
+    try:
+        obj = get_object(target)
+        signature = inspect.signature(obj)
+    except Exception:
+        return ()
+    names = []
+    for param in signature.parameters.values():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) or rule_for(param.name) is None:
+            continue
+        annotation = str(param.annotation)
+        if param.annotation is inspect.Parameter.empty or any(t in annotation for t in ("str", "Path", "PathLike", "_PATH")):
+            names.append(param.name)
+    return tuple(names)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_accel.config.errors import UserError, one_line
 
-__all__ = ["check_offload_precision", "check_strategy_setup"]
+__all__ = ["check_load_by_block", "check_offload_precision", "check_strategy_setup", "check_tier"]
 
 
 def _line(err: BaseException) -> str:
@@ -42,6 +42,7 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig, optimizers
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
     optimizers = list(optimizers) if optimizers is not None else configured(module, cfg).optimizers  # under every strategy
+    _as_user_error("model.net.load_by_block=true", check_load_by_block, module, strategy)
     if not isinstance(strategy, (GPipeStrategy, DistributedGPipeStrategy, L2LOffloadHooks)):
         return
     net = getattr(module, "net", None)
@@ -61,6 +62,8 @@ def check_strategy_setup(strategy: Any, module: Any, cfg: DictConfig, optimizers
         _check_host_optimizers(strategy, optimizers)
     _check_placement(strategy, cfg)
     _check_fit(strategy, module, cfg)
+    if isinstance(strategy, L2LOffloadHooks):
+        check_tier(strategy, module, cfg)
 
 
 def _check_prefetch(strategy: Any, blocks: Sequence[Any]) -> None:
@@ -228,3 +231,90 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
             f"precision=offload-{offload.precision} is for strategy=l2l_offload or l2l_offload_ddp, but the strategy is "
             f"{type(strategy).__name__ if strategy is not None else 'auto'}; use precision={offload.precision} or strategy=l2l_offload"
         )
+
+
+def check_tier(strategy: Any, module: Any, cfg: DictConfig) -> None:
+    """With ``host_budget`` or ``nvme_path``: the NVMe tier's plan, made as the strategy makes it at set-up (the same
+    functions, :func:`lightning_accel.estimate.tier.strategy_tier`) on a copy of the meta network whose parameters stand
+    for the fp32 masters (fake tensors: nothing allocated), so a budget that cannot be met is refused here in the
+    strategy's own line, before ``l2l_offload_ddp``'s ranks start."""
+    import copy
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_accel.estimate.fake import fake_parameters
+    from lightning_accel.estimate.params import nf4_weights
+    from lightning_accel.estimate.recipe import _precision
+    from lightning_accel.estimate.tier import TierRefused, strategy_tier
+
+    if getattr(strategy, "nvme_path", None) is None and getattr(strategy, "host_budget", None) is None:
+        return
+    module = copy.deepcopy(module)  # the caller's meta module stays as it is (the resume checks read it)
+    net = module.net if isinstance(getattr(module, "net", None), torch.nn.Module) else module
+    stored = nf4_weights(net, getattr(getattr(module, "frozen_base", None), "adapter", None))
+    mode = FakeTensorMode()
+    fake_parameters(net, mode, lambda _n, p: torch.float32 if p.requires_grad else p.dtype)
+    low, _ = _precision(cfg)
+    cuda = str((cfg.get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")
+    key = "strategy.host_budget" if getattr(strategy, "host_budget", None) is not None else "strategy.nvme_path"
+    def plan(of: Any) -> None:
+        strategy_tier(of, module, net, low, cuda=cuda, stored=stored, trainer=cfg.get("trainer") or {}, world=_world_size(cfg) or 1)
+
+    try:
+        plan(strategy)
+    except TierRefused as err:  # the strategy's own line, which names the key and the value
+        line = _line(err)
+        if getattr(strategy, "nvme_path", None) is None and "; set strategy.nvme_path=DIR" in line:
+            line = _with_disk_floor(line, strategy, plan)
+        raise UserError(line if key in line else f"{key}={(cfg.get('strategy') or {}).get(key.split('.', 1)[1])}: {line}") from None
+    except ValueError as err:
+        raise UserError(f"{key}: {_line(err)}") from None
+
+
+def _with_disk_floor(line: str, strategy: Any, plan: Any) -> str:
+    """A budget refused without ``nvme_path`` says "set strategy.nvme_path=DIR to put ... on disk": advice that leads
+    nowhere when the budget is below what stays on the host even with the disk (the tier's I/O buffers join it). The
+    plan is made again with a scratch directory; when that too is refused, the advice names the budget it needs."""
+    import copy
+    import re
+    import tempfile
+
+    from lightning_accel.estimate.tier import TierRefused
+
+    with_disk = copy.copy(strategy)
+    with_disk.nvme_path = tempfile.gettempdir()  # only planned: nothing is written
+    try:
+        plan(with_disk)
+    except TierRefused as err:
+        floor = re.search(r"at least ([\d.,]+ ?[kMGT]?i?B)", str(err))
+        if floor is not None:
+            head, _, rest = line.partition("; set strategy.nvme_path=DIR")
+            least = re.search(r"raise host_budget to at least ([\d.,]+ ?[kMGT]?i?B)", rest)
+            return (f"{head}; raise host_budget to at least {least.group(1) if least else 'that'}, or set strategy.nvme_path=DIR "
+                    f"and host_budget to at least {floor.group(1)} (what stays on the host with the disk: its I/O buffers too)")
+    except ValueError:
+        pass
+    return line
+
+
+def check_load_by_block(module: Any, strategy: Any) -> None:
+    """A model marked to be filled block by block (``hf_causal_lm(load_by_block=True)``, on the meta device) needs the L2L
+    strategies, which materialize it unit by unit; under any other its weights would still be on meta at the first copy
+    (torch's "Cannot copy out of meta tensor"). A ``ValueError`` naming the strategy and the fix: preflight and
+    ``LanguageModelTask.setup`` (the Python API) ask it."""
+    from torch import nn
+
+    from lightning_accel.offload.materialize import _CHECKPOINTS  # the models load_by_block marked
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
+
+    if isinstance(strategy, L2LOffloadHooks) or not any(m in _CHECKPOINTS for m in module.modules()):
+        return
+    if isinstance(module, nn.Module):
+        # the fit ends here, and Lightning's teardown moves the module to the CPU, which a meta module cannot do: torch's
+        # "Cannot copy out of meta tensor" would replace this line. Moves of this module (it holds no weight) do nothing.
+        object.__setattr__(module, "_apply", lambda fn, recurse=True: module)
+    name = getattr(strategy, "strategy_name", None) or (type(strategy).__name__ if strategy is not None and not isinstance(strategy, str) else strategy or "auto")
+    raise ValueError(f"the model is on the meta device, to be filled block by block from its pretrained_path by strategy=l2l_offload "
+                     f"or l2l_offload_ddp, but the strategy is {name}; use strategy=l2l_offload (or l2l_offload_ddp), or set "
+                     "model.net.load_by_block=false to load it whole")

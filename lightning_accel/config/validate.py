@@ -171,7 +171,7 @@ def _check_xla_pairing(cfg: DictConfig) -> None:
 # The top-level keys a run reads (conf/train.yaml and its groups; ``hydra`` is Hydra's own). A key added beside them
 # (``+seeds=3``) would be composed and then read by nothing: a typo trained on in silence.
 TOP_LEVEL = frozenset({"trainer", "model", "data", "strategy", "callbacks", "logger", "paths", "plugins", "recipe", "seed",
-                       "ckpt_path", "keep_failed", "optimized_metric", "hydra"})
+                       "ckpt_path", "keep_failed", "interrupt_grace_s", "optimized_metric", "hydra"})
 
 
 def check_top_level(cfg: DictConfig) -> None:

@@ -11,8 +11,8 @@ the strategies' own:
   process whose devices each hold the model and the activations of their shard of the batch;
 - L2L offload (:class:`~lightning_accel.offload.host_store.HostStore`): the host keeps fp32
   masters, a low-precision shadow of each trainable matrix when the device computes in
-  bf16/fp16, fp32 gradients, frozen weights as stored, pinned gradient staging on CUDA
-  (matrices in the compute dtype), the optimizer state and, with ``delayed_update``, a
+  bf16/fp16, fp32 gradients, frozen weights as stored, on CUDA the pinned rings the copies cross
+  (:mod:`~lightning_accel.offload.staging`: a few slots of one chunk each), the optimizer state and, with ``delayed_update``, a
   shadow of every fp32 parameter too; the device holds ``prefetch_blocks + 1`` blocks, the
   resident unit (fp32 with its gradients and optimizer state, or streamed in the compute dtype
   with ``offload_resident``) and the activations; ``l2l_offload_ddp`` partitions the optimizer
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from lightning_accel.estimate.activations import StepActivations
 from lightning_accel.estimate.params import Inventory, Tensors
-from lightning_accel.offload.tier_plan import TierPlan
+from lightning_accel.offload.tier_plan import COPY_SLOTS, DEFAULT_CHUNK, GRAD_SLOTS, TierPlan
 from lightning_accel.pipeline.stack_carry import carried_into, carried_out_of
 
 FP32 = 4
@@ -150,7 +150,15 @@ def _step_scratch(rank: RankEstimate, scratch: int, activations: int) -> None:
     _put(rank.device, "optimizer step scratch (beyond the activations)", max(scratch - activations, 0))
 
 
-def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_bytes: int) -> None:
+PINNED = "pinned staging (copy rings)"
+
+
+def _crossing(unit: Tensors, plan: Plan) -> int:
+    """A unit's bytes crossing the bus (its largest parameter is at most that: the bound on a ring's slot)."""
+    return unit.matrices * plan.compute_size + (unit.trainable - unit.matrices) * FP32 + unit.frozen_bytes
+
+
+def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_bytes: int, units: list[Tensors]) -> None:
     low = plan.compute_size != FP32 and not plan.on_cpu  # shadows only where the device computes in bf16/fp16
     _put(host, "masters (fp32)", offloaded.trainable * FP32)
     if low:
@@ -160,8 +168,8 @@ def _l2l_host(offloaded: Tensors, plan: Plan, host: dict[str, int], optimizer_by
     _put(host, "gradients (fp32)", offloaded.trainable * FP32)
     _put(host, "frozen/quantized weights", offloaded.frozen_bytes)
     _put(host, "buffers", offloaded.buffer_bytes)
-    if plan.pin and not plan.on_cpu:  # gradients land in page-locked buffers, one per parameter, in their device dtype
-        _put(host, "pinned gradient staging", offloaded.matrices * plan.compute_size + (offloaded.trainable - offloaded.matrices) * FP32)
+    if plan.pin and not plan.on_cpu:  # the copies cross pinned rings of a few slots (offload/staging.py); the tier's plan sizes them
+        _put(host, PINNED, (GRAD_SLOTS + COPY_SLOTS) * min(DEFAULT_CHUNK, max((_crossing(u, plan) for u in units), default=0)))
     _put(host, "optimizer state", optimizer_bytes)
 
 
@@ -203,6 +211,8 @@ def _tier(tier: TierPlan, blocks: list[Tensors], rank: RankEstimate) -> None:
     _put(rank.disk, "weights", sum(tier.units[i].disk_weights for i in n if tier.spilled_weights(i)))
     if tier.spills:
         _put(rank.host, "NVMe tier I/O buffers", tier.buffer_bytes)
+    if PINNED in rank.host:  # the plan's rings: slots of its chunk, or of the largest parameter crossing the bus
+        rank.host[PINNED] = tier.staging_bytes
 
 
 def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]:
@@ -215,7 +225,7 @@ def l2l(inv: Inventory, acts: StepActivations, plan: Plan) -> list[RankEstimate]
         owners = partition_units([u.trainable for u in units], plan.world)
         state = max(sum(units[i].optimizer_bytes for i in owners.owned(r)) for r in range(plan.world))
     rank = RankEstimate("rank" if plan.world > 1 else "device", plan.world)
-    _l2l_host(offloaded, plan, rank.host, state)
+    _l2l_host(offloaded, plan, rank.host, state, units)
     if plan.tier is not None:
         _tier(plan.tier, units, rank)
     alias = plan.on_cpu and plan.compute_size == FP32  # blocks compute on their host masters: no copies

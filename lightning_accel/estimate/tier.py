@@ -43,7 +43,7 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
               checkpoint_blocks: bool = True, offload_activations: bool = False, prefetch_blocks: int = 1, world: int = 1,
               nvme_chunk: int | None = None) -> TierPlan:
     """The plan ``owner`` would make for ``net`` stepped by ``optimizers`` (the tier steps the first) under ``host_budget`` (bytes; None: no limit),
-    spilling only with ``nvme_path``; ``cuda``: the device is a GPU (pinned gradient staging counts against the
+    spilling only with ``nvme_path``; ``cuda``: the device is a GPU (the pinned rings the copies cross count against the
     budget; on the CPU the resident unit kept on the device does); ``overlap_step``, ``offload_resident``,
     ``nvme_chunk``: the strategy's options (None: the plan chooses, :mod:`~lightning_accel.offload.tier_choice`);
     ``cannot_overlap``: why the blocks cannot step during the backward in this fit, and the fix (clipping,
@@ -73,7 +73,8 @@ def tier_plan(net: nn.Module, optimizers: Sequence[Optimizer], *, blocks: BlockP
         stepped = {p for i in owners.owned(rank) for _, p in units[i].params}
     options = TierOptions(overlap=overlap_step, overlap_default=cuda, cannot_overlap=cannot_overlap,
                           resident=offload_resident if world == 1 else bool(offload_resident), cpu=not cuda,
-                          resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk)
+                          resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk,
+                          activations=offload_activations)
 
     def reads_of(streamed: bool) -> list[int]:
         return compute_reads(len(plan.blocks), streamed, checkpoint_blocks, offload_activations)

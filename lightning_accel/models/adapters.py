@@ -84,7 +84,7 @@ class LoRA:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
             raise UserError(
                 f"model.adapter.target_modules={keys['target_modules']}: {one_line(str(err)).rstrip('.')}; "
-                f"name modules of {type(net).__name__}, e.g. its Linear layers: {', '.join(names[:12])}"
+                f"name modules of {type(net).__name__}, e.g. any of its Linear layers: {', '.join(names)}"
             ) from None
 
 

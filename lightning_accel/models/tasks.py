@@ -161,6 +161,9 @@ class LanguageModelTask(_Task):
 
     @override
     def setup(self, stage: str) -> None:
+        from lightning_accel.config.setup_checks import check_load_by_block
+
+        check_load_by_block(self, self.trainer.strategy)  # before the strategy copies meta weights (torch's "Cannot copy out of meta tensor")
         if self.frozen_base is not None and stage == "fit":
             self.frozen_base.sha256(self)  # now, while every rank holds the whole base (before a pipeline splits it)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_accel.offload.device_memory import DeviceMemory
 from lightning_accel.offload.tier_plan import human
 
 ALIGN = 4096
@@ -46,10 +47,18 @@ def align_up(nbytes: int, align: int = ALIGN) -> int:
     return (nbytes + align - 1) // align * align
 
 
-def aligned_buffer(nbytes: int, pin: bool = False) -> Tensor:
-    """A uint8 host tensor of ``nbytes`` (rounded up to :data:`ALIGN`) whose address is aligned for O_DIRECT."""
+def aligned_buffer(nbytes: int, pin: bool | DeviceMemory = False) -> Tensor:
+    """A uint8 host tensor of ``nbytes`` (rounded up to :data:`ALIGN`) whose address is aligned for O_DIRECT; ``pin``:
+    page-locked, or the device's layer (:mod:`.device_memory`: pinned and counted on CUDA, counted on its stand-in)."""
     nbytes = align_up(max(nbytes, 1))
-    if pin:
+    if isinstance(pin, DeviceMemory):
+        if pin.cuda:
+            buf = pin.empty_pinned(nbytes)
+            if buf.data_ptr() % ALIGN == 0:
+                return buf
+            del buf
+        buf = pin.empty_pinned(nbytes + ALIGN)
+    elif pin:
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if buf.data_ptr() % ALIGN == 0:
             return buf

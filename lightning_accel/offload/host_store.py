@@ -1,11 +1,12 @@
 """Host-resident fp32 master parameters, their low-precision shadows, and gradient buffers.
 
-The parameters of every offloaded unit live in host memory as fp32 masters (pinned when
-the device is CUDA, so copies can run asynchronously). When the device computes in
-bf16/fp16, a pinned low-precision *shadow* of each weight matrix is kept too and refreshed
-after every optimizer step: the bus then carries half the bytes, and the conversion
-happens once per step on the host instead of once per copy. Gradients arriving from the
-device are accumulated here in fp32 until the optimizer step.
+The parameters of every offloaded unit live in host memory as fp32 masters. When the device
+computes in bf16/fp16, a low-precision *shadow* of each weight matrix is kept too and
+refreshed after every optimizer step: the bus then carries half the bytes, and the
+conversion happens once per step on the host instead of once per copy. Gradients arriving
+from the device are accumulated here in fp32 until the optimizer step. Nothing here is
+pinned, on CUDA either: the copies to and from the device cross bounded rings of pinned
+buffers (:mod:`.staging`), so what is page-locked is what is in flight, not the model.
 
 With ``snapshot=True`` (the one-step delayed update) every parameter gets a shadow of its
 own, fp32 ones included: the device computes on the shadows while the host optimizer
@@ -14,7 +15,7 @@ copy of the parameters in host memory (fp32: twice the masters' bytes in all).
 
 A frozen parameter (``requires_grad=False``: a fine-tune's base) gets none of this. The
 host keeps the one tensor the user gave, in its dtype or tensor subclass (bf16, fp16, a
-torchao ``NF4Tensor``), pinned on CUDA; it streams as stored, is never written, and the
+torchao ``NF4Tensor``); it streams as stored, is never written, and the
 model computes on it as it would without offload. ``master[p]`` and ``shadow[p]`` are that
 tensor itself, so the optimizer paths, which only see parameters with gradients, never
 touch it, and it costs its stored size once (:func:`~lightning_accel.offload.stored.stored_nbytes`).
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_accel.offload.plan import Unit
-from lightning_accel.stored import is_plain, pinned, plain_parts, stored_nbytes
+from lightning_accel.stored import is_plain, plain_parts, stored_nbytes
 
 
 class HostStore:
@@ -44,6 +45,7 @@ class HostStore:
 
     def __init__(self, units: list[Unit], compute_dtype: torch.dtype, pin: bool, snapshot: bool = False) -> None:
         self.compute_dtype = compute_dtype
+        # the device is a GPU (its copies cross pinned rings, :mod:`.staging`); nothing the store holds is pinned
         self.pin = pin
         self.snapshot = snapshot
         self.master: dict[nn.Parameter, Tensor] = {}
@@ -82,11 +84,11 @@ class HostStore:
         self._keep_trainable(param)
 
     def add_buffers(self, buffers: Iterable[tuple[nn.Module, str, str]]) -> None:
-        """Move a unit's buffers (owner, name, qualified name) to the host (pinned on CUDA) where they are not already."""
+        """Move a unit's buffers (owner, name, qualified name) to the host where they are not already."""
         for owner, buf_name, _ in buffers:
             buf = owner._buffers[buf_name]
-            if buf is not None and (buf.device.type != "cpu" or (self.pin and not buf.is_pinned())):
-                owner._buffers[buf_name] = pinned(buf.detach().to("cpu")) if self.pin else buf.detach().to("cpu")
+            if buf is not None and buf.device.type != "cpu":
+                owner._buffers[buf_name] = buf.detach().to("cpu")
 
     def remove(self, param: nn.Parameter) -> None:
         """Forget ``param`` (no longer in its unit: removed or replaced by the user's code). It keeps its data."""
@@ -144,8 +146,6 @@ class HostStore:
         # fp32 masters; a float64 model (a reference run) keeps float64 and computes in it
         keep = torch.float64 if param.dtype == torch.float64 else torch.float32
         master = param.data.detach().to("cpu", keep)
-        if self.pin:
-            master = pinned(master)
         param.data = master
         self.master[param] = master
         # Matrices (linear, conv, embedding weights: nearly all the bytes) travel in
@@ -155,22 +155,19 @@ class HostStore:
         if not same:
             self.shadow[param] = self._low(master)
         elif self.snapshot:
-            self.shadow[param] = pinned(master.clone()) if self.pin else master.clone()
+            self.shadow[param] = master.clone()
         else:
             self.shadow[param] = master
 
     def _keep_frozen(self, param: nn.Parameter) -> None:
         stored = param.data if param.device.type == "cpu" else param.data.to("cpu")
-        if self.pin:
-            stored = pinned(stored)
         if stored is not param.data:
             param.data = stored
         self.master[param] = self.shadow[param] = stored
         self.frozen.add(param)
 
     def _low(self, master: Tensor) -> Tensor:
-        low = master.to(self.compute_dtype)
-        return low.pin_memory() if self.pin else low
+        return master.to(self.compute_dtype)
 
     def refresh_shadows(self, params: list[nn.Parameter] | None = None) -> None:
         """Re-derive the shadows of ``params`` (default: all) after their masters changed
@@ -188,8 +185,9 @@ class HostStore:
 
         With :meth:`keep_low` on, the bf16 gradient of a parameter with a low-precision shadow
         is kept beside the buffer widened from it (:meth:`exact_low_grads`): the host step's C
-        kernel reads it instead, 2 B a parameter instead of 4. On a GPU it is the pinned staging
-        buffer, kept anyway; on the CPU device it is the device's own gradient (autograd's, in
+        kernel reads it instead, 2 B a parameter instead of 4. On a GPU gradients land through the
+        staging ring (:meth:`add_grad_part`), whose buffers are reused: none is kept and the kernel
+        reads the fp32 buffer. On the CPU device it is the device's own gradient (autograd's, in
         the device's memory, which there is the host's) held until the step instead of freed
         after the widening: 2 B a matrix parameter, not counted in :meth:`host_bytes`.
         """
@@ -203,6 +201,22 @@ class HostStore:
         else:
             buf.add_(grad)
             self.low_grads.pop(param, None)  # (the sum is no bf16 tensor's widening)
+
+    def add_grad_part(self, param: nn.Parameter, part: Tensor, start: int, fresh: bool) -> None:
+        """Accumulate one piece of a gradient that arrives in pieces (:class:`.staging.GradRing`): elements ``start`` on
+        of the flattened gradient. ``fresh``: the first gradient of ``param`` since its buffer was emptied, copied
+        into place (the buffer is made by its first piece); else added. Elementwise, so the buffer equals what
+        :meth:`add_grad` makes of the whole tensor, bit for bit. ``part`` is a reused buffer: nothing keeps it."""
+        buf = self.grads.get(param)
+        if buf is None:
+            master = self.master[param]
+            buf = self.grads[param] = torch.empty(master.shape, dtype=master.dtype)
+        target = buf.view(-1)[start:start + part.numel()]
+        if fresh:
+            target.copy_(part)
+        else:
+            target.add_(part)
+        self.low_grads.pop(param, None)
 
     def keep_low(self, keep: bool) -> None:
         """Whether :meth:`add_grad` keeps the bf16 gradients from now on (off: what it kept is released)."""

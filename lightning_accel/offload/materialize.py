@@ -10,7 +10,7 @@ allocated where the offload keeps it:
   ``nvme_path`` (mapped shared, unlinked at once so nothing is left behind) and, once its last tensor is
   filled, written back and dropped from the page cache (``msync``, ``posix_fadvise(DONTNEED)``): host
   memory holds at most one such unit's new pages at a time. The tier then moves it into its own files by
-  reading the map, and :func:`settle` brings the units it keeps in memory into anonymous (pinned) memory;
+  reading the map, and :func:`settle` brings the units it keeps in memory into anonymous memory;
 - every other tensor (the resident unit, or everything without a tier) is allocated in memory.
 
 A tensor is filled from the checkpoint registered with :func:`load_by_block` (one tensor read at a time with
@@ -336,7 +336,7 @@ def _fill(route: _Route, module: nn.Module, fresh: list[tuple[str, Tensor]]) -> 
 def settle(params: Iterable[nn.Parameter], master: dict[nn.Parameter, Tensor], shadow: dict[nn.Parameter, Tensor],
            staging: Staging, pin: bool) -> int:
     """After the tier took its units to its files (the parameters it spilled are views of those now): the parameters
-    still staged (units the plan keeps in memory) move into memory (pinned on CUDA), as if they had been built there;
+    still staged (units the plan keeps in memory) move into memory (pinned with ``pin``), as if they had been built there;
     the store's tables follow. Returns their bytes."""
     moved = 0
     for param in params:

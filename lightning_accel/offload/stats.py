@@ -37,7 +37,7 @@ class OffloadStats:
     # parameters in the offloaded units (blocks, and the resident unit when it streams)
     offloaded_params: int = 0
     # everything the host keeps for them: frozen tensors as stored, fp32 masters, low-precision
-    # shadows, gradient buffers and pinned gradient staging (see HostStore.host_bytes)
+    # shadows, gradient buffers and the pinned rings the copies cross (see HostStore.host_bytes, staging.py)
     host_bytes: int = 0
     # the optimizer state of the host parameters (Adam: two fp32 moments each), once it exists
     host_optimizer_bytes: int = 0

@@ -1,8 +1,13 @@
 """Streaming units' weights to the device and their gradients back, on a copy stream.
 
 On CUDA every host-to-device weight copy and device-to-host gradient copy runs on a
-dedicated copy stream from pinned memory; events order it against the compute stream,
-so the copy of block i+1 overlaps the compute of block i. Device tensors made on the copy
+dedicated copy stream through pinned memory; events order it against the compute stream,
+so the copy of block i+1 overlaps the compute of block i. What is pinned is bounded by what
+is in flight: weights in pageable memory cross a ring of a few pinned buffers
+(:class:`.staging.CopyRing`), gradients land in another (:class:`.staging.GradRing`), each
+slot at most the tier's chunk (or the largest parameter); weights the tier read into its own
+pinned buffers are copied from there. The CUDA-only operations come from
+:mod:`.device_memory`, whose stand-in runs this same path on the CPU device (tests). Device tensors made on the copy
 stream are ``record_stream``-ed on the compute stream, so the caching allocator does not
 hand their memory out again while a kernel still reads it.
 
@@ -29,19 +34,20 @@ parameter at a time: theirs is made only while a profiler runs.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import profiler as autograd_profiler
 from torch.profiler import record_function
 
+from lightning_accel.offload.device_memory import for_device
 from lightning_accel.offload.host_store import HostStore
+from lightning_accel.offload.staging import DEFAULT_SLOT, CopyRing, GradRing
 from lightning_accel.offload.plan import Unit
 from lightning_accel.offload.stats import OffloadStats
 from lightning_accel.offload.tier_weights import WeightReads
-from lightning_accel.stored import record_stream, stored_nbytes, to_device
+from lightning_accel.stored import is_plain, record_stream, stored_nbytes, to_device
 
 
 @dataclass
@@ -54,13 +60,6 @@ class _OnDevice:
     from_disk: bool = False  # its masters are read from the tier's files (Streamer.disk): copied or aliased at acquire
 
 
-@dataclass
-class _PendingGrad:
-    param: nn.Parameter
-    host: Tensor
-    done: torch.cuda.Event | None = field(default=None)
-
-
 class Streamer:
     """Moves units between the host store and the device, and counts what it moved."""
 
@@ -69,13 +68,17 @@ class Streamer:
         self.device = device
         self.stats = stats
         self.cuda = device.type == "cuda"
+        self.memory = for_device(device)  # pinning, the copy stream, events (:mod:`.device_memory`)
+        # weights and gradients cross the pinned rings (a GPU, or its stand-in on the CPU device)
+        self.staged = self.memory.staged
         # alias=False forces real copies even host-to-host (tests of the copy path on CPU)
-        self.alias = alias and device.type == "cpu" and store.compute_dtype == torch.float32
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.alias = alias and device.type == "cpu" and store.compute_dtype == torch.float32 and not self.staged
+        self.copy_stream = self.memory.new_stream()
         self.on_device: dict[int, _OnDevice] = {}
         self._device_bytes = 0
-        self._pending: dict[nn.Parameter, _PendingGrad] = {}
-        self._staging: dict[nn.Parameter, Tensor] = {}
+        slot = self._largest_slot(DEFAULT_SLOT)
+        self.grad_ring = GradRing(self.memory, self._land, lambda param: param in store.grads, slot_bytes=slot)
+        self.copy_ring = CopyRing(self.memory, slot_bytes=slot)
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA copy intervals
         self.disk: WeightReads | None = None  # the NVMe tier's reads of masters on disk, for the units it covers
         self.disk_keys: dict[int, int] = {}  # this streamer's unit index -> the tier's, where they differ (the resident unit)
@@ -111,16 +114,18 @@ class Streamer:
         params: dict[nn.Parameter, Tensor] = {}
         buffers: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
         nbytes = 0
-        stream_ctx = torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext()
-        with stream_ctx, record_function("l2l/copy"):
+        with self.memory.on(self.copy_stream), record_function("l2l/copy"):
             start = self._timing_event()
             for _, param in unit.params:
                 src = sources.get(param, self.store.shadow[param])
-                if param in self.store.frozen and not self.cuda:
+                if param in self.store.frozen and not self.staged:
                     if param in sources:  # read from the tier's file: compute on the buffer it was read into
                         params[param] = src
                     continue  # the host is the device: compute on the stored tensor itself
-                dst = to_device(src, self.device, non_blocking=self.cuda)
+                if self.staged and param not in sources and is_plain(src):  # pageable: through the pinned ring
+                    dst = self.copy_ring.to_device(src, self.device, self.copy_stream)
+                else:  # from the tier's pinned buffers; a quantized subclass (its own .to: waits for pageable parts)
+                    dst = to_device(src, self.device, non_blocking=self.cuda and param in sources)
                 params[param] = dst
                 nbytes += stored_nbytes(dst)
             for owner, name, _ in unit.buffers:
@@ -177,7 +182,7 @@ class Streamer:
             snapshots = {p: self.store.shadow[p] for _, p in unit.params if self.store.shadow[p] is not self.store.master[p]}
             return _OnDevice({**snapshots, **views}, {}, from_disk=False)
         entry = self._copy(unit, views)
-        if self.cuda:  # the device copies are the unit's now; on the CPU frozen weights compute on the buffer itself
+        if self.staged:  # the device copies are the unit's now; on the CPU frozen weights compute on the buffer itself
             if entry.ready is not None:
                 entry.ready.synchronize()
             self.disk.drop(self.disk_keys.get(index, index))
@@ -210,12 +215,26 @@ class Streamer:
         self._device_bytes -= entry.nbytes
 
     def drop_staging(self, param: nn.Parameter) -> None:
-        """``param`` sends no more gradients (frozen again, or gone from its unit): its staging buffer goes."""
-        self._staging.pop(param, None)
+        """``param`` sends no more gradients (frozen again, or gone from its unit): what it has in flight lands."""
+        self.grad_ring.finish([param])
 
     def staging_bytes(self) -> int:
-        """Pinned host buffers the gradient copies land in (CUDA; one per trainable parameter once used)."""
-        return sum(t.numel() * t.element_size() for t in self._staging.values())
+        """Pinned host buffers the copies cross (the two rings' slots made so far; none on the CPU device)."""
+        return self.grad_ring.allocated_bytes + self.copy_ring.allocated_bytes
+
+    def size_staging(self, chunk: int) -> None:
+        """The rings' slots at most ``chunk`` bytes (the tier's plan: :attr:`.tier_plan.TierPlan.staging_bytes`)."""
+        slot = self._largest_slot(chunk)
+        self.grad_ring.resize(slot)
+        self.copy_ring.resize(slot)
+
+    def _largest_slot(self, chunk: int) -> int:
+        """``chunk``, or less where no parameter crossing the bus is that large (a slot never holds more than one)."""
+        largest = max((stored_nbytes(s) for s in self.store.shadow.values() if is_plain(s)), default=0)
+        return max(1, min(chunk, largest))
+
+    def _land(self, param: nn.Parameter, part: Tensor, start: int, fresh: bool) -> None:
+        self.store.add_grad_part(param, part, start, fresh)
 
     def is_on_device(self, index: int) -> bool:
         return index in self.on_device
@@ -231,28 +250,22 @@ class Streamer:
 
     def _grad_to_host(self, param: nn.Parameter, grad: Tensor) -> None:
         nbytes = grad.numel() * grad.element_size()
-        if grad.device.type == "cpu":
-            started = time.perf_counter()
+        started = time.perf_counter()
+        if not self.staged:  # the host is the device: autograd's tensor is the host's
             self.store.add_grad(param, grad, owned=True)
             if not self.alias:
                 self.stats.d2h_bytes += nbytes
                 self.stats.copy_seconds += time.perf_counter() - started
             return
-        staging = self._staging.get(param)
-        if staging is None or staging.dtype != grad.dtype:
-            staging = self._staging[param] = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-        computed = torch.cuda.Event()
-        computed.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(computed)
-            start = self._timing_event()
-            staging.copy_(grad, non_blocking=True)
-            grad.record_stream(self.copy_stream)
-            done = self._timing_event()
-        assert start is not None and done is not None
-        self._timed.append((start, done))
+        computed = self.memory.event()  # the compute that made it, on the current stream
+        start = self._timing_event()
+        self.grad_ring.send(param, grad, self.copy_stream, computed)
+        done = self._timing_event()
+        if start is not None and done is not None:
+            self._timed.append((start, done))
+        else:
+            self.stats.copy_seconds += time.perf_counter() - started
         self.stats.d2h_bytes += nbytes
-        self._pending[param] = _PendingGrad(param, staging, done)
 
     def finish_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """Wait for the in-flight gradient copies (of ``params``, default all) and
@@ -262,13 +275,7 @@ class Streamer:
             self._finish_grads(params)
 
     def _finish_grads(self, params: list[nn.Parameter] | None) -> None:
-        for param in list(self._pending) if params is None else params:
-            pending = self._pending.pop(param, None)
-            if pending is None:
-                continue
-            if pending.done is not None:
-                pending.done.synchronize()
-            self.store.add_grad(pending.param, pending.host, owned=False)
+        self.grad_ring.finish(params)
         if params is not None:
             return
         for start, end in self._timed:
@@ -287,8 +294,4 @@ class Streamer:
 
     def _timing_event(self) -> torch.cuda.Event | None:
         """A timing event recorded on the copy stream (CUDA), else None."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.copy_stream)
-        return event
+        return self.memory.event(self.copy_stream, timing=True) if self.cuda else None

@@ -45,6 +45,7 @@ class TierOptions:
     resident_alike: bool = True
     nvme: bool = False
     chunk: int | None = None  # strategy.nvme_chunk (None: the plan's)
+    activations: bool = False  # offload_activations: the blocks' inputs wait on the host (the device side's, said on the line)
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ Sizes = Callable[[bool], tuple[list[UnitBytes], int]]
 
 
 def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed: int = 0, weight_buffers: int = 0,
-                blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False) -> tuple[TierPlan, TierChoice]:
-    """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place).
+                blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False, staged: int = 0) -> tuple[TierPlan, TierChoice]:
+    """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place);
+    ``staged``: the largest parameter crossing the bus through the pinned rings (:attr:`~.tier_plan.TierPlan.staged`).
     Raises :class:`~.tier_plan.BudgetRefused` naming the figures and the fix."""
     overlap_open = options.overlap is None and options.cannot_overlap is None
     if options.overlap is not None:
@@ -82,8 +84,8 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         units, kept = sizes(choice.stream_resident)
         found = plan_tier(units, budget, options.nvme, fixed=fixed, grads_in_flight=blocks_in_flight if choice.in_backward else None,
                           held=1 if choice.stream_resident else 0, weight_buffers=weight_buffers, chunk=options.chunk,
-                          resident_kept=0 if choice.stream_resident else kept)
-        return dataclasses.replace(found, chosen=_said(options, choice))
+                          resident_kept=0 if choice.stream_resident else kept, staged=staged)
+        return dataclasses.replace(found, chosen=_said(options, choice), device_side=_device_side(options, choice))
 
     refusals: list[BudgetRefused] = []
     for stream in residents:
@@ -113,6 +115,17 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         f"strategy.host_budget={human(budget or 0)} cannot be met as configured: " + "; ".join(why for why, _ in blocked)
         + f" (the least it keeps: {human(least.least)}); left to the plan it keeps {human(freed.host_bytes)}: "
         + ", ".join(fix for _, fix in blocked) + f", or raise host_budget to at least {human(least.least)}", least.least)
+
+
+def _device_side(options: TierOptions, choice: TierChoice) -> tuple[str, ...]:
+    """What keeps the device's memory, said on the plan line where the strategy was given it: the resident unit streamed
+    (not kept on the device with its gradients and fp32 optimizer state), activations offloaded to the host."""
+    said = []
+    if choice.stream_resident and options.resident is not None and not options.cpu:
+        said.append("the resident unit streamed (offload_resident: not on the device with its optimizer state)")
+    if options.activations:
+        said.append("the blocks' inputs on the host (offload_activations)")
+    return tuple(said)
 
 
 def _said(options: TierOptions, choice: TierChoice) -> tuple[str, ...]:

@@ -24,6 +24,11 @@ largest unit's span (a small model's unit is one chunk). The compute's reads nee
 once: ``weight_buffers`` buffers of the largest block's span, and one of its own for each unit held for
 the whole step (a streamed resident unit: ``held``). Spilling goes unit by unit, from the first block
 on, so that a budget a little short of the whole model puts only a few units on disk.
+
+On a GPU the copies to and from the device cross two rings of pinned buffers (:mod:`.staging`):
+``GRAD_SLOTS`` for the gradients landing and ``COPY_SLOTS`` for the weights leaving, each slot one chunk, or
+the largest parameter crossing the bus where that is less (``staged``). That is all the pinned memory besides
+the I/O buffers: a few chunks, whatever the depth (``staging_bytes``, counted against the budget).
 """
 
 from __future__ import annotations
@@ -90,6 +95,10 @@ SLOTS = 3
 MIN_CHUNK = 1 << 20  # the least chunk: below it the per-call overhead of the optimizer and the I/O dominates
 DEFAULT_CHUNK = 64 << 20  # without a budget: 16 requests of 4 MiB in flight per chunk, a few optimizer calls per GB
 MAX_CHUNK = 256 << 20
+# the pinned rings the copies cross on a GPU (:mod:`.staging`): gradient pieces landing from the device while the oldest
+# is summed, and weight pieces, one filled on the host while the one before crosses the bus
+GRAD_SLOTS = 4
+COPY_SLOTS = 2
 BUDGET_SHARE = 64  # with a budget: each step buffer takes at most 1/64 of it (the three, under 5%)
 
 
@@ -135,6 +144,18 @@ class TierPlan:
     chunk: int | None = None  # the most bytes of one step buffer (:mod:`.tier_chunks`); None: a whole unit
     resident_kept: int = 0  # the resident unit kept on a CPU device: host memory too (parameters, gradients, state)
     chosen: tuple[str, ...] = ()  # what the plan chose to keep the budget (:mod:`.tier_choice`), said on the plan line
+    staged: int = 0  # the largest parameter crossing the bus through the pinned rings, as it crosses (0: a CPU device)
+    device_side: tuple[str, ...] = ()  # what keeps the device's memory (:mod:`.tier_choice`), said on the plan line
+
+    @property
+    def staging_slot(self) -> int:
+        """Bytes of each slot of the pinned rings: the chunk, or the largest parameter crossing the bus where less."""
+        return min(self.chunk if self.chunk is not None else DEFAULT_CHUNK, self.staged)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The pinned rings the copies cross on a GPU (:mod:`.staging`): ``GRAD_SLOTS + COPY_SLOTS`` slots."""
+        return (GRAD_SLOTS + COPY_SLOTS) * self.staging_slot
 
     @property
     def spills(self) -> bool:
@@ -189,7 +210,8 @@ class TierPlan:
     def host_bytes(self) -> int:
         """Everything the offload keeps in host memory: what is not on disk, the gradient buffers, the I/O buffers."""
         kept = sum(u.state + u.masters + u.weights for u in self.units) - self.disk_bytes
-        return kept + self.grad_bytes + self.fixed + self.resident_kept + (self.buffer_bytes if self.spills else 0)
+        return (kept + self.grad_bytes + self.fixed + self.resident_kept + self.staging_bytes
+                + (self.buffer_bytes if self.spills else 0))
 
     @property
     def grad_bytes(self) -> int:
@@ -226,6 +248,8 @@ class TierPlan:
 
     def describe(self) -> str:
         chosen = f"; the plan chose: {', '.join(self.chosen)}" if self.chosen else ""
+        if self.device_side:
+            chosen += f"; for the device: {', '.join(self.device_side)}"
         if not self.spills:
             budget = f" (host_budget {human(self.budget)})" if self.budget is not None else ""
             return f"host {human(self.host_bytes)}, disk 0 B{budget}{chosen}"
@@ -236,7 +260,8 @@ class TierPlan:
         n = len(self.units)
         weights = f", weights of {sum(self.weights_on_disk)}/{n}" if any(self.weights_on_disk) else ""
         compute = f" (of which {human(self.compute_read_bytes)} by the compute)" if self.compute_read_bytes else ""
-        return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers; the host step in chunks of "
+        pinned = f", {human(self.staging_bytes)} pinned staging" if self.staging_bytes else ""
+        return (f"host {human(self.host_bytes)} (of which {human(self.buffer_bytes)} I/O buffers{pinned}; the host step in chunks of "
                 f"{human(self.step_buffer)}), disk {human(self.disk_bytes)} (optimizer state of {state}/{len(stateful)} units, "
                 f"fp32 masters of {masters}/{n}{weights}), {human(self.step_read_bytes)} read{compute} and "
                 f"{human(self.step_write_bytes)} written per step{chosen}")
@@ -252,13 +277,13 @@ class BudgetRefused(ValueError):
 
 def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0,
               grads_in_flight: int | None = None, held: int = 0, weight_buffers: int = 0, chunk: int | None = None,
-              resident_kept: int = 0) -> TierPlan:
+              resident_kept: int = 0, staged: int = 0) -> TierPlan:
     """The plan for ``units`` under ``budget`` bytes of host memory (None: no limit), spilling to disk only when
     ``nvme`` (a ``nvme_path`` was given). With ``nvme`` and no budget, everything that can go to disk does.
     ``weight_buffers``: the buffers the compute's reads of a block on disk need (units with ``compute_reads``).
     ``chunk``: the user's ``strategy.nvme_chunk`` (None: :func:`default_chunk`, made smaller, down to
     :data:`MIN_CHUNK`, where that is what keeps the budget). ``resident_kept``: host bytes of a resident unit kept on a
-    CPU device.
+    CPU device. ``staged``: the largest parameter crossing the bus on a GPU (:attr:`TierPlan.staged`; 0: a CPU device).
 
     Raises :class:`BudgetRefused` (a ValueError) naming the figures and the fix when the budget cannot be met."""
     n = len(units)
@@ -267,7 +292,7 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
 
     def plan() -> TierPlan:
         return TierPlan(tuple(units), tuple(state), tuple(masters), budget, slots, fixed, grads_in_flight, held, weight_buffers,
-                        tuple(weights), size, resident_kept)
+                        tuple(weights), size, resident_kept, staged=staged)
 
     current = plan()
     if budget is None and not nvme:
@@ -298,17 +323,17 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
     if found is not None:
         return found
     assert budget is not None
-    # everything on disk and still over: the step buffers are what a smaller chunk can still give back
+    # everything on disk and still over: the step buffers and the pinned rings are what a smaller chunk can still give back
     smallest = dataclasses.replace(current, chunk=MIN_CHUNK)
-    if chunk is None and current.step_buffer > MIN_CHUNK and smallest.host_bytes <= budget:
-        room = budget - (current.host_bytes - current.slots * current.step_buffer)
-        size = max(MIN_CHUNK, room // slots >> 12 << 12)
+    shrinks = smallest.host_bytes < current.host_bytes
+    if chunk is None and shrinks and smallest.host_bytes <= budget:
+        size = _largest_chunk(current, budget)
         state, masters, weights = [False] * n, [False] * n, [False] * n
         found = spill()
         assert found is not None
         return found
-    if chunk is not None and smallest.host_bytes <= budget and smallest.step_buffer < current.step_buffer:
-        most = (budget - (current.host_bytes - current.slots * current.step_buffer)) // slots
+    if chunk is not None and smallest.host_bytes <= budget and shrinks:
+        most = _largest_chunk(current, budget)
         raise BudgetRefused(
             f"strategy.host_budget={human(budget)} is less than the {human(current.host_bytes)} that stays on the host with "
             f"every unit's optimizer state, fp32 masters and weights on disk and strategy.nvme_chunk={human(chunk)} "
@@ -321,10 +346,26 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
         f"{human(least.buffer_bytes)}); raise host_budget to at least {human(least.host_bytes)}", least.host_bytes)
 
 
+def _largest_chunk(plan: TierPlan, budget: int) -> int:
+    """The largest chunk (a multiple of 4 KiB, at least :data:`MIN_CHUNK`) with which ``plan`` keeps ``budget``."""
+    low, high = MIN_CHUNK, max(MIN_CHUNK, plan.chunk or MIN_CHUNK)
+    while high - low > 4096:
+        mid = (low + high) // 2 >> 12 << 12
+        if mid <= low:
+            break
+        if dataclasses.replace(plan, chunk=mid).host_bytes <= budget:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def _breakdown(plan: TierPlan, on_disk: bool = False) -> str:
     units = plan.units
     weights = sum(u.weights for u in units)
     rest = f", other {human(plan.fixed)}" if plan.fixed else ""
+    if plan.staging_bytes:
+        rest += f", pinned staging {human(plan.staging_bytes)}"
     if plan.resident_kept:
         rest += f", the resident unit kept on the CPU device {human(plan.resident_kept)}"
     grads = f"gradient buffers {human(plan.grad_bytes)}"

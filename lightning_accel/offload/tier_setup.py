@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_accel.offload.device_memory import DeviceMemory, for_device
 from lightning_accel.offload.disk_io import align_up
 from lightning_accel.offload.host_optimizer import PER_PARAMETER
 from lightning_accel.offload.host_store import HostStore
@@ -23,7 +24,7 @@ from lightning_accel.offload.tier import NVMeTier
 from lightning_accel.offload.tier_choice import BLOCKS_IN_FLIGHT, Sizes, TierChoice, TierOptions, choose_tier
 from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
 from lightning_accel.offload.tier_weights import in_a_file
-from lightning_accel.stored import stored_nbytes
+from lightning_accel.stored import is_plain, stored_nbytes
 
 __all__ = ["BLOCKS_IN_FLIGHT", "TierChoice", "TierOptions", "check_tier_optimizers", "compute_reads", "make_tier", "plan_tier_for",
            "tier_inputs", "unit_bytes"]
@@ -113,9 +114,10 @@ WEIGHT_BUFFERS_BEYOND_PREFETCH = 2
 def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None, cuda: bool,
                 reads: list[int] | None = None, stepped: set[nn.Parameter] | None = None, kept: Unit | None = None,
                 ) -> tuple[list[UnitBytes], int, dict[nn.Parameter, StateKeys]]:
-    """What the plan is made from, for the strategy and ``estimate`` alike: each unit's bytes, the host bytes outside
-    the units that no plan moves (on CUDA the pinned staging each trainable parameter's gradient lands in, in its
-    device dtype: a shadow's, or fp32), and the per-element state keys (of ``kept``'s parameters too: a resident unit
+    """What the plan is made from, for the strategy and ``estimate`` alike: each unit's bytes, the largest parameter
+    crossing the bus on CUDA as it crosses (a shadow, an fp32 master without one, a frozen weight as stored: what sizes
+    the slots of the pinned rings, :attr:`~.tier_plan.TierPlan.staged`; 0 on the CPU device), and the per-element state
+    keys (of ``kept``'s parameters too: a resident unit
     kept on the device). ``reads``: :func:`compute_reads`. ``stepped``: the parameters this process steps, the only ones
     it keeps optimizer state for (data parallel with the host step partitioned: its own units'); None: every one."""
     trainable = [p for u in units for _, p in u.params if p.requires_grad and p not in store.frozen]
@@ -123,9 +125,10 @@ def tier_inputs(units: list[Unit], store: HostStore, optimizer: Optimizer | None
     # (a resident unit kept on the device steps on every rank: its state is each rank's)
     owned = [p for p in trainable if stepped is None or p in stepped] + extra
     keys = per_element_state(optimizer, owned, {p: _master_dtype(p, store) for p in owned}) if optimizer else {}
-    fixed = sum(stored_nbytes(store.shadow[p]) for p in trainable) if cuda else 0
+    crossing = [store.shadow[p] for u in units for _, p in u.params if p in store.shadow and is_plain(store.shadow[p])]
+    staged = max((stored_nbytes(t) for t in crossing), default=0) if cuda else 0
     reads = reads if reads is not None else [0] * len(units)
-    return [unit_bytes(u, store, keys, r) for u, r in zip(units, reads, strict=True)], fixed, keys
+    return [unit_bytes(u, store, keys, r) for u, r in zip(units, reads, strict=True)], staged, keys
 
 
 def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | None, budget: int | None, options: TierOptions,
@@ -140,7 +143,7 @@ def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | No
     Raises :class:`~.tier_plan.BudgetRefused` (a ValueError) with the figures and the fix."""
     streams = plan.offload_resident
     units = plan.blocks + ([plan.resident] if streams else [])
-    _, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, stepped=stepped, kept=None if streams else plan.resident)
+    _, staged, keys = tier_inputs(units, store, optimizer, cuda=pin, stepped=stepped, kept=None if streams else plan.resident)
 
     def sizes(stream: bool) -> tuple[list[UnitBytes], int]:
         tier_units = plan.blocks + ([plan.resident] if stream else [])
@@ -149,13 +152,13 @@ def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | No
             sized = [adjust(size, unit) for size, unit in zip(sized, tier_units)]
         return sized, kept_bytes(plan.resident, keys) if options.cpu and not stream else 0
 
-    tier_plan, choice = choose_tier(options, sizes, budget, fixed=fixed, streamed=streams,
+    tier_plan, choice = choose_tier(options, sizes, budget, staged=staged, streamed=streams,
                                     weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH)
     return tier_plan, choice, keys
 
 
 def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, budget: int | None, nvme_path: str | None,
-              pin: bool, steps_in_backward: bool = False, held: int = 0, reads: list[int] | None = None,
+              pin: bool | DeviceMemory, steps_in_backward: bool = False, held: int = 0, reads: list[int] | None = None,
               prefetch_blocks: int = 1, stepped: set[nn.Parameter] | None = None, chunk: int | None = None,
               tier_plan: TierPlan | None = None) -> tuple[TierPlan, NVMeTier | None]:
     """The tier plan for ``units`` (the executor's :meth:`~.executor.L2LExecutor.tier_units`) under ``budget``, and the
@@ -165,12 +168,14 @@ def make_tier(units: list[Unit], store: HostStore, optimizer: Optimizer | None, 
     prefetch depth (blocks whose weights are read ahead of their compute); ``stepped``: as for :func:`tier_inputs` (the
     other units' files hold their masters and weights only); ``chunk``: ``strategy.nvme_chunk``; ``tier_plan``: a plan
     already made for these units (:func:`plan_tier_for`), laid out as it is."""
-    sizes, fixed, keys = tier_inputs(units, store, optimizer, cuda=pin, reads=reads, stepped=stepped)
+    # the tier's buffers come from the device's layer (pinned and counted on CUDA; its stand-in on the CPU device)
+    memory = pin if isinstance(pin, DeviceMemory) else for_device(torch.device("cuda" if pin else "cpu"))
+    sizes, staged, keys = tier_inputs(units, store, optimizer, cuda=memory.staged, reads=reads, stepped=stepped)
     if tier_plan is None:
-        tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, fixed=fixed,
+        tier_plan = plan_tier(sizes, budget, nvme=nvme_path is not None, staged=staged,
                               grads_in_flight=BLOCKS_IN_FLIGHT if steps_in_backward else None, held=held,
                               weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH, chunk=chunk)
     if not tier_plan.spills:
         return tier_plan, None
     assert optimizer is not None and nvme_path is not None
-    return tier_plan, NVMeTier(store, units, tier_plan, optimizer, keys, nvme_path, pin=pin)
+    return tier_plan, NVMeTier(store, units, tier_plan, optimizer, keys, nvme_path, pin=memory)

@@ -48,7 +48,7 @@ def settle_in_memory(done: Materialized | None, executor: L2LExecutor | None, fi
         return
     if fitting:
         store = executor.store
-        moved = settle(list(executor.model.parameters()), store.master, store.shadow, done.staging, store.pin)
+        moved = settle(list(executor.model.parameters()), store.master, store.shadow, done.staging, pin=False)  # (nothing the store holds is pinned)
         if moved:
             done.in_memory_bytes += moved
             executor.baseline()

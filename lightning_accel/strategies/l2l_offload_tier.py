@@ -57,12 +57,14 @@ class L2LTierSetup(Strategy):
                 assert executor is not None
                 tier_plan, choice = self._plan_tier(executor, optimizer, rebuild)
             tier_plan, tier = make_tier(executor.tier_units(), executor.store, optimizer, self.host_budget, self.nvme_path,
-                                        pin=self.root_device.type == "cuda", reads=executor.compute_reads(),
+                                        pin=executor.streamer.memory, reads=executor.compute_reads(),
                                         prefetch_blocks=executor.plan.prefetch_blocks, stepped=self._tier_stepped(),
                                         tier_plan=tier_plan)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._tier_plan = tier_plan
+        if executor.streamer.staged:  # the pinned rings' slots, as the plan counts them
+            executor.streamer.size_staging(tier_plan.staging_slot)
         self._tier_overlap = choice.in_backward
         # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
         executor.max_unstepped = BLOCKS_IN_FLIGHT - 2 if choice.in_backward else None
@@ -78,14 +80,15 @@ class L2LTierSetup(Strategy):
         options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
                               resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
                               cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
-                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk)
+                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk, activations=self.offload_activations)
         blocks = len(executor.plan.blocks)
 
         def reads_of(streamed: bool) -> list[int]:
             return compute_reads(blocks, streamed, self.checkpoint_blocks, self.offload_activations)
 
         tier_plan, choice, _ = plan_tier_for(executor.plan, executor.store, optimizer, self.host_budget, options, reads_of,
-                                             pin=not cpu, prefetch_blocks=executor.plan.prefetch_blocks, stepped=self._tier_stepped())
+                                             pin=executor.streamer.staged, prefetch_blocks=executor.plan.prefetch_blocks,
+                                             stepped=self._tier_stepped())
         return tier_plan, choice
 
     def _may_stream_resident(self) -> bool:

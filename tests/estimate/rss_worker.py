@@ -44,11 +44,13 @@ def _loader(cfg: Any, steps: int) -> DataLoader:
     """``steps`` batches of random items of the recipe's shapes: byte tokens, or images and class 0/1."""
     (x_shape, x_dtype), (y_shape, _) = item_shapes(instantiate(cfg.data))
     n = steps * int(cfg.data.batch_size)
+    # seeded alike in every process: a gpipe_distributed recipe's ranks must load the same batches (they are checked)
+    gen = torch.Generator().manual_seed(0)
     if x_dtype == torch.long:  # token windows, the targets shifted by one
-        tokens = torch.randint(0, 256, (n, x_shape[0] + 1))
+        tokens = torch.randint(0, 256, (n, x_shape[0] + 1), generator=gen)
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     else:
-        x, y = torch.randn(n, *x_shape, dtype=x_dtype), torch.randint(0, 2, (n, *y_shape))
+        x, y = torch.randn(n, *x_shape, dtype=x_dtype, generator=gen), torch.randint(0, 2, (n, *y_shape), generator=gen)
     return DataLoader(TensorDataset(x, y), batch_size=int(cfg.data.batch_size))
 
 

@@ -53,7 +53,7 @@ def test_l2l_nf4_host_side_matches_offload_stats(seed: int) -> None:
     host = estimate_recipe(name, overrides).ranks[0].host
     trainer, _ = _fit(name, overrides)
     stats = trainer.strategy.offload_stats
-    store = ("masters (fp32)", "gradients (fp32)", "frozen/quantized weights", "pinned gradient staging")
+    store = ("masters (fp32)", "gradients (fp32)", "frozen/quantized weights", "pinned staging (copy rings)")
     assert sum(host.get(k, 0) for k in store) == pytest.approx(stats.host_bytes, rel=0.01)
     assert host["optimizer state"] == pytest.approx(stats.host_optimizer_bytes, rel=0.01)
 
@@ -98,7 +98,7 @@ def test_host_estimate_matches_peak_rss_of_every_cpu_recipe(cli_env: dict[str, s
     assert set(ratios) == set(recipes), f"no peak RSS read for {set(recipes) - set(ratios)}"
     assert all(abs(r - 1) <= 0.15 for r in ratios.values()), {name: round(r, 3) for name, r in ratios.items()}
     l2l = measured["gpt-tiny_l2l_cpu"]
-    store = ("masters (fp32)", "gradients (fp32)", "frozen/quantized weights", "pinned gradient staging")
+    store = ("masters (fp32)", "gradients (fp32)", "frozen/quantized weights", "pinned staging (copy rings)")
     assert sum(l2l["components"].get(k, 0) for k in store) == l2l["offload_host_bytes"]
     assert l2l["components"]["optimizer state"] == l2l["offload_host_optimizer_bytes"]
 

@@ -36,11 +36,10 @@ def test_the_8b_recipe_s_host_bytes_do_not_grow_with_depth(cuda: bool) -> None:
     # CPU device the resident unit (the 128k-vocabulary embedding and head with their AdamW state) besides
     assert shallow.grad_bytes == deep.grad_bytes == 4 * 218_112_000 * 4 and deep.step_buffer == 64 << 20
     assert deep.buffer_bytes == 3 * (64 << 20) + 3 * deep.weight_buffer and deep.weight_buffer == 218_103_808 * 2 + 2 * 4096 * 4  # (the norms in fp32)
-    grown = (deep.host_bytes - deep.fixed) / (shallow.host_bytes - shallow.fixed) - 1
-    assert grown < 0.05, (shallow.describe(), deep.describe())
-    if deep.fixed > shallow.fixed * 1.05:  # one pinned staging buffer per trainable parameter: the GPU side's to bound
-        pytest.xfail(f"pinned gradient staging grows with depth ({shallow.fixed / 1e9:.2f} GB -> {deep.fixed / 1e9:.2f} GB)")
-    assert deep.host_bytes < 1.05 * shallow.host_bytes
+    # on a GPU the copies cross 6 pinned slots of one chunk (offload/staging.py), not a buffer per parameter (13.96 GB at
+    # 32 layers, 27.9 GB at 64, before)
+    assert shallow.staging_bytes == deep.staging_bytes == (6 * (64 << 20) if cuda else 0)
+    assert deep.host_bytes < 1.05 * shallow.host_bytes, (shallow.describe(), deep.describe())
 
 
 def test_the_gpt_tiny_recipe_s_host_bytes_do_not_grow_with_depth() -> None:
@@ -53,3 +52,53 @@ def test_the_gpt_tiny_recipe_s_host_bytes_do_not_grow_with_depth() -> None:
     shallow, deep = plans
     assert deep.resident_kept == shallow.resident_kept > 0 and deep.grads_in_flight == 4
     assert deep.host_bytes < 1.05 * shallow.host_bytes, (shallow.describe(), deep.describe())
+
+
+# llama-3.1-70b_full-nvme_1gpu's model (meta-llama/Llama-3.1-70B's config.json) and gpt-175b_full-nvme_1gpu's (GPT-3's shape)
+LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64}
+
+
+def _large(recipe: str, layers: int) -> TierPlan:
+    with torch.device("meta"):
+        if recipe == "llama-70b":
+            net = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, **LLAMA_70B))
+        else:
+            net = GPT("gpt2-xl", vocab_size=50257, block_size=2048, n_embd=12288, n_head=96, n_layer=layers)
+    fake_parameters(net, FakeTensorMode())
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
+    return tier_plan(net, [optimizer], compute_dtype=torch.bfloat16, nvme_path="unused", cuda=True, offload_resident=True,
+                     offload_activations=True)
+
+
+@pytest.mark.parametrize("recipe", ["llama-70b", "gpt-175b"])
+def test_the_largest_recipes_host_bytes_do_not_grow_with_depth(recipe: str) -> None:
+    # the recipes' settings on a GPU (the resident unit streamed, activations on the host: theirs, in the device's column),
+    # everything on disk, at 4 and 8 of their blocks: 4 blocks' fp32 gradients, 3 step buffers of a chunk, the compute's
+    # weight buffers, 6 pinned slots of a chunk; nothing of it per block
+    shallow, deep = _large(recipe, 4), _large(recipe, 8)
+    assert all(deep.state_on_disk) and all(deep.masters_on_disk) and deep.held == 1
+    assert deep.staging_bytes == shallow.staging_bytes == 6 * deep.staging_slot <= 6 * (64 << 20)
+    assert deep.host_bytes < 1.05 * shallow.host_bytes, (shallow.describe(), deep.describe())
+    assert "for the device: the resident unit streamed (offload_resident" in deep.describe()
+    assert "the blocks' inputs on the host (offload_activations)" in deep.describe()
+
+
+@pytest.mark.parametrize(("recipe", "depth", "layers", "host"), [
+    ("llama-3.1-70b_full-nvme_1gpu", "model.net.config.num_hidden_layers", 80, 64e9),
+    ("gpt-175b_full-nvme_1gpu", "model.net.n_layer", 96, 128e9),
+])
+def test_the_largest_recipes_fit_a_24_gb_gpu_and_their_host(recipe: str, depth: str, layers: int, host: float) -> None:
+    from lightning_accel.estimate import estimate_recipe
+
+    # the recipe as shipped at 4 of its blocks (the whole estimate at full depth takes minutes on fake tensors; its
+    # figures are in docs/offload.md): the device's bytes do not depend on the depth (one block's compute, the resident
+    # unit streamed, the blocks' inputs on the host), the plan keeps its budget at any depth, and what the host holds
+    # beyond the plan grows by one parked block input a block
+    estimate = estimate_recipe(recipe, [f"{depth}=4"])
+    (rank,) = estimate.ranks
+    assert rank.device_peak_bytes <= 24e9, rank.device
+    assert estimate.tier is not None and estimate.tier.budget is not None and estimate.tier.host_bytes <= estimate.tier.budget
+    parked = rank.host["parked block inputs"] / 4 * layers
+    beyond = sum(rank.host.values()) - estimate.tier.host_bytes - rank.host["parked block inputs"]  # (the loader's batches)
+    assert estimate.tier.budget + parked + beyond <= host, (estimate.tier.budget, parked, beyond)
+    assert "for the device: the resident unit streamed" in estimate.tier.describe()

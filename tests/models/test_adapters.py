@@ -105,7 +105,7 @@ def test_lora_keys_reach_peft_and_only_the_adapters_train() -> None:
         ({"lora_alpha": 32}, r"^model\.adapter\.lora_alpha is written model\.adapter\.alpha here; set model\.adapter\.alpha=32$"),
         ({"r": 0}, r"^model\.adapter: `r` should be a positive integer .*; fix that key of model/adapter=lora$"),
         ({"target_modules": ["q_projj"]}, r"^model\.adapter\.target_modules=\['q_projj'\]: Target modules \{'q_projj'\} not found "
-                                          r"in the base model.*; name modules of LlamaForCausalLM, e.g. its Linear layers: down_proj"),
+                                          r"in the base model.*; name modules of LlamaForCausalLM, e.g. any of its Linear layers: down_proj"),
     ],
     ids=["typo", "close-match", "peft-long-name", "bad-value", "no-such-module"],
 )

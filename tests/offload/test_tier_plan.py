@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from lightning_accel.offload.tier_plan import UnitBytes, human, parse_bytes, plan_tier
+from lightning_accel.offload.tier_plan import (COPY_SLOTS, DEFAULT_CHUNK, GRAD_SLOTS, MIN_CHUNK, UnitBytes, human, parse_bytes,
+                                               plan_tier)
 
 
 def _units(n: int = 4) -> list[UnitBytes]:
@@ -121,3 +124,20 @@ def test_a_streamed_resident_unit_in_the_tier_holds_one_parameter_s_gradient_at_
     in_memory = plan_tier(units, None, nvme=False, grads_in_flight=3, held=1)
     on_disk = plan_tier(units, None, nvme=True, grads_in_flight=3, held=1)
     assert in_memory.grad_bytes == 3 * 4000 + 40_000 and on_disk.grad_bytes == 30_000 + 10_000 + 4000
+
+
+def test_the_pinned_rings_are_six_slots_of_the_chunk_or_of_the_largest_crossing_parameter() -> None:
+    # 100 blocks of 40 MB of state each, on a GPU whose largest parameter crosses the bus in 8 MiB: the rings pin six
+    # slots of it whatever the depth; a larger parameter is cut to the chunk
+    units = [UnitBytes(f"layers.{i}", state=40 << 20, masters=20 << 20, weights=10 << 20, grads=20 << 20) for i in range(100)]
+    small = plan_tier(units, None, nvme=True, staged=8 << 20)
+    assert small.staging_slot == 8 << 20 and small.staging_bytes == (GRAD_SLOTS + COPY_SLOTS) * (8 << 20) == 6 * (8 << 20)
+    assert plan_tier(units[:50], None, nvme=True, staged=8 << 20).staging_bytes == small.staging_bytes
+    large = plan_tier(units, None, nvme=True, staged=1 << 30)
+    assert large.staging_slot == DEFAULT_CHUNK and large.host_bytes - small.host_bytes == 6 * (DEFAULT_CHUNK - (8 << 20))
+    assert "pinned staging" in large.describe() and plan_tier(units, None, nvme=True).staging_bytes == 0  # (a CPU device)
+    # a budget that only a smaller chunk meets: the plan shrinks the step buffers and the slots together, and keeps it
+    least = dataclasses.replace(large, chunk=MIN_CHUNK).host_bytes
+    tight = plan_tier(units, least + 10 * MIN_CHUNK, nvme=True, staged=1 << 30)
+    assert MIN_CHUNK < tight.chunk < DEFAULT_CHUNK and tight.host_bytes <= least + 10 * MIN_CHUNK
+    assert dataclasses.replace(tight, chunk=tight.chunk + 8192).host_bytes > least + 10 * MIN_CHUNK  # the largest that fits

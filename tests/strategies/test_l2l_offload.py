@@ -534,7 +534,7 @@ def test_delayed_update_and_activation_offload_refuse_what_they_cannot_do() -> N
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_delayed_update_with_activations_on_host_matches_the_delayed_loop() -> None:
-    # the copy-stream paths: pinned snapshots streamed in, activations out and back on CUDA
+    # the copy-stream paths: snapshots streamed in through the pinned ring, activations out and back on CUDA
     torch.manual_seed(0)
     lit, reference = Regressor(), Regressor()
     reference.load_state_dict(lit.state_dict())

@@ -105,15 +105,16 @@ def test_bf16_thawed_matrices_travel_in_bf16_and_train_as_plain_bf16_mixed() -> 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", ["refreeze", "pruning"])
-def test_cuda_thawed_masters_are_pinned_and_train_as_plain_lightning(case: str) -> None:
-    """On a GPU every weight is a copy: a thawed master (pinned, as the others) is what the copy reads, the adopted
+def test_cuda_thawed_masters_train_as_plain_lightning(case: str) -> None:
+    """On a GPU every weight is a copy: a thawed master (pageable, as the others: copies cross the pinned rings of
+    offload/staging.py) is what the copy reads, the adopted
     lottery-ticket weights are, and the pruning masks made on the host are planned as block buffers and streamed."""
     want, got = Transfer(), Transfer()
     fit_case(case, want, DataLoader(data(), batch_size=PER_RANK_BATCH), accelerator="gpu", devices=1)
     fit_case(case, got, DataLoader(data(), batch_size=PER_RANK_BATCH), L2LOffloadStrategy, accelerator="gpu", devices=1)
     _assert_equal({k: v.cpu() for k, v in weights(got).items()}, weights(want), atol=1e-10)  # host fused vs device loop
-    if case == "refreeze":  # (pruning made permanent at the end replaces each pruned weight's data: not pinned)
-        assert all(p.device.type == "cpu" and p.is_pinned() for p in got.backbone.parameters())
+    if case == "refreeze":  # nothing the host store holds is pinned: a whole pinned copy of the model is what the rings avoid
+        assert all(p.device.type == "cpu" and not p.is_pinned() for p in got.backbone.parameters())
 
 
 # -- two gloo ranks -------------------------------------------------------------------------------------------------
