@@ -128,14 +128,16 @@ def _as_user_error(where: str, check: Any, *args: Any) -> Any:
 
 
 def _check_blocks(strategy: Any, model: Any) -> list[Any]:
-    """The blocks the strategy's policy finds (every repeated stack, as each strategy asks for them)."""
+    """The blocks the strategy's policy finds (every repeated stack, as each strategy asks for them; L2L streams each
+    child with parameters of a model without blocks)."""
     from lightning_accel.models.block_policy import find_blocks
+    from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
     policy = strategy.blocks
     shown = [str(p) for p in policy] if isinstance(policy, Iterable) and not isinstance(policy, str) else policy
     where = f"strategy.blocks={shown}" if isinstance(shown, (str, list)) else "strategy.blocks"
     try:
-        return find_blocks(model, policy, stacks="all")
+        return find_blocks(model, policy, stacks="all", children=isinstance(strategy, L2LOffloadHooks))
     except (ValueError, ImportError, AttributeError, TypeError) as err:
         raise UserError(f"{where}: {_line(err)}; pass the repeated block's class, e.g. strategy.blocks=[GPTBlock], or "
                         "strategy.blocks=auto" if isinstance(err, TypeError) else f"{where}: {_line(err)}") from None

@@ -21,6 +21,16 @@ Policies:
   ``Sequential(embed, Sequential(*blocks), head)`` gives the blocks, the model or not;
 - a callable ``model -> iterable of submodules``.
 
+Blocks are named as the model registers them (``layer.mlp_1`` for an ``nn.Sequential(OrderedDict(mlp_1=...))``,
+``stack.0`` for a list): the name under which ``named_modules`` and ``state_dict`` know the block.
+
+``find_blocks(..., children=True)`` (what L2L offload asks for) lets ``"auto"`` fall back, where the model has no
+container of blocks at all (Lightning's own test models, many users' models: a few layers as attributes), to *each
+direct child that has parameters*, in registration order; a model whose only child with parameters is a wrapper
+(``self.net = Net()``) is looked into, down to the first module with several such children. The parameters held
+directly by the modules above them stay resident. A pipeline cuts only at blocks of its own stack, so ``gpipe`` and
+``gpipe_distributed`` still refuse such a model with the candidates they found.
+
 ``find_blocks(..., stacks="all")`` (what L2L offload and QLoRA ask for) adds, under
 ``"auto"``, every other repeated stack of the model: a same-class container of two or more
 children, outside the chosen one and not inside another stack's block, whose children are at
@@ -126,7 +136,22 @@ def _auto(model: nn.Module, stacks: str = "one") -> list[Block]:
         return []
     prefixes = [chosen[0]] if stacks == "one" or chosen is not best else _stacks(model, *chosen)
     modules = dict(model.named_modules())
-    return [Block(f"{prefix}.{i}" if prefix else str(i), child) for prefix in prefixes for i, child in enumerate(modules[prefix])]
+    return [Block(f"{prefix}.{name}" if prefix else name, child) for prefix in prefixes
+            for name, child in modules[prefix]._modules.items() if child is not None]  # (repeats kept: refused below)
+
+
+def _children_with_parameters(model: nn.Module) -> list[Block]:
+    """The fallback of ``"auto"`` (``children=True``): each direct child that has parameters, looking through a chain
+    of single wrappers that hold no parameters of their own."""
+    prefix, module = "", model
+    while True:
+        holding = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+        own = any(True for _ in module.parameters(recurse=False))
+        if len(holding) == 1 and not own and any(True for _ in holding[0][1].children()):
+            name, module = holding[0]
+            prefix = f"{prefix}{name}."
+            continue
+        return [Block(f"{prefix}{n}", c) for n, c in holding]
 
 
 def _candidates_line(model: nn.Module) -> str:
@@ -142,9 +167,10 @@ def _candidates_line(model: nn.Module) -> str:
     return f"candidates: {', '.join(shown)}{more}"
 
 
-def find_blocks(model: nn.Module, policy: BlockPolicy = "auto", stacks: str = "one") -> list[Block]:
+def find_blocks(model: nn.Module, policy: BlockPolicy = "auto", stacks: str = "one", children: bool = False) -> list[Block]:
     """The blocks of ``model`` under ``policy``, in execution order; with ``stacks="all"``, ``"auto"`` takes every
-    repeated stack (an encoder-decoder's both), ``"one"`` the largest.
+    repeated stack (an encoder-decoder's both), ``"one"`` the largest; with ``children=True``, ``"auto"`` on a model
+    without a container of blocks takes each direct child that has parameters (see the module doc).
 
     Raises ``ValueError`` naming the model, the policy and the fix when there are none.
     """
@@ -153,7 +179,10 @@ def find_blocks(model: nn.Module, policy: BlockPolicy = "auto", stacks: str = "o
     names = {id(m): n for n, m in model.named_modules()}
     if isinstance(policy, str) and policy == "auto":
         blocks = _auto(model, stacks)
-        described = "'auto' (the longest ModuleList/Sequential of one class, or a mixed nn.Sequential)"
+        if not blocks and children:
+            blocks = _children_with_parameters(model)
+        described = ("'auto' (the longest ModuleList/Sequential of one class, or a mixed nn.Sequential"
+                     + (", else each child with parameters)" if children else ")"))
     elif callable(policy) and not isinstance(policy, type):
         chosen = list(policy(model))  # type: ignore[operator]
         unknown = [type(m).__name__ for m in chosen if id(m) not in names]

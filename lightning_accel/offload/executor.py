@@ -44,7 +44,7 @@ during the backward or after the step, and the wait for a delayed update to land
 
 from __future__ import annotations
 
-import functools
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -150,7 +150,7 @@ class L2LExecutor(HostSteps):
             assert unit.module is not None
             self._originals[index] = unit.module.forward
             # an instance attribute: a forward the user's instance already had comes back at detach()
-            self._patches.append(patch(unit.module, "forward", functools.partial(self._block_forward, index)))
+            self._patches.append(patch(unit.module, "forward", _BlockForward(self._block_forward, index, unit.module.forward)))
             for _, param in unit.params:
                 self._unit_of[param] = index
         if self.plan.offload_resident:
@@ -445,3 +445,19 @@ class L2LExecutor(HostSteps):
             self.streamer.wait_copies()  # no copy may still read a snapshot about to change
             return self.delayed.finish()
 
+
+class _BlockForward:
+    """A streamed block's ``forward`` (an instance attribute, as :func:`~lightning_accel.patching.patch` sets it).
+
+    ``copy.deepcopy`` of the block, or of anything holding it (a model an EMA or SWA callback copies during fit), makes
+    an ordinary module: the copy's ``forward`` is the block's own (its class's, bound to the copy), not the executor's,
+    whose locks and threads cannot be copied; the copy's weights are the block's current ones (its host masters)."""
+
+    def __init__(self, run: Callable[..., Any], index: int, original: Callable[..., Any]) -> None:
+        self.run, self.index, self.original = run, index, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.index, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.original, memo)

@@ -55,6 +55,7 @@ class HostStore:
         # the bf16 gradient each fp32 buffer was widened from, and both tensors' versions then (see add_grad)
         self.low_grads: dict[nn.Parameter, tuple[Tensor, int, Tensor, int]] = {}
         self._keep_low = False
+        self._shown = False  # the buffers are ``param.grad`` now (install_grads), until take_grads or clear_grads
         # parameters frozen at planning that require grad now (gradual unfreezing): the dtype each was stored in
         self.thawed: dict[nn.Parameter, torch.dtype] = {}
         for unit in units:
@@ -243,9 +244,29 @@ class HostStore:
             self.low_grads.pop(param, None)
 
     def install_grads(self) -> None:
-        """Expose the accumulated gradients as ``param.grad`` for clipping and the optimizer."""
+        """Expose the accumulated gradients as ``param.grad`` (after a backward, for the user's code, clipping and
+        the optimizer: where plain training shows them)."""
         for param, grad in self.grads.items():
             param.grad = grad
+        self._shown = True
+
+    def take_grads(self) -> None:
+        """Before a backward: the shown gradients come back into the store as the user's code left them (zeroed or
+        clipped in place, replaced, or set to None: dropped) and ``param.grad`` is None again, so that autograd's
+        accumulation into ``param.grad`` does not add them twice."""
+        if not self._shown:
+            return
+        self._shown = False
+        for param in list(self.grads):
+            grad, buf = param.grad, self.grads[param]
+            param.grad = None
+            if grad is buf:
+                continue
+            self.low_grads.pop(param, None)
+            if grad is None:
+                del self.grads[param]
+            else:
+                self.grads[param] = grad.detach().to("cpu", buf.dtype, copy=True)
 
     def clear_grads(self) -> None:
         """Drop the gradients after the optimizer step (and the ``param.grad`` references)."""
@@ -253,6 +274,7 @@ class HostStore:
             param.grad = None
         self.grads.clear()
         self.low_grads.clear()
+        self._shown = False
 
     def weight_bytes(self) -> int:
         """Bytes of the host weights: frozen tensors as stored, masters, and shadows that are copies."""

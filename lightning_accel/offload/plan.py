@@ -46,6 +46,8 @@ class OffloadPlan:
 
     def describe(self) -> str:
         sizes = [u.numel for u in self.blocks]
+        if not sizes:
+            return "no blocks (the model has no parameters: nothing streams)"
         return (
             f"{len(self.blocks)} blocks of {min(sizes):,}-{max(sizes):,} parameters, resident unit of "
             f"{self.resident.numel:,} parameters ({'streamed' if self.offload_resident else 'kept on the device'}), "
@@ -70,7 +72,10 @@ def make_plan(model: nn.Module, policy: BlockPolicy = "auto", prefetch_blocks: i
     """
     if prefetch_blocks < 0:
         raise ValueError(f"prefetch_blocks must be >= 0, got {prefetch_blocks}; 1 overlaps the next block's copy with this block's compute")
-    blocks = find_blocks(model, policy, stacks="all")  # an encoder-decoder streams both stacks
+    # an encoder-decoder streams both stacks; a model without a container of blocks, each child with parameters; a
+    # model without parameters (an evaluation-only LightningModule) nothing, which is not worth refusing
+    nothing = isinstance(policy, str) and policy == "auto" and not any(True for _ in model.parameters())
+    blocks = [] if nothing else find_blocks(model, policy, stacks="all", children=True)
     owner: dict[int, str] = {}
     units = []
     for block in blocks:

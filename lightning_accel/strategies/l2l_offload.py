@@ -35,7 +35,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
 
     Args:
         blocks: which submodules stream: ``"auto"`` (the longest ModuleList of one class, or
-            each child of a mixed ``nn.Sequential``; see
+            each child of a mixed ``nn.Sequential``; a model with neither: each direct child that has parameters; see
             :func:`lightning_accel.models.block_policy.find_blocks`), class names/classes
             (``["GPTBlock"]``), or a callable ``model -> modules``.
         prefetch_blocks: how many blocks ahead to copy while one computes (device memory

@@ -321,6 +321,12 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
                 self._resident_pending = launch_mean(self._resident, [p.grad for p in self._resident], None)
 
     @override
+    def _show_grads(self) -> None:
+        # a backward that averages hands its buffers to the averaging (a rank keeps only its own blocks' means when
+        # the host step is partitioned): they are shown once joined, in the hooks and at the step, not before
+        pass
+
+    @override
     def _gradients_ready(self) -> None:
         # (twice per step when on_after_backward was shown the means: the second call finds everything joined)
         if self._grad_sync is not None:

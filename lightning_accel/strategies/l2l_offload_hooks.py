@@ -9,6 +9,11 @@ optimizer state of the model's blocks live in host memory; only the block being 
 ``configure_optimizers`` is honoured unchanged: the optimizer simply finds the block
 parameters on the host, with their fp32 gradients, when it steps.
 
+Two concepts live beside this module: the gradients shown to the user's code as ``param.grad``
+(:class:`~lightning_accel.strategies.l2l_offload_grads.L2LGradients`: ``pre_backward``, ``post_backward``,
+``on_after_backward``), and the host budget's and NVMe tier's set-up
+(:class:`~lightning_accel.strategies.l2l_offload_tier.L2LTierSetup`).
+
 What each hook adds to :class:`SingleDeviceStrategy`:
 
 - ``model_to_device``: plan the units, move block parameters to the host store, keep the
@@ -88,16 +93,15 @@ from lightning_accel.offload.host_threads import HostThreads
 from lightning_accel.offload.materialize import Materialized
 from lightning_accel.offload.optimizer_state import state_bytes
 from lightning_accel.offload.tier_plan import TierPlan, parse_bytes, parse_chunk
-from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, TierChoice, TierOptions, check_tier_optimizers, compute_reads,
-                                                make_tier, plan_tier_for)
 from lightning_accel.patching import swapped
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, for_offload
 from lightning_accel.strategies.l2l_materialize import kept_on_meta, materialize_meta, settle_in_memory
-from lightning_accel.strategies.user_hooks import overrides
+from lightning_accel.strategies.l2l_offload_grads import L2LGradients
+from lightning_accel.strategies.l2l_offload_tier import L2LTierSetup
 
 
-class L2LOffloadHooks(Strategy):
+class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
     """What L2L offload adds to a Lightning strategy's hooks, for one device
     (:class:`L2LOffloadStrategy`) and data parallel
     (:class:`~lightning_accel.strategies.l2l_offload_ddp.L2LOffloadDDPStrategy`): combined with
@@ -236,6 +240,7 @@ class L2LOffloadHooks(Strategy):
         if self.delayed_update:
             self._check_delayed_update(trainer)
         self._refuse_declared_unfreezing(trainer)
+        self._land_before_on_after_backward()
 
     def _refuse_declared_unfreezing(self, trainer: Trainer) -> None:
         """Before the first step: a callback that declares what it will unfreeze (``BackboneFinetuning``: the
@@ -260,107 +265,6 @@ class L2LOffloadHooks(Strategy):
                         f"LightningModule's backbone, whose parameter {names[param]} {refusal}; {KEEP_IT_FROZEN}"
                     )
 
-    def _setup_tier(self, rebuild: bool = True) -> list[str]:
-        """With ``host_budget`` or ``nvme_path``: plan what stays in host memory (choosing when the blocks step and where
-        the resident unit lives where the user left it open, refusing a budget that cannot be met, with the figures)
-        and move what does not fit to disk. ``rebuild``: the executor may be made again to stream the resident unit
-        (at set-up; not while a fit runs). Returns the plan line's part."""
-        executor = self._executor
-        if executor is None or (self.nvme_path is None and self.host_budget is None) or not self.optimizers:
-            return []  # (validate/test/predict alone: nothing steps, nothing to stream)
-        label = self._tier_label()
-        if executor.tier is not None:  # fit, then validate: set up once per placement
-            return [f"{label}: {executor.tier.plan.describe()}"]
-        if self.nvme_path is not None:
-            check_tier_optimizers(self.optimizers, type(self).__name__)
-        optimizer = self.optimizers[0]
-        try:
-            tier_plan, choice = self._plan_tier(executor, optimizer, rebuild)
-            if choice.stream_resident and not executor.plan.offload_resident:
-                self._stream_resident = True  # the plan's choice: the executor is made again, the resident unit streamed
-                self.model_to_device()
-                executor = self._executor
-                assert executor is not None
-                tier_plan, choice = self._plan_tier(executor, optimizer, rebuild)
-            tier_plan, tier = make_tier(executor.tier_units(), executor.store, optimizer, self.host_budget, self.nvme_path,
-                                        pin=executor.streamer.memory, reads=executor.compute_reads(),
-                                        prefetch_blocks=executor.plan.prefetch_blocks, stepped=self._tier_stepped(),
-                                        tier_plan=tier_plan)
-        except ValueError as err:
-            raise ValueError(f"{type(self).__name__}: {err}") from None
-        self._tier_plan = tier_plan
-        if executor.streamer.staged:  # the pinned rings' slots, as the plan counts them
-            executor.streamer.size_staging(tier_plan.staging_slot)
-        self._tier_overlap = choice.in_backward
-        # the backward holds back so that no more gradients wait than the plan counted (a block arriving, the rest landed)
-        executor.max_unstepped = BLOCKS_IN_FLIGHT - 2 if choice.in_backward else None
-        executor.retier = self._retier
-        if tier is not None:
-            executor.attach_tier(tier)
-            return [f"{label}: {tier_plan.describe()} under {tier.directory}"]
-        return [f"{label}: {tier_plan.describe()}"]
-
-    def _plan_tier(self, executor: L2LExecutor, optimizer: Optimizer, rebuild: bool) -> tuple[TierPlan, TierChoice]:
-        """The tier's plan for ``executor`` and what it chose (:mod:`lightning_accel.offload.tier_choice`)."""
-        cpu = self.root_device.type == "cpu"
-        options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
-                              resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
-                              cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
-                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk, activations=self.offload_activations)
-        blocks = len(executor.plan.blocks)
-
-        def reads_of(streamed: bool) -> list[int]:
-            return compute_reads(blocks, streamed, self.checkpoint_blocks, self.offload_activations)
-
-        tier_plan, choice, _ = plan_tier_for(executor.plan, executor.store, optimizer, self.host_budget, options, reads_of,
-                                             pin=executor.streamer.staged, prefetch_blocks=executor.plan.prefetch_blocks,
-                                             stepped=self._tier_stepped())
-        return tier_plan, choice
-
-    def _may_stream_resident(self) -> bool:
-        """Whether the tier's plan may stream the resident unit where ``offload_resident`` is unset."""
-        return True
-
-    def _overlap_blocker(self, optimizer: Optimizer) -> tuple[str, str | None] | None:
-        """Why the blocks cannot step during the backward in this fit, and the fix (None: nothing stops it)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.accumulate_grad_batches != 1:
-            return (f"accumulate_grad_batches={trainer.accumulate_grad_batches} sums every block's gradients over the micro-batches "
-                    "before any block steps", "set accumulate_grad_batches=1")
-        if trainer is not None and trainer.gradient_clip_val:
-            return f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient before any block steps", "drop gradient_clip_val"
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            return "fp16 loss scaling checks every gradient before any block steps", "use precision='bf16-mixed'"
-        if self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
-            return ("on_after_backward / on_before_optimizer_step read every gradient before any block steps",
-                    "drop those overrides")
-        if not isinstance(optimizer, PER_PARAMETER):
-            return f"{type(optimizer).__name__} is not a per-parameter optimizer", f"use one of {', '.join(c.__name__ for c in PER_PARAMETER)}"
-        return None
-
-    def _overlap_wanted(self) -> bool:
-        """Whether the blocks should step during the backward: ``overlap_step`` as given; unset, the tier plan's choice,
-        else on an accelerator only (on the CPU the host step would compete with the compute for the same cores)."""
-        if self.overlap_step is not None:
-            return self.overlap_step
-        if self._tier_overlap is not None:
-            return self._tier_overlap
-        return self.root_device.type != "cpu"
-
-    def _tier_label(self) -> str:
-        """What the plan line calls the tier's part (data parallel: whose plan it is)."""
-        return "NVMe tier"
-
-    def _tier_stepped(self) -> set[nn.Parameter] | None:
-        """The host parameters this process steps, the only ones whose optimizer state the tier lays out; None: all."""
-        return None
-
-    def _retier(self) -> None:
-        """The parameters changed during fit (unfrozen, frozen again, replaced): the tier is planned and laid out again from
-        them and their state as they are now (read from the old files' views, written to new ones), and says so."""
-        said = self._setup_tier(rebuild=False)
-        rank_zero_info(f"{type(self).__name__}: the trained parameters changed; " + "; ".join(said))
-
     def _check_delayed_update(self, trainer: Trainer) -> None:
         """Refuse what the delayed update cannot do, before any step (preflight asks the same of the composed config)."""
         module = trainer.lightning_module
@@ -384,7 +288,7 @@ class L2LOffloadHooks(Strategy):
             raise ValueError(f"L2LOffloadStrategy: {err}") from None
         device = self.root_device
         compute_dtype = self._compute_dtype()
-        if device.type == "cuda":
+        if device.type == "cuda" and plan.blocks:
             _check_fits(plan, device, compute_dtype)
         if self._threads is None:  # the rank's CPU budget for the host step and the copies
             self._threads = HostThreads.plan(self._cpu_budget())
@@ -431,7 +335,8 @@ class L2LOffloadHooks(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self._executor is not None
+        if self._executor is None:  # after teardown (a test driving the loop by hand): the model is an ordinary module
+            return super().training_step(*args, **kwargs)
         self._begin_step()
         self._executor.start_delayed_update()  # the previous step's host update, beside this step's compute
         return super().training_step(*args, **kwargs)
@@ -463,7 +368,8 @@ class L2LOffloadHooks(Strategy):
         return super().optimizer_state(optimizer)
 
     def _eval(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        assert self._executor is not None
+        if self._executor is None:  # (after teardown, as in training_step)
+            return step(*args, **kwargs)
         self._begin_step()
         try:
             return step(*args, **kwargs)
@@ -483,55 +389,10 @@ class L2LOffloadHooks(Strategy):
         return self._eval(super().predict_step, *args, **kwargs)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Lightning calls on_after_backward from the precision plugin's post_backward, before this strategy's
-        # post_backward; the block gradients went to the host as they arrived, so they are landed and shown as
-        # ``param.grad`` (host tensors) for the hooks, as plain Lightning shows them, and taken off again after
-        # (the next backward of an accumulation must not add into them twice).
-        if not self._reads_gradients("on_after_backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        plugin = self.precision_plugin
-        post_backward = plugin.post_backward
-
-        def landed_for_hooks(tensor: torch.Tensor, module: Any) -> torch.Tensor:
-            executor = self._executor
-            assert executor is not None
-            self._gradients_for_hooks(tensor)
-            try:
-                return post_backward(tensor, module)
-            finally:
-                for param in executor.store.grads:
-                    param.grad = None
-
-        with swapped(plugin, "post_backward", landed_for_hooks):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _gradients_for_hooks(self, closure_loss: torch.Tensor) -> None:
-        """Before ``on_after_backward``: the host gradients landed and shown as ``param.grad``."""
-        assert self._executor is not None
-        self._executor.streamer.finish_grads()
-        self._executor.install_grads()
-
-    def _reads_gradients(self, *hooks: str) -> bool:
-        """Whether the user's LightningModule or a callback overrides one of ``hooks`` (where Lightning shows gradients)."""
-        return overrides(self.lightning_module, *hooks)
-
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        assert self._executor is not None
-        self._executor.begin_backward()
-        super().pre_backward(closure_loss)
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        assert self._executor is not None
-        self._executor.end_backward()
-
-    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         executor = self._executor
-        assert executor is not None
+        if executor is None:  # (after teardown, as in training_step)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.delayed_update and trainer is not None and trainer.global_step >= self.delayed_update_warmup:
@@ -648,6 +509,7 @@ class L2LOffloadHooks(Strategy):
 
     @override
     def teardown(self) -> None:
+        self._unpatch_plugin()
         if self._executor is not None:
             self._executor.detach()  # the model computes normally again; stats stay readable
             if self._executor.tier is not None:  # its files go; the module and the optimizer keep reading their maps

@@ -177,3 +177,23 @@ def test_every_stack_of_transformers_encoder_decoders(maker: str) -> None:
         want = ["model.encoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.0", "model.decoder.layers.1"]
     assert [b.name for b in find_blocks(net, stacks="all")] == want
     assert len(find_blocks(net)) == int(want[-1][-1]) + 1  # a pipeline: the decoder alone, as before
+
+
+def test_blocks_are_named_as_registered_and_auto_falls_back_to_children() -> None:
+    from collections import OrderedDict
+
+    named = nn.Sequential(OrderedDict(embed=nn.Embedding(4, 4), layer=nn.Sequential(OrderedDict(
+        mlp_1=nn.Linear(4, 4), mlp_2=nn.Linear(4, 4), mlp_3=nn.Linear(4, 4)))))
+    assert [b.name for b in find_blocks(named)] == ["layer.mlp_1", "layer.mlp_2", "layer.mlp_3"]
+    assert [n for n, _ in named.named_modules()][3:] == ["layer.mlp_1", "layer.mlp_2", "layer.mlp_3"]  # the same names
+
+    flat = nn.Module()
+    flat.a, flat.act, flat.b = nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"no blocks found in Module under 'auto' \(.*nn.Sequential\); candidates: none"):
+        find_blocks(flat)  # a pipeline's policy: no stack to cut
+    assert [b.name for b in find_blocks(flat, children=True)] == ["a", "b"]  # L2L's: each child with parameters
+    outer = nn.Module()
+    outer.net = flat
+    assert [b.name for b in find_blocks(outer, children=True)] == ["net.a", "net.b"]  # a wrapper is looked into
+    with pytest.raises(ValueError, match=r"no blocks found in Linear under 'auto' \(.*else each child with parameters\)"):
+        find_blocks(nn.Linear(2, 2), children=True)

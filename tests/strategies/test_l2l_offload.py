@@ -248,12 +248,17 @@ def test_a_loss_scaler_other_than_torchs_is_refused() -> None:
 
 
 def test_model_without_blocks_is_refused() -> None:
-    class Flat(Regressor):
+    class Flat(Regressor):  # every parameter its own: no child to stream
         def __init__(self) -> None:
             super().__init__()
-            self.stack = nn.ModuleList()
+            self.inp = self.stack = self.out = None
+            self.w = nn.Parameter(torch.zeros(3, 1))
 
-    with pytest.raises(ValueError, match=r"L2LOffloadStrategy: no blocks found in Flat under 'auto'"):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    with pytest.raises(ValueError, match=r"L2LOffloadStrategy: no blocks found in Flat under 'auto' \(.*else each child with "
+                                         r"parameters\); candidates: none"):
         _fit(Flat(), _regression_data(), L2LOffloadStrategy())
 
 
