@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.strategies import Strategy
+from lightning.fabric.strategies import SingleDeviceStrategy, Strategy
 
 __all__ = ["TRAINER_ONLY"]
 
@@ -20,7 +20,7 @@ def _trainer_only(name: str, why: str, fix: str) -> type:
         raise ValueError(f"Fabric(strategy={name!r}) is not available: {why}; {fix}")
 
     cls_name = "".join(part.capitalize() for part in name.split("_")) + "TrainerOnly"
-    return type(cls_name, (Strategy,), {"__init__": __init__, "strategy_name": name, "__module__": __name__})
+    return type(cls_name, (SingleDeviceStrategy,), {"__init__": __init__, "strategy_name": name, "__module__": __name__})
 
 
 TRAINER_ONLY: list[tuple[str, type, str]] = [
