@@ -1,4 +1,5 @@
-"""examples/fabric_litgpt_loop.py runs on the CPU under each strategy, and its losses equal Fabric's own strategy's."""
+"""examples/fabric_litgpt_loop.py runs on the CPU with our strategy swapped in, and its losses equal Fabric's own
+strategy's (the loop itself, under every strategy, is tests/fabric/test_fabric_litgpt.py's)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ def test_the_example_trains_as_fabrics_own_strategy(tmp_path: Path) -> None:
     main = runpy.run_path(str(EXAMPLE))["main"]
     common = ["--steps", "2", "--out"]
     reference = main(["--strategy", "auto", *common, str(tmp_path / "auto.ckpt")])
-    for strategy in ("l2l_offload", "gpipe"):
-        losses = main(["--strategy", strategy, *common, str(tmp_path / f"{strategy}.ckpt")])
-        assert losses == pytest.approx(reference, rel=1e-5), strategy
-        assert (tmp_path / f"{strategy}.ckpt").is_file()
+    losses = main(["--strategy", "l2l_offload", *common, str(tmp_path / "l2l.ckpt")])
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert (tmp_path / "l2l.ckpt").is_file()

@@ -54,13 +54,13 @@ def _train(fabric: L.Fabric, model: Any, optimizer: Any, data: list, accumulatio
             optimizer.zero_grad()
 
 
-def _run(strategy: Any, start: nn.Module | None = None, precision: str = "32-true", **loop: Any) -> tuple[Any, torch.Tensor]:
+def _run(strategy: Any, start: nn.Module | None = None, precision: str = "32-true", batches: int = 6, **loop: Any) -> tuple[Any, torch.Tensor]:
     """The loop from ``start`` (default :func:`_start`); returns the set-up model and its output on a batch after the
     loop (no grad: inference)."""
     fabric = _fabric(strategy, precision)
     model = start if start is not None else _start()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    _train(fabric, model, optimizer, _data(), **loop)
+    _train(fabric, model, optimizer, _data(batches), **loop)
     with torch.no_grad():
         return model, model(_data(1)[0][0])
 
@@ -136,8 +136,8 @@ def test_init_module_on_meta_is_materialized_and_loads_raw_weights(tmp_path: Pat
 
 def test_bf16_mixed_pairs_with_the_offload_precision_and_tracks_fabrics_bf16() -> None:
     initial = weights(_start().float())
-    model, output = _run("l2l_offload", start=_start().float(), precision="bf16-mixed")
-    reference, expected = _run("auto", start=_start().float(), precision="bf16-mixed")
+    model, output = _run("l2l_offload", start=_start().float(), precision="bf16-mixed", batches=2)
+    reference, expected = _run("auto", start=_start().float(), precision="bf16-mixed", batches=2)
     moved = max_difference(weights(reference), initial)
     assert max_difference(weights(reference), weights(model)) < 0.05 * moved  # bf16 device copies: rounding only
     assert output.dtype == expected.dtype
