@@ -87,13 +87,22 @@ def test_each_option_trains_as_fabrics_default_strategy_and_infers_after_the_loo
     torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
 
 
-def test_nvme_tier_trains_as_fabrics_default_strategy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    strategy = L2LOffloadStrategy(nvme_path=str(tmp_path / "tier"))  # without host_budget: every block's state on disk
-    model, output = _run(strategy)
+def test_nvme_tier_trains_as_fabrics_default_strategy_and_saves_what_fabric_loads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fabric = _fabric(L2LOffloadStrategy(nvme_path=str(tmp_path / "tier")))  # without host_budget: every block's state on disk
+    model = _start()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(fabric, model, optimizer, _data())
     assert re.search(r"NVMe tier: host .*, disk [1-9][0-9.]* kB", caplog.text), caplog.text  # the plan line: state on disk
     reference, expected = _reference()
     assert max_difference(reference, weights(model)) < 1e-12
-    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_data(1)[0][0]), expected, rtol=0, atol=1e-12)
+    # written by the cache-bounded atomic writer (as under the Trainer), loaded by Fabric's own strategy
+    fabric.save(tmp_path / "tier.ckpt", {"model": model, "optimizer": optimizer})
+    plain = _fabric("auto")
+    loaded = plain.setup(Net(depth=4, width=8).double())
+    plain.load(tmp_path / "tier.ckpt", {"model": loaded}, strict=False)
+    assert max_difference(weights(model), weights(loaded)) == 0
 
 
 def test_save_and_load_resume_exactly(tmp_path: Path) -> None:
