@@ -178,3 +178,12 @@ def test_what_cannot_be_honoured_is_refused_when_fabric_is_built(build: Any, mat
 def test_overlap_step_refuses_clipping_and_accumulation_at_the_call(loop: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _run(L2LOffloadStrategy(overlap_step=True), **loop)
+
+
+def test_teardown_leaves_a_module_that_computes_as_before() -> None:
+    strategy = L2LOffloadStrategy()
+    model, output = _run(strategy, batches=2)
+    strategy.teardown()  # the executor detached, the module's own forward back
+    assert "forward" not in model.module.__dict__
+    with torch.no_grad():
+        assert torch.equal(model.module(_data(1)[0][0]), output)
