@@ -1,7 +1,9 @@
 """lightning_accel: Lightning plugins and Hydra recipes for models too large, too deep or too data-hungry for one accelerator.
 
 Importing the package registers our strategy names with Lightning's StrategyRegistry and
-the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``, as do the DDP communication variants ``"ddp_fp16"``, ``"ddp_bf16"`` and ``"ddp_powersgd"``.
+the ``xla_pjrt`` accelerator with its AcceleratorRegistry (idempotently), so ``Trainer(strategy="l2l_offload")``, ``"l2l_offload_ddp"``, ``"gpipe"`` or ``"gpipe_distributed"`` works after ``import lightning_accel``, as do the DDP communication variants ``"ddp_fp16"``, ``"ddp_bf16"`` and ``"ddp_powersgd"``. The same names go to
+Lightning Fabric's ``STRATEGY_REGISTRY`` (:mod:`lightning_accel.fabric`): ``Fabric(strategy="l2l_offload")`` and
+``"gpipe"`` for a hand-written loop; ``"gpipe_distributed"`` and ``"l2l_offload_ddp"`` refuse there in one line.
 """
 
 from lightning_accel._registry import register_all as _register_all

@@ -1,6 +1,7 @@
-"""Registration of our strategy names with Lightning's StrategyRegistry.
+"""Registration of our strategy names with Lightning's StrategyRegistry, and Fabric's.
 
-Lightning resolves ``Trainer(strategy="name")`` through a process-wide registry. We add
+Lightning resolves ``Trainer(strategy="name")`` (and Fabric ``Fabric(strategy="name")``) through a process-wide
+registry. We add
 our names when ``lightning_accel`` is imported; importing twice (or reloading the module,
 as pytest and notebooks do) must not raise, so a name already bound to the same class is
 left alone, and only a *different* class under one of our names is an error.
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_accel.fabric import FABRIC_STRATEGIES
 from lightning_accel.strategies.gpipe import GPipeStrategy
 from lightning_accel.strategies.gpipe_distributed import DistributedGPipeStrategy
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
@@ -42,8 +45,11 @@ def register(registry: Any, name: str, strategy_cls: type, description: str, **i
     registry.register(name, strategy_cls, description=description, **init_params)
 
 
-def register_all(registry: Any = StrategyRegistry) -> list[str]:
-    """Register every strategy in :data:`STRATEGIES`; returns the names."""
+def register_all(registry: Any = StrategyRegistry, fabric_registry: Any = FABRIC_REGISTRY) -> list[str]:
+    """Register every strategy in :data:`STRATEGIES` with the Trainer's registry, and the same names in Fabric's
+    (:data:`lightning_accel.fabric.FABRIC_STRATEGIES`); returns the Trainer's names."""
     for name, strategy_cls, description in STRATEGIES:
         register(registry, name, strategy_cls, description)
+    for name, strategy_cls, description in FABRIC_STRATEGIES:
+        register(fabric_registry, name, strategy_cls, description)
     return [name for name, _, _ in STRATEGIES]

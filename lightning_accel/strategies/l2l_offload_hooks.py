@@ -226,6 +226,15 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
     def setup(self, trainer: Trainer) -> None:
         self._compute_dtype()  # refuse an unsupported precision before anything moves
         self._base_setup(trainer)
+        self._setup_offload()
+        if self.delayed_update:
+            self._check_delayed_update(trainer)
+        self._refuse_declared_unfreezing(trainer)
+        self._land_before_on_after_backward()
+
+    def _setup_offload(self) -> None:
+        """After the model is placed and the optimizers are known (either front door: the Trainer's ``setup``, Fabric's
+        ``setup_module`` / ``setup_optimizers``): each optimizer's host kernel, the tier, the plan said once."""
         kernels = []
         for optimizer in self.optimizers:
             check_host_optimizer(optimizer)
@@ -237,10 +246,6 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
         if said != getattr(self, "_plan_said", None):  # fit, then validate, set up again: say the plan once
             self._plan_said = said
             rank_zero_info(said)
-        if self.delayed_update:
-            self._check_delayed_update(trainer)
-        self._refuse_declared_unfreezing(trainer)
-        self._land_before_on_after_backward()
 
     def _refuse_declared_unfreezing(self, trainer: Trainer) -> None:
         """Before the first step: a callback that declares what it will unfreeze (``BackboneFinetuning``: the
@@ -410,11 +415,17 @@ class L2LOffloadHooks(L2LGradients, L2LTierSetup, Strategy):
             executor.install_grads()  # clipping and the final step see the host gradients
             return result
 
-        # The update (after the closure and clipping): the host parameters on the fused CPU
-        # kernel, the low-precision shadows written in the same pass over the masters.
+        return self._host_step(optimizer, fuse, lambda: super(L2LOffloadHooks, self).optimizer_step(
+            optimizer, closure_then_host_grads, model, **kwargs))
+
+    def _host_step(self, optimizer: Optimizer, fuse: bool, step: Callable[[], Any]) -> Any:
+        """``step()`` (the optimizer's step, either front door's) as the update of the host parameters: on the fused CPU
+        kernel, the low-precision shadows written in the same pass over the masters; then the rest of the shadows."""
+        executor = self._executor
+        assert executor is not None
         with host_update(optimizer, fuse, executor.shadows_to_write, executor.shadows_written, executor.low_grads_to_read,
                          before_step=executor.step_spilled if executor.tier is not None else None):
-            output = super().optimizer_step(optimizer, closure_then_host_grads, model, **kwargs)
+            output = step()
         self._after_update(optimizer)
         executor.after_step()  # refreshes the shadows the update did not (a skipped fp16 step: all)
         executor.update_host_bytes(self.host_optimizer_bytes())

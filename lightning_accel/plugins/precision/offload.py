@@ -97,9 +97,14 @@ def for_offload(plugin: Precision | None, strategy_name: str) -> Precision | Non
         # a GradScaler keeps the scale it was built with in _init_scale until its first step
         init_scale = float(getattr(scaler, "_init_scale", 2.0**16)) if scaler is not None else 2.0**16
         return OffloadPrecision(flag, device=plugin.device, init_scale=init_scale)
+    raise refused_precision(flag, type(plugin).__name__, strategy_name)
+
+
+def refused_precision(flag: object, plugin_name: str, strategy_name: str) -> ValueError:
+    """The one line that refuses a precision an L2L strategy cannot honour (either front door: Trainer or Fabric)."""
     named = f"precision={flag!r}" if isinstance(flag, str) else "the precision plugin"
-    raise ValueError(
-        f"{named} ({type(plugin).__name__}): strategy={strategy_name!r} {KEEPS_FP32_MASTERS}; "
+    return ValueError(
+        f"{named} ({plugin_name}): strategy={strategy_name!r} {KEEPS_FP32_MASTERS}; "
         f"use precision='bf16-mixed', '16-mixed' or '32-true' "
         f"(or plugins=[OffloadPrecision('bf16-mixed')])"
     )
