@@ -12,6 +12,7 @@ import pytest
 from lightning_accel.benchmarks.offload_workload import token_data
 from lightning_accel.cli import main
 from lightning_accel.config.compose import compose_recipe
+from lightning_accel.config.errors import UserError
 from lightning_accel.estimate import estimate_recipe
 from lightning_accel.estimate.tier import TierRefused
 from lightning_accel.runner import build_model, build_plugins, build_strategy
@@ -59,13 +60,19 @@ def test_the_tier_s_bytes_are_the_strategy_s(tmp_path: Path) -> None:
 @pytest.mark.parametrize("nvme", [True, False], ids=["too small even with a disk", "over budget without a disk"])
 def test_a_budget_the_strategy_refuses_is_refused_with_its_message(tmp_path: Path, nvme: bool) -> None:
     overrides = [*SMALL, "strategy.host_budget=2MB", *([f"strategy.nvme_path={tmp_path}"] if nvme else [])]
-    with pytest.raises(TierRefused) as refused:
+    # the recipe's preflight runs the strategy's plan (issue 58: refused before any rank starts), so estimate stops there
+    # with the same line, as a UserError; estimate's own plan refuses it as TierRefused where no preflight runs
+    with pytest.raises((TierRefused, UserError)) as refused:
         estimate_recipe(RECIPE, overrides)
     with pytest.raises(ValueError) as strategy:
         _fit(overrides)
-    assert str(refused.value) == str(strategy.value)
-    assert str(refused.value).startswith("L2LOffloadStrategy: strategy.host_budget=2.00 MB is less than the ")
-    assert ("raise host_budget to at least" if nvme else "set strategy.nvme_path=DIR") in str(refused.value)
+    # the same refusal; without a disk preflight's advice also names the budget the disk needs (config/setup_checks.py's
+    # _with_disk_floor: "set nvme_path" alone leads nowhere at 2 MB), which the strategy's own line does not say yet
+    said, own = str(refused.value), str(strategy.value)
+    assert said == own if nvme else said.split("; ")[0] == own.split("; ")[0]
+    assert said.startswith("L2LOffloadStrategy: strategy.host_budget=2.00 MB is less than the ")
+    assert "raise host_budget to at least" in said
+    assert nvme or "set strategy.nvme_path=DIR and host_budget to at least" in said
     assert os.listdir(tmp_path) == []  # refused before any file
 
 
