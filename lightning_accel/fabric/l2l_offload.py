@@ -26,7 +26,6 @@ a ``fabric.clip_gradients`` or a second ``fabric.backward`` before ``optimizer.s
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -48,7 +47,7 @@ from lightning_accel.offload.host_step import step_params
 from lightning_accel.patching import Patch, patch
 from lightning_accel.plugins.io.atomic import AtomicCheckpointIO
 from lightning_accel.plugins.precision.offload import OffloadPrecision, refused_precision
-from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy as TrainerL2LOffloadStrategy
+from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy as TrainerL2LOffloadStrategy, beyond_one_device
 
 __all__ = ["L2LOffloadStrategy"]
 
@@ -179,10 +178,7 @@ class L2LOffloadStrategy(SingleDeviceStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        asked = [f"devices={len(self._devices)}"] if len(self._devices) > 1 else []
-        asked += [f"num_nodes={self._num_nodes}"] if self._num_nodes > 1 else []
-        asked += [f"WORLD_SIZE={world} (a launcher such as torchrun)"] if world > 1 else []
+        asked = beyond_one_device(len(self._devices), self._num_nodes)
         if asked:
             raise ValueError(
                 f"Fabric(strategy='l2l_offload') trains on one device in one process, but {' and '.join(asked)} asks for "

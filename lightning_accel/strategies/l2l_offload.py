@@ -30,6 +30,17 @@ from lightning_accel.strategies.options_check import check_device_accelerator, c
 __all__ = ["L2LOffloadHooks", "L2LOffloadStrategy"]
 
 
+def beyond_one_device(devices: int, num_nodes: int) -> list[str]:
+    """What asks for more than one process on one device (``devices``, ``num_nodes``, a launcher's ``WORLD_SIZE``), as
+    settings to name in the refusal; empty when nothing does. Both front doors (the Trainer's and Fabric's
+    ``l2l_offload``) refuse from this one list."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    asked = [f"devices={devices}"] if devices > 1 else []
+    asked += [f"num_nodes={num_nodes}"] if num_nodes > 1 else []
+    asked += [f"WORLD_SIZE={world} (a launcher such as torchrun)"] if world > 1 else []
+    return asked
+
+
 class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
     """Train on one device with the model's blocks offloaded to host memory.
 
@@ -166,10 +177,7 @@ class L2LOffloadStrategy(L2LOffloadHooks, SingleDeviceStrategy):
     @override
     def _configure_launcher(self) -> None:
         # the Trainer is being built: refuse what one process on one device cannot honour, before anything starts
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        asked = [f"devices={len(self._devices)}"] if len(self._devices) > 1 else []
-        asked += [f"num_nodes={self._num_nodes}"] if self._num_nodes > 1 else []
-        asked += [f"WORLD_SIZE={world} (a launcher such as torchrun)"] if world > 1 else []
+        asked = beyond_one_device(len(self._devices), self._num_nodes)
         if asked:
             raise ValueError(
                 f"strategy='l2l_offload' trains on one device in one process, but {' and '.join(asked)} asks for more; "
