@@ -11,6 +11,11 @@ The two methods are torch 2.13's ``PipelineScheduleSingle.step`` and ``ScheduleG
 point where the forwards' sends have been waited for, and nothing else: the same point-to-point operations in the same
 order, so the other ranks may run torch's ``step`` unchanged. ``_step_microbatches`` itself is torch's (any rank may
 still call ``step``). No Lightning here.
+
+Those internals are torch's private names (``_split_tensor``, ``_sorted_batch_p2p``, ...), present in torch 2.13 and not
+in every release (torch 2.9, which torch_xla 2.9 pins, lacks ``_split_tensor``). They are imported when a split step
+first runs, not when ``lightning_accel`` is imported, so an environment whose torch lacks them (the XLA one) still
+imports the package and every strategy but this route; the route then says in one line which torch it needs.
 """
 
 from __future__ import annotations
@@ -19,11 +24,22 @@ from typing import Any
 
 import torch
 from torch.distributed.pipelining import ScheduleGPipe
-from torch.distributed.pipelining.microbatch import _split_tensor
-from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _sorted_batch_p2p, _wait_batch_p2p
 from torch.profiler import record_function
 
 __all__ = ["SplitGPipe"]
+
+
+def _schedule_internals() -> tuple[Any, Any, Any, Any]:
+    """torch's private pieces of ``ScheduleGPipe._step_microbatches`` that the two phases reuse, imported at first use."""
+    try:
+        from torch.distributed.pipelining.microbatch import _split_tensor
+        from torch.distributed.pipelining.schedules import _TARGET_CHUNK_SPEC, _sorted_batch_p2p, _wait_batch_p2p
+    except ImportError as err:
+        raise RuntimeError(
+            f"gpipe_distributed's whole-batch training step needs torch 2.13's pipelining internals; torch "
+            f"{torch.__version__} lacks them ({err}): install torch==2.13.0"
+        ) from None
+    return _split_tensor, _TARGET_CHUNK_SPEC, _sorted_batch_p2p, _wait_batch_p2p
 
 
 class SplitGPipe(ScheduleGPipe):
@@ -34,6 +50,7 @@ class SplitGPipe(ScheduleGPipe):
         stage); the backward waits for :meth:`backward_phase`."""
         if self._has_backward and not torch.is_grad_enabled():
             raise RuntimeError("SplitGPipe.forward_phase needs gradients enabled (it is a training step)")
+        _split_tensor, _TARGET_CHUNK_SPEC, _sorted_batch_p2p, _wait_batch_p2p = _schedule_internals()
         self._stage.has_backward = self._has_backward
         self._stage.clear_runtime_states()
         arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
@@ -54,6 +71,7 @@ class SplitGPipe(ScheduleGPipe):
     def backward_phase(self, losses: list | None = None) -> None:
         """Every micro-batch's backward, after :meth:`forward_phase`, and the end of ``step`` (losses, gradient
         reduction)."""
+        _, _, _sorted_batch_p2p, _wait_batch_p2p = _schedule_internals()
         sends: list[Any] = []
         for i in range(self._n_microbatches):
             with record_function(f"Backward {i}"):
