@@ -44,6 +44,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_accel.config.compose import compose_recipe, resolve_recipe
 from lightning_accel.config.data_fit import check_data_fits
 from lightning_accel.config.errors import UserError, explain, missing_file_line, one_line
+from lightning_accel.config.argument_types import check_argument_types
+from lightning_accel.config.host_fit import check_network_fits_host
 from lightning_accel.config.loop_checks import check_run_options, check_seed, check_trainer
 from lightning_accel.config.optim_checks import Configured, check_optimization
 from lightning_accel.config.paths import check_config_paths, check_env_paths
@@ -149,12 +151,14 @@ def _built(where: str, node: Any, **kwargs: Any) -> Any:
     """``instantiate(node)``, its error as one line naming ``where`` (and the argument, where the constructor's
     error names one: :mod:`lightning_accel.strategies.options_check`'s ``where.name=value: ...``)."""
     try:
-        return instantiate(node, **kwargs)
+        built = instantiate(node, **kwargs)
     except UserError:
         raise
     except Exception as err:
         keyed = getattr(_cause(err), "keyed", None)
         raise UserError(keyed(where) if callable(keyed) else _with_fix(where, node, _reason(err))) from None
+    check_argument_types(where, node)  # what its constructor took without a check of its own (data.seed=abc)
+    return built
 
 
 def _with_fix(where: str, node: Any, line: str) -> str:
@@ -276,6 +280,7 @@ def _check_objects(cfg: DictConfig, launch: bool) -> tuple[Any, Configured]:
             except Exception as err:
                 raise UserError(_with_fix("model", cfg.model, _reason(err))) from None
         optimization = check_optimization(module, cfg)
+        check_argument_types("model", cfg.model)  # what the network's and the optimizer's constructors took unchecked
     check_strategy_setup(strategy, module, cfg, optimization.optimizers)
     return module, optimization
 
@@ -385,6 +390,8 @@ def check_job(cfg: DictConfig, path: Path, launch: bool) -> tuple[Any, Configure
         check_comm_strategy(cfg.get("strategy"), str(cfg.trainer.accelerator))
         module, optimization = _check_objects(cfg, launch)
     check_data_fits(data, module, cfg)
+    if launch:  # validate checks a recipe for any machine; run, for this one
+        check_network_fits_host(module, cfg)
     return module, optimization
 
 

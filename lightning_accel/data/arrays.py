@@ -138,7 +138,7 @@ class ArrayDataModule(LoaderDataModule):
         n_val = int(rows * val_fraction)  # floor: closed-form split sizes
         if (val_fraction > 0 and n_val == 0) or rows - n_val == 0:
             raise ValueError(f"{rows} rows cannot be split with val_fraction={val_fraction}; pass data.val_fraction=0 or more rows")
-        for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+        for name, value, low in (("batch_size", batch_size, 1),):  # num_workers: LoaderDataModule's
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} is not an integer >= {low}; pass data.{name}=<{low} or more>")
         self.path = file

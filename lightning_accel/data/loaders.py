@@ -18,6 +18,8 @@ trained on a different permutation than the run it replaces.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -27,7 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from typing_extensions import override
 
-__all__ = ["EpochStatefulDistributedSampler", "LoaderDataModule", "distributed_shard", "seeded_loader"]
+__all__ = ["EpochStatefulDistributedSampler", "LoaderDataModule", "check_num_workers", "distributed_shard", "seeded_loader"]
 
 
 class EpochStatefulDistributedSampler(StatefulDistributedSampler):
@@ -65,6 +67,36 @@ def distributed_shard(trainer: L.Trainer | None) -> dict[str, int] | None:
         return None
     kwargs = trainer.distributed_sampler_kwargs
     return None if kwargs is None else {"num_replicas": int(kwargs["num_replicas"]), "rank": int(kwargs["rank"])}
+
+
+def _process_limit() -> tuple[int, str] | None:
+    """How many processes this user may start, and what says so: ``ulimit -u`` where it is finite, else the kernel's
+    ``pid_max``; None where neither can be read."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY:
+            return int(soft), "ulimit -u"
+    except (ImportError, ValueError, OSError, AttributeError):
+        pass
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text()), "the kernel's pid_max"
+    except (OSError, ValueError):
+        return None
+
+
+def check_num_workers(num_workers: Any) -> None:
+    """``num_workers``: an integer >= 0, and no more worker processes than this machine lets one user start (a
+    DataLoader asked for more forks until the machine refuses, then hangs waiting for workers that never start).
+    Every data module here asks it of its ``num_workers``."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} is not an integer >= 0; pass data.num_workers=<0 or more>")
+    limit = _process_limit()
+    if limit is not None and num_workers > limit[0]:
+        cores = os.cpu_count() or 1
+        raise ValueError(f"num_workers={num_workers} is more worker processes than this machine lets one user start "
+                         f"({limit[0]}, {limit[1]}); pass data.num_workers=<0 to about {cores}, one per core>")
 
 
 def seeded_loader(
@@ -121,6 +153,7 @@ class LoaderDataModule(L.LightningDataModule):
 
     def __init__(self, *, batch_size: int, seed: int, num_workers: int, pin_memory: bool) -> None:
         super().__init__()
+        check_num_workers(num_workers)
         self.batch_size = batch_size
         self.seed = seed
         self.num_workers = num_workers

@@ -121,7 +121,7 @@ class ShapesDataModule(LoaderDataModule):
             raise ValueError(f"image_size={image_size!r} is below 8 pixels, too small to draw shapes; pass data.image_size=<8 or more, e.g. 32>")
         if isinstance(train_samples, bool) or not isinstance(train_samples, int) or train_samples < 1:
             raise ValueError(f"train_samples={train_samples!r} is not a positive integer; pass data.train_samples=<an integer >= 1>")
-        for name, value in (("val_samples", val_samples), ("test_samples", test_samples), ("num_workers", num_workers)):
+        for name, value in (("val_samples", val_samples), ("test_samples", test_samples)):  # num_workers: LoaderDataModule's
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} is not an integer >= 0; pass data.{name}=<0 or more>")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, get_worker_info
 
-from lightning_accel.data.loaders import distributed_shard, seeded_loader
+from lightning_accel.data.loaders import check_num_workers, distributed_shard, seeded_loader
 
 __all__ = [
     "SyntheticArrays",
@@ -250,8 +250,7 @@ class SyntheticDataModule(L.LightningDataModule):
         _positive("batch_size", batch_size)
         if isinstance(val_samples, bool) or not isinstance(val_samples, int) or val_samples < 0:
             raise ValueError(f"val_samples={val_samples!r} is not an integer >= 0; pass data.val_samples=<0 or more>")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} is not an integer >= 0; pass data.num_workers=<0 or more>")
+        check_num_workers(num_workers)
         if prefetch_factor is not None:
             _positive("prefetch_factor", prefetch_factor)
             if num_workers == 0:

@@ -116,8 +116,6 @@ class TextDataModule(LoaderDataModule):
                 f"val_fraction + test_fraction = {val_fraction + test_fraction:g} leaves no training text; "
                 "pass data.val_fraction and data.test_fraction summing to less than 1"
             )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} is not an integer >= 0; pass data.num_workers=<0 or more>")
         self.source = source
         self.path = str(Path(path).expanduser()) if path is not None else None
         self.block_size = block_size

@@ -97,6 +97,9 @@ def test_every_recipe_passes_preflight_here_or_its_cpu_override_does(name: str) 
             preflight(name, [])
         override = re.search(r"or override (.*)$", str(refused.value)).group(1)
         assert override == cpu_override(compose_recipe(name, with_hydra=True))
-        preflight(name, override.split())
+        try:
+            preflight(name, override.split())
+        except UserError as err:  # a model larger than this machine's memory (a 7B in fp32 masters here): said so, with its fix
+            assert "the network's parameters alone are" in str(err) and "strategy.nvme_path=DIR" in str(err), err
     else:
         preflight(name, [])

@@ -1,0 +1,91 @@
+"""A network whose parameters alone exceed the machine's memory, refused before work: :func:`check_network_fits_host`.
+
+Why: ``model.net.vocab_size=1000000000000`` (a typo's extra zeros) builds fine on the meta device, passes every other
+check, and fails after set-up in the allocator's words (``DefaultCPUAllocator: can't allocate memory: you tried to
+allocate 512000000000000 bytes``), naming no key. Preflight already holds the network on meta, so its parameter bytes
+are known for free; where they exceed what the machine has (memory and swap, or the cgroup's limit where one is lower),
+no strategy that keeps the parameters in host memory can run it. The NVMe tier (``strategy.nvme_path``) streams
+parameters from disk and plans its own budget (``offload/tier_plan.py``), so it is left to that plan.
+
+The refusal names the key whose value sized the largest tensor (found in ``model``'s config by the value it holds) and
+two fixes. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_accel.config.errors import UserError
+
+__all__ = ["check_network_fits_host", "host_memory_bytes"]
+
+
+def host_memory_bytes() -> tuple[int, str] | None:
+    """The most memory this process could ever hold, and what says so: physical memory plus swap, or the cgroup's
+    ``memory.max`` where it is lower; None where /proc cannot be read (not Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        total = (int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    what = "this machine's memory and swap"
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max" and int(limit) < total:
+            return int(limit), "this cgroup's memory.max"
+    except (OSError, ValueError):
+        pass
+    return total, what
+
+
+def _flat(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _flat(value, f"{prefix}.{key}")
+    else:
+        yield prefix, node
+
+
+def _sizing_key(cfg: DictConfig, shape: tuple[int, ...]) -> str | None:
+    """The key under ``model`` (or ``data``, whose values models interpolate) holding the largest of ``shape``'s sizes."""
+    for size in sorted(set(shape), reverse=True):
+        for group in ("model", "data"):
+            try:
+                flat = dict(_flat(OmegaConf.to_container(cfg.get(group) or {}, resolve=True), group))
+            except Exception:
+                continue
+            found = [k for k, v in flat.items() if isinstance(v, int) and not isinstance(v, bool) and v == size and size > 1]
+            if found:
+                return min(found, key=len)
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n < 1e12 else f"{n / 1e12:,.1f} TB"
+
+
+def check_network_fits_host(module: Any, cfg: DictConfig) -> None:
+    """Refuse ``module`` (built on meta) when its parameters alone exceed :func:`host_memory_bytes`, unless the
+    strategy streams them from disk (``strategy.nvme_path``)."""
+    if not isinstance(module, nn.Module) or (cfg.get("strategy") or {}).get("nvme_path") is not None:
+        return
+    machine = host_memory_bytes()
+    params = list(module.parameters())
+    if machine is None or not params:
+        return
+    total = sum(p.numel() * p.element_size() for p in params)
+    if total <= machine[0]:
+        return
+    name, largest = max(((n, p) for n, p in module.named_parameters()), key=lambda item: item[1].numel())
+    shape = tuple(largest.shape)
+    key = _sizing_key(cfg, shape)
+    where = f"{key}={OmegaConf.select(cfg, key)}: " if key is not None else "model: "
+    dims = " x ".join(str(s) for s in shape)
+    raise UserError(f"{where}the network's parameters alone are {_gb(total)} (largest: {name}, {dims}), more than "
+                    f"{machine[1]} ({_gb(machine[0])}); shrink {key or 'the model'}, or stream the weights from disk "
+                    "with strategy=l2l_offload strategy.nvme_path=DIR")
