@@ -1,7 +1,8 @@
 """``Fabric(strategy="l2l_offload_ddp", devices=2)``: litgpt's loops on 2 gloo ranks give the weights of the same loops
 under Fabric's own DDP in float64 (accumulation under ``no_backward_sync``, clipping by norm across ranks and by
 value, ``bf16-mixed`` paired with the offload precision), ``fabric.save`` / ``fabric.load`` resume exactly (and Fabric's
-DDP resumes from the same checkpoint), Fabric's collectives answer as under DDP; what it cannot honour is refused when
+DDP resumes from the same checkpoint), a model built on meta is materialized, the module infers after the loop,
+Fabric's collectives answer as under DDP; what it cannot honour is refused when
 the ``Fabric`` is built. One 2-process launch (:mod:`tests.support.workers.fabric_ddp_worker`) holds every run."""
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ def test_litgpt_loops_equal_fabrics_ddp_on_every_rank(ranks: tuple[Path, list[di
     for rank in results:
         assert max_difference(reference, rank[case]) < 1e-10  # float64 rounding (fused AdamW), amplified by Adam
     assert max_difference(weights(gpt()), reference) > 1e-3  # it trained
+
+
+def test_a_model_built_on_meta_given_raw_weights_trains_alike_and_infers_after_the_loop(
+        ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    """fabric.init_module(empty_init=True), fabric.load_raw, fabric.backward(loss, model=model): the fine-tuning loop's
+    weights again; and the module after the loop computes DDP's outputs without grad."""
+    _, results = ranks
+    for rank in results:
+        assert rank["built_on_meta"]
+        assert max_difference(rank["finetune"], rank["again"]) < 1e-12
+        torch.testing.assert_close(rank["output"], rank["output-ddp"], rtol=0, atol=1e-10)
 
 
 def test_a_wrong_reference_is_told_apart(ranks: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -5,7 +5,9 @@ again (Fabric's subprocess launcher); every later ``Fabric`` in the same process
 rank trains on its own batches (as a ``DistributedSampler`` would hand them out) and writes ``rank{r}.pt``: the
 weights after each case (litgpt's ``finetune/full.py`` loop with accumulation under ``no_backward_sync``, its
 ``pretrain.py`` loop clipping by norm, and by value with the replicated host step, ``bf16-mixed``, a resume from
-``fabric.save``), the averagings each run started, and what ``all_reduce`` / ``all_gather`` / ``broadcast`` returned.
+``fabric.save``, the fine-tuning loop again on a model built on meta and given its weights by ``fabric.load_raw``), the
+model's output after the loop, the averagings a run started, and what ``all_reduce`` / ``all_gather`` / ``broadcast``
+returned.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import litgpt
 import torch
+from litgpt.utils import chunked_cross_entropy
 
 import lightning_accel  # noqa: F401  (registers the names with Fabric)
 from lightning_accel.fabric import L2LOffloadDDPStrategy
-from tests.support.fabric_loops import batches, finetune_full, fresh, gpt, pretrain, weights
+from tests.support.fabric_loops import batches, config, finetune_full, fresh, gpt, pretrain, weights
 
 BATCHES = 4  # per rank: 2 optimizer steps with accumulation 2
 
@@ -53,31 +57,45 @@ def main() -> None:
     data = batches(BATCHES, seed=1 + rank)  # this rank's share
     result: dict[str, Any] = {}
 
-    result["finetune-ddp"] = weights(finetune_full(first, fresh(start), data)[0])
+    reference, _ = finetune_full(first, fresh(start), data)
+    result["finetune-ddp"] = weights(reference)
+    with torch.no_grad():
+        result["output-ddp"] = reference(data[0][:, :-1])
     ours = _fabric("l2l_offload_ddp")
     model, optimizer = finetune_full(ours, fresh(start), data, save_to=out / "finetune.ckpt")
     result["finetune"] = weights(model)
     result["host_optimizer_bytes"] = ours.strategy.offload.host_optimizer_bytes()
     result["gathered_bytes"] = ours.strategy.offload.gathered_bytes
 
+    # the same loop again, on a model built on meta (fabric.init_module) given the start's weights by fabric.load_raw,
+    # with fabric.backward(loss, model=model), counting the averagings
+    torch.save(start.state_dict(), out / f"start-rank{rank}.pt")
     averaged: list[int] = []
-    counting = _fabric("l2l_offload_ddp")
-    model = counting.setup(fresh(start))
-    optimizer = counting.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    _counting(counting, averaged)
-    for i, batch in enumerate(data, start=1):  # finetune_full's steps, counting the averagings
-        with counting.no_backward_sync(model, enabled=i % 2 != 0):
-            logits = model(batch[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-            counting.backward(loss / 2)
+    again = _fabric("l2l_offload_ddp")
+    with again.init_module(empty_init=True):
+        model = litgpt.GPT(config()).double()
+    result["built_on_meta"] = all(p.is_meta for p in model.parameters())
+    model = again.setup(model)
+    again.load_raw(out / f"start-rank{rank}.pt", model)
+    optimizer = again.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    _counting(again, averaged)
+    for i, batch in enumerate(data, start=1):  # finetune_full's steps
+        input_ids, targets = batch[:, :-1], batch[:, 1:]
+        with again.no_backward_sync(model, enabled=i % 2 != 0):
+            logits = model(input_ids)
+            loss = chunked_cross_entropy(logits[..., :-1, :], targets[..., :-1])
+            again.backward(loss / 2, model=model)
         if i % 2 == 0:
             optimizer.step()
             optimizer.zero_grad()
     result["averaged"] = len(averaged)
+    result["again"] = weights(model)
+    with torch.no_grad():  # the module after the loop, for inference
+        result["output"] = model(data[0][:, :-1])
 
     # resume: the first half, saved; a model with other weights loads it and runs the second half
     half = _fabric("l2l_offload_ddp")
-    finetune_full(half, fresh(start), data[:2], save_to=out / "half.ckpt")
+    finetune_full(half, fresh(start), data[:2], save_to=out / "half.ckpt", setup_together=True)  # fabric.setup(model, optimizer)
     resumed = _fabric("l2l_offload_ddp")
     model, _ = finetune_full(resumed, gpt(seed=5), data[2:], resume=out / "half.ckpt")
     result["resumed"] = weights(model)
