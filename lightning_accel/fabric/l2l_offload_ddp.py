@@ -16,6 +16,8 @@ several ranks add:
 - ``fabric.clip_gradients``: by norm, the norm of the whole averaged gradient across ranks (partitioned, each rank
   holds its own blocks' averages: the partial norms are summed over the ranks); by value, each rank clips what it
   steps;
+- ``precision="16-mixed"``: each rank's ``GradScaler`` checks the gradients it holds, and the ranks agree (any overflow:
+  every rank skips the step and lowers the scale), as DDP's ranks do on their common gradient;
 - ``fabric.save``: the user's parameter names and one plain optimizer state over every parameter (rank 0 gathers the
   shards); ``fabric.load`` hands each rank its shard, so a checkpoint of Fabric's DDP loads here and this one there.
 
@@ -33,12 +35,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
+from torch.amp.grad_scaler import OptState
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_accel.comm.gradients import grad_norm_over
+from lightning_accel.comm.gradients import agree_found_inf, grad_norm_over
 from lightning_accel.fabric.offload_adapter import FabricOffload, refuse_delayed_update
 from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT
@@ -178,6 +181,18 @@ class L2LOffloadDDPStrategy(FabricOffload, DDPStrategy):
         for grad in grads:
             grad.detach().mul_(coef.to(grad.dtype))
         return norm
+
+    @override
+    def _before_precision_step(self, optimizer: Optimizer) -> None:
+        # fp16: each rank's GradScaler checked only the gradients it holds; every rank skips the step (and lowers the
+        # scale) if any found an overflow, as DDP's ranks do on their common gradient
+        scaler = getattr(self.precision, "scaler", None)
+        if scaler is None:
+            return
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.UNSCALED:  # (fabric.clip_gradients unscaled them already)
+            scaler.unscale_(optimizer)
+        agree_found_inf(state["found_inf_per_device"].values(), *self.offload._found_inf_group())
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

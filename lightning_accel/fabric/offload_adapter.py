@@ -237,8 +237,15 @@ class FabricOffload(Strategy):
         self._stepped_in_backward = False
         self._land_gradients()
         optimizer = getattr(optimizer, "optimizer", optimizer)  # (a _FabricOptimizer)
-        return self.offload._host_step(optimizer, self.offload._fuse(optimizer),
-                                       lambda: self.precision.optimizer_step(optimizer, **kwargs))
+
+        def step() -> Any:
+            self._before_precision_step(optimizer)
+            return self.precision.optimizer_step(optimizer, **kwargs)
+
+        return self.offload._host_step(optimizer, self.offload._fuse(optimizer), step)
+
+    def _before_precision_step(self, optimizer: Optimizer) -> None:
+        """Inside the host step, right before the precision plugin's step (a ``GradScaler``'s)."""
 
     @override
     def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,

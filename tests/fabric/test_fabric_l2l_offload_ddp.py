@@ -19,6 +19,7 @@ from lightning_accel.fabric import L2LOffloadDDPStrategy
 from tests.support.fabric_loops import gpt, max_difference, weights
 from tests.support.user_script import run_user_script
 from tests.support.workers import WORKERS
+from tests.support.workers.fabric_ddp_worker import FP16_SCALE
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,26 @@ def test_bf16_mixed_pairs_with_the_offload_precision_and_tracks_fabrics_ddp(rank
     moved = max_difference(reference, weights(gpt(torch.float32)))
     for rank in results:
         assert max_difference(reference, rank["bf16"]) < 0.05 * moved  # bf16 device copies: rounding only
+
+
+def test_fp16_skips_the_same_steps_on_every_rank_as_fabrics_ddp(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    """The first step's scaled gradients overflow: every rank skips it and halves the scale, as DDP's ranks do (each
+    rank's scaler checked only the gradients it holds, the ranks agree); the rest tracks DDP's fp16 (rounding)."""
+    _, results = ranks
+    reference = results[0]["fp16-ddp"]
+    moved = max_difference(reference, weights(gpt(torch.float32)))
+    for rank in results:
+        assert rank["fp16-scale"] == rank["fp16-ddp-scale"] == FP16_SCALE / 2
+        assert max_difference(reference, rank["fp16"]) < 0.05 * moved
+
+
+def test_the_nvme_tier_equals_the_run_in_memory_bit_for_bit(ranks: tuple[Path, list[dict[str, Any]]]) -> None:
+    out, results = ranks
+    for rank in results:
+        assert max_difference(rank["finetune"], rank["tier"]) == 0
+        assert rank["tier_plan"].startswith("host ") and ", disk " in rank["tier_plan"]
+    in_memory, tiered = (torch.load(out / f"{name}.ckpt", weights_only=True) for name in ("finetune", "tier"))
+    torch.testing.assert_close(tiered, in_memory, rtol=0, atol=0)  # written by the atomic writer, every rank's state
 
 
 def test_collectives_answer_as_under_ddp(ranks: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -5,7 +5,7 @@ again (Fabric's subprocess launcher); every later ``Fabric`` in the same process
 rank trains on its own batches (as a ``DistributedSampler`` would hand them out) and writes ``rank{r}.pt``: the
 weights after each case (litgpt's ``finetune/full.py`` loop with accumulation under ``no_backward_sync``, its
 ``pretrain.py`` loop clipping by norm, and by value with the replicated host step, ``bf16-mixed``, a resume from
-``fabric.save``, the fine-tuning loop again on a model built on meta and given its weights by ``fabric.load_raw``), the
+``fabric.save``, fp16 with a loss scaler, the NVMe tier, the fine-tuning loop again on a model built on meta and given its weights by ``fabric.load_raw``), the
 model's output after the loop, the averagings a run started, and what ``all_reduce`` / ``all_gather`` / ``broadcast``
 returned.
 """
@@ -18,19 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import litgpt
 import torch
-from litgpt.utils import chunked_cross_entropy
+from lightning.fabric.plugins.precision import MixedPrecision
 
 import lightning_accel  # noqa: F401  (registers the names with Fabric)
 from lightning_accel.fabric import L2LOffloadDDPStrategy
-from tests.support.fabric_loops import batches, config, finetune_full, fresh, gpt, pretrain, weights
+from tests.support.fabric_loops import (batches, chunked_cross_entropy, config, finetune_full, fresh, gpt, litgpt, pretrain,
+                                       weights)
 
 BATCHES = 4  # per rank: 2 optimizer steps with accumulation 2
+FP16_SCALE = 2.0**19  # the first step's scaled fp16 gradients overflow: a skipped step, a lowered scale
 
 
-def _fabric(strategy: Any, precision: str = "32-true") -> L.Fabric:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
+def _fabric(strategy: Any, precision: str | None = "32-true", **kwargs: Any) -> L.Fabric:
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision, **kwargs)
     fabric.launch()
     return fabric
 
@@ -112,6 +113,18 @@ def main() -> None:
     start32 = gpt(torch.float32)
     result["bf16-ddp"] = weights(finetune_full(_fabric("ddp", "bf16-mixed"), fresh(start32), data[:2])[0])
     result["bf16"] = weights(finetune_full(_fabric("l2l_offload_ddp", "bf16-mixed"), fresh(start32), data[:2])[0])
+
+    # fp16 with a loss scale the first step's gradients overflow: skipped on every rank, the scale halved, as under DDP
+    for name, strategy in (("fp16-ddp", "ddp"), ("fp16", "l2l_offload_ddp")):
+        scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
+        fabric = _fabric(strategy, None, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        result[name] = weights(finetune_full(fabric, fresh(start32), data, accumulation=1)[0])
+        result[f"{name}-scale"] = scaler.get_scale()
+
+    # the NVMe tier on each rank (every block's state and masters in its files): the run in memory, bit for bit
+    tiered = _fabric(L2LOffloadDDPStrategy(nvme_path=str(out / "nvme")))
+    result["tier"] = weights(finetune_full(tiered, fresh(start), data, save_to=out / "tier.ckpt")[0])
+    result["tier_plan"] = tiered.strategy.offload._tier_plan.describe()
 
     # Fabric's collectives under the strategy
     result["all_reduce"] = ours.all_reduce(torch.tensor(float(rank + 1)), reduce_op="mean")
