@@ -52,6 +52,7 @@ def test_a_model_built_on_meta_given_raw_weights_trains_alike_and_infers_after_t
         assert rank["built_on_meta"]
         assert max_difference(rank["finetune"], rank["again"]) < 1e-12
         torch.testing.assert_close(rank["output"], rank["output-ddp"], rtol=0, atol=1e-10)
+        assert torch.equal(rank["output-torn-down"], rank["output"])  # and after the strategy's teardown
 
 
 def test_a_wrong_reference_is_told_apart(ranks: tuple[Path, list[dict[str, Any]]]) -> None:

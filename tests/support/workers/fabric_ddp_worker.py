@@ -93,6 +93,7 @@ def main() -> None:
     result["again"] = weights(model)
     with torch.no_grad():  # the module after the loop, for inference
         result["output"] = model(data[0][:, :-1])
+    trained = model
 
     # resume: the first half, saved; a model with other weights loads it and runs the second half
     half = _fabric("l2l_offload_ddp")
@@ -131,6 +132,9 @@ def main() -> None:
     result["all_gather"] = ours.all_gather(torch.tensor([rank]))
     result["broadcast"] = ours.broadcast(f"from rank {rank}", src=0)
     ours.barrier()
+    again.strategy.teardown()  # the executor detached, the module's own forward back: it computes as before
+    with torch.no_grad():
+        result["output-torn-down"] = trained(data[0][:, :-1])
     torch.save(result, out / f"rank{rank}.pt")
 
 
