@@ -62,13 +62,17 @@ landed (after step t+1's backward, or before validation, a checkpoint, the end o
 ``nvme_path`` / ``host_budget`` (the NVMe tier, :mod:`~lightning_accel.offload.tier`): each rank lays out its own
 tier, in a scratch directory of its own under ``nvme_path``, once the owners are known: partitioned, its files hold
 the optimizer state of its own units and every unit's masters (and shadows), as its memory would. ``host_budget`` is
-per rank (per process), and the plan line said is rank 0's. An owner finishes its tier's writes before it sends the
+per rank (per process), and the plan line said is rank 0's; a budget the ranks could not keep is refused before
+Lightning's launcher starts them (:mod:`~lightning_accel.strategies.l2l_offload_ddp_before_ranks`). An owner finishes its tier's writes before it sends the
 updated masters; the others write them through their maps. Bit for bit the same run as in memory.
 
 The user's ``on_after_backward`` and ``on_before_optimizer_step`` see DDP's gradients: averaged after the backward
 that ends an accumulation (with ``on_after_backward`` overridden the averaging is joined before that hook instead of
 at the step), the rank's own inside one; partitioned, a rank holds only its own blocks' averages, says so once, and
 :meth:`L2LOffloadDDPStrategy.grad_norm` gives the whole model's norm.
+
+A Fabric loop reaches this strategy as ``Fabric(strategy="l2l_offload_ddp")``
+(:class:`lightning_accel.fabric.L2LOffloadDDPStrategy`), which drives it as its engine.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
 no wrapper), ``nvme_path`` with ``delayed_update`` (as on one device). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
@@ -101,6 +105,7 @@ from lightning_accel.offload.partition import HostPartition, UnitOwners
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
+from lightning_accel.strategies.l2l_offload_ddp_before_ranks import check_tier_before_ranks
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 from lightning_accel.strategies.options_check import check_options
 
@@ -187,6 +192,22 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             # host tensors (CPU even beside nccl); the gradient worker is its only user besides the
             # main thread between steps, so its collectives never interleave with Lightning's
             self._host_group = dist.new_group(backend="gloo", timeout=self._timeout)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self._launcher is not None and self.cluster_environment is not None
+        launch, environment = self._launcher.launch, self.cluster_environment
+
+        def checked(function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+            # Lightning's launcher is about to start the ranks (not under torchrun or SLURM, where every rank checks
+            # at set-up): a host budget they would refuse is refused here, once (l2l_offload_ddp_before_ranks)
+            fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+            if fitting and not environment.creates_processes_externally and args and isinstance(args[0], nn.Module):
+                check_tier_before_ranks(self, args[0], trainer)
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        self._launcher.launch = checked  # type: ignore[method-assign]
 
     @override
     def _base_setup(self, trainer: Trainer) -> None:
