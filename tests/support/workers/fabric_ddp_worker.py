@@ -12,7 +12,6 @@ returned.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
