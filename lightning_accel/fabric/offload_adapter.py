@@ -107,6 +107,13 @@ class FabricOffload(Strategy):
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
+        first = self.offload.model
+        if self.offload._executor is not None and first is not None and first is not module:
+            raise ValueError(
+                f"Fabric(strategy={self.offload.strategy_name!r}) streams one model, and {type(first).__name__} is set up; "
+                f"fabric.setup was given a second one ({type(module).__name__}), which would take the first one's place; "
+                "set the other model up with a Fabric of its own (strategy='auto'), or wrap both in one nn.Module"
+            )
         self.offload.model = module
         self.offload.model_to_device()
         self._placed(module)

@@ -169,6 +169,17 @@ def test_what_cannot_be_honoured_is_refused_when_fabric_is_built(build: Any, mat
         build()
 
 
+def test_a_second_model_is_refused_and_the_fix_works() -> None:
+    fabric = _fabric()
+    model = fabric.setup(_start())
+    with pytest.raises(ValueError, match=r"^Fabric\(strategy='l2l_offload'\) streams one model, and Net is set up; fabric.setup was "
+                                         r"given a second one \(Linear\).*set the other model up with a Fabric of its own"):
+        fabric.setup(nn.Linear(4, 1).double())
+    teacher = _fabric("auto").setup(nn.Linear(4, 1).double())  # the fix: the second model on a Fabric of its own
+    with torch.no_grad():
+        assert model(_data(1)[0][0]).shape == teacher(_data(1)[0][0]).shape
+
+
 @pytest.mark.parametrize(("loop", "match"), [
     ({"accumulation": 1, "clip": "norm"}, r"stepped every block during fabric.backward, before fabric.clip_gradients .*"
                                           r"pass overlap_step=False to clip"),
