@@ -1,6 +1,6 @@
 """Strategy names Fabric resolves to a one-line refusal: the strategies that exist for the Trainer only.
 
-Registering them keeps ``Fabric(strategy="gpipe_distributed")`` from failing with Fabric's list of valid names,
+Registering it keeps ``Fabric(strategy="gpipe_distributed")`` from failing with Fabric's list of valid names,
 which would hide that the strategy exists and where: the refusal says why it does not carry over and what to use.
 """
 
@@ -30,9 +30,4 @@ TRAINER_ONLY: list[tuple[str, type, str]] = [
         "and a Fabric loop computes its loss and calls fabric.backward outside any strategy hook",
         "use Trainer(strategy='gpipe_distributed'), or Fabric(strategy='gpipe') for micro-batching in one process"),
      "refused under Fabric: use Trainer(strategy='gpipe_distributed') or Fabric(strategy='gpipe')"),
-    ("l2l_offload_ddp", _trainer_only(
-        "l2l_offload_ddp",
-        "data parallel offload is wired to the Trainer's hooks (the partitioned host step, the gradient exchange)",
-        "use Trainer(strategy='l2l_offload_ddp'), or Fabric(strategy='l2l_offload') on one device"),
-     "refused under Fabric: use Trainer(strategy='l2l_offload_ddp') or Fabric(strategy='l2l_offload')"),
 ]

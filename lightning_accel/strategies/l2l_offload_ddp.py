@@ -62,13 +62,17 @@ landed (after step t+1's backward, or before validation, a checkpoint, the end o
 ``nvme_path`` / ``host_budget`` (the NVMe tier, :mod:`~lightning_accel.offload.tier`): each rank lays out its own
 tier, in a scratch directory of its own under ``nvme_path``, once the owners are known: partitioned, its files hold
 the optimizer state of its own units and every unit's masters (and shadows), as its memory would. ``host_budget`` is
-per rank (per process), and the plan line said is rank 0's. An owner finishes its tier's writes before it sends the
+per rank (per process), and the plan line said is rank 0's; a budget the ranks could not keep is refused before
+Lightning's launcher starts them (:mod:`~lightning_accel.strategies.l2l_offload_ddp_before_ranks`). An owner finishes its tier's writes before it sends the
 updated masters; the others write them through their maps. Bit for bit the same run as in memory.
 
 The user's ``on_after_backward`` and ``on_before_optimizer_step`` see DDP's gradients: averaged after the backward
 that ends an accumulation (with ``on_after_backward`` overridden the averaging is joined before that hook instead of
 at the step), the rank's own inside one; partitioned, a rank holds only its own blocks' averages, says so once, and
 :meth:`L2LOffloadDDPStrategy.grad_norm` gives the whole model's norm.
+
+A Fabric loop reaches this strategy as ``Fabric(strategy="l2l_offload_ddp")``
+(:class:`lightning_accel.fabric.L2LOffloadDDPStrategy`), which drives it as its engine.
 
 Refused, each with its reason, when the Trainer is built or fit starts: ``overlap_step=True``, manual optimization, ``sync_batchnorm``, DDP-wrapper arguments (there is
 no wrapper), ``nvme_path`` with ``delayed_update`` (as on one device). ``OffloadPrecision("bf16-mixed")``, ``offload_activations`` and ``offload_resident``
@@ -101,6 +105,7 @@ from lightning_accel.offload.partition import HostPartition, UnitOwners
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
+from lightning_accel.strategies.l2l_offload_ddp_before_ranks import check_tier_before_ranks
 from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 from lightning_accel.strategies.options_check import check_options
 
@@ -179,10 +184,30 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
     @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        self._make_host_group()
+
+    def _make_host_group(self) -> None:
+        """The gloo group of the host tensors, once the default group exists (either front door's)."""
         if self._host_group is None:
             # host tensors (CPU even beside nccl); the gradient worker is its only user besides the
             # main thread between steps, so its collectives never interleave with Lightning's
             self._host_group = dist.new_group(backend="gloo", timeout=self._timeout)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self._launcher is not None and self.cluster_environment is not None
+        launch, environment = self._launcher.launch, self.cluster_environment
+
+        def checked(function: Any, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+            # Lightning's launcher is about to start the ranks (not under torchrun or SLURM, where every rank checks
+            # at set-up): a host budget they would refuse is refused here, once (l2l_offload_ddp_before_ranks)
+            fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+            if fitting and not environment.creates_processes_externally and args and isinstance(args[0], nn.Module):
+                check_tier_before_ranks(self, args[0], trainer)
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        self._launcher.launch = checked  # type: ignore[method-assign]
 
     @override
     def _base_setup(self, trainer: Trainer) -> None:
@@ -205,10 +230,12 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             self._setup_sync()
         self._replace_plugin_methods()  # clipping by norm (partitioned) and found-inf across ranks (DDPWithoutWrapper)
 
-    def _broadcast_initial_weights(self) -> None:
-        """Rank 0's parameters and buffers on every rank, as DDP does when it wraps the model."""
-        assert self.lightning_module is not None and self._executor is not None
-        tensors = [*self.lightning_module.parameters(), *self.lightning_module.buffers()]
+    def _broadcast_initial_weights(self, module: nn.Module | None = None) -> None:
+        """Rank 0's parameters and buffers on every rank, as DDP does when it wraps the model (``module``: the
+        LightningModule, or the module a Fabric loop set up)."""
+        module = module if module is not None else self.lightning_module
+        assert module is not None and self._executor is not None
+        tensors = [*module.parameters(), *module.buffers()]
         # a frozen NF4 weight goes as its codes and scalers: sending it dequantized would re-quantize it
         host = [part for t in tensors if t.device.type == "cpu" for part in plain_parts(t.data)]
         device = [part for t in tensors if t.device.type != "cpu" for part in plain_parts(t.data)]
@@ -392,14 +419,19 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad.detach().double(), norm_type).cpu() for p in params]), norm_type)
         return grad_norm_over([p.grad for p in params], counted, float(norm_type), group, torch.device("cpu"))
 
-    @override
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+    def held_grads(self, optimizer: Optimizer) -> tuple[list[torch.Tensor], list[bool]]:
+        """The gradients of ``optimizer``'s parameters this rank holds, and whether each is counted here in a norm
+        across the ranks (partitioned: a host gradient here is one this rank owns; the device parameters' are alike
+        on every rank, counted on rank 0)."""
         assert self._executor is not None
         host = self._executor.store.master
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # a host gradient here is one this rank owns; the device parameters' are alike on every rank
-        counted = [p in host or self.global_rank == 0 for p in params]
-        clip_grad_norm_over([p.grad for p in params], counted, float(clip_val), self._host_group, torch.device("cpu"))
+        return [p.grad for p in params], [p in host or self.global_rank == 0 for p in params]
+
+    @override
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        grads, counted = self.held_grads(optimizer)
+        clip_grad_norm_over(grads, counted, float(clip_val), self._host_group, torch.device("cpu"))
 
     @override
     def _after_update(self, optimizer: Optimizer) -> None:
@@ -466,10 +498,15 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
         send = {i for pid, i in param_indices(inner).items() if pid in mine}
         return gather_state(state, send, self._host_group, dst=0)
 
+    def optimizer_shard(self, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """Of a plain optimizer state (a checkpoint's, over every parameter), what this rank keeps: its shard when
+        partitioned, all of it when replicated."""
+        return keep_state(state, self._kept_indices(optimizer)) if self._partition is not None else state
+
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if self._partition is not None:  # this rank's shard (then, with the tier, into its files)
-            states = [keep_state(s, self._kept_indices(o)) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
+            states = [self.optimizer_shard(o, s) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
             checkpoint = {**checkpoint, "optimizer_states": states}
         super().load_optimizer_state_dict(checkpoint)
 

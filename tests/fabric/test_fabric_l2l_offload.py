@@ -156,18 +156,28 @@ def test_bf16_mixed_pairs_with_the_offload_precision_and_tracks_fabrics_bf16() -
     (lambda: _fabric(precision="bf16-true"), r"^precision='bf16-true' \(HalfPrecision\): strategy='l2l_offload' keeps fp32 masters"),
     (lambda: _fabric(precision="64-true"), r"^precision='64-true' \(DoublePrecision\): strategy='l2l_offload'"),
     (lambda: L.Fabric(accelerator="cpu", devices=2, strategy="l2l_offload"),
-     r"^Fabric\(strategy='l2l_offload'\) trains on one device in one process, but devices=2 asks for more; use devices=1"),
+     r"^Fabric\(strategy='l2l_offload'\) trains on one device in one process, but devices=2 asks for more; use devices=1, "
+     r"or Fabric\(strategy='l2l_offload_ddp'\)"),
     (lambda: _fabric(L2LOffloadStrategy(delayed_update=True)), r"^Fabric\(strategy='l2l_offload'\): delayed_update=True .*"
                                                                r"use Trainer\(strategy=L2LOffloadStrategy\(delayed_update=True\)\)"),
     (lambda: L2LOffloadStrategy(prefetch_blocks="2"), r"^L2LOffloadStrategy: prefetch_blocks takes an int >= 0 .*; pass prefetch_blocks=2"),
     (lambda: L.Fabric(accelerator="cpu", strategy="gpipe_distributed"),
      r"^Fabric\(strategy='gpipe_distributed'\) is not available: .*use Trainer\(strategy='gpipe_distributed'\)"),
-    (lambda: L.Fabric(accelerator="cpu", strategy="l2l_offload_ddp"),
-     r"^Fabric\(strategy='l2l_offload_ddp'\) is not available: .*use Trainer\(strategy='l2l_offload_ddp'\)"),
 ])
 def test_what_cannot_be_honoured_is_refused_when_fabric_is_built(build: Any, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+def test_a_second_model_is_refused_and_the_fix_works() -> None:
+    fabric = _fabric()
+    model = fabric.setup(_start())
+    with pytest.raises(ValueError, match=r"^Fabric\(strategy='l2l_offload'\) streams one model, and Net is set up; fabric.setup was "
+                                         r"given a second one \(Linear\).*set the other model up with a Fabric of its own"):
+        fabric.setup(nn.Linear(4, 1).double())
+    teacher = _fabric("auto").setup(nn.Linear(4, 1).double())  # the fix: the second model on a Fabric of its own
+    with torch.no_grad():
+        assert model(_data(1)[0][0]).shape == teacher(_data(1)[0][0]).shape
 
 
 @pytest.mark.parametrize(("loop", "match"), [

@@ -57,8 +57,9 @@ def batches(n: int, batch_size: int = 4, seed: int = 1) -> list[Tensor]:
 
 
 def finetune_full(fabric: Any, model: nn.Module, batches: list[Tensor], accumulation: int = 2, lr: float = 1e-2,
-                  save_to: Path | None = None, setup_together: bool = False) -> tuple[Any, Any]:
-    """litgpt's ``finetune/full.py`` loop. Returns the set-up model and optimizer."""
+                  save_to: Path | None = None, setup_together: bool = False, resume: Path | None = None) -> tuple[Any, Any]:
+    """litgpt's ``finetune/full.py`` loop (``resume``: its ``fabric.load`` of a saved state before the loop). Returns
+    the set-up model and optimizer."""
     if setup_together:  # fabric.setup(model, optimizer), as most Fabric code writes it
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
         model, optimizer = fabric.setup(model, optimizer)
@@ -67,6 +68,8 @@ def finetune_full(fabric: Any, model: nn.Module, batches: list[Tensor], accumula
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.1)
         optimizer = fabric.setup_optimizers(optimizer)
     state = {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
+    if resume is not None:
+        fabric.load(resume, state)
     for batch in batches:
         state["iter_num"] += 1
         batch = fabric.to_device(batch)
