@@ -231,6 +231,8 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         self.pipeline = None
         self.model.to(self.root_device)
         net = self._net()
+        if next(net.parameters(), None) is None:  # nothing to place (a model evaluated, or stepping data only): it runs whole
+            return
         blocks = self._find_blocks(net)  # no blocks: say so now, not at the first batch
         self._disable_kv_cache()
         stages = min(len(self.devices), len(blocks))
@@ -306,7 +308,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
             self._training = False
         if self.pipeline is not None:
             self.pipeline.finish_batch()
-        if not self._called:
+        if not self._called and self._forward is not None:
             self._say_once(
                 "uncalled",
                 f"GPipeStrategy: training_step did not call {type(self._net()).__name__}.forward, so nothing was split "

@@ -117,3 +117,24 @@ def test_children_not_a_chain_are_refused_in_one_line(model: type, reason: str) 
     assert "\n" not in str(refused.value)
     for name, value in task.state_dict().items():
         assert torch.equal(value.to(before[name].dtype), before[name]), name
+
+
+class NoParameters(pl.LightningModule):
+    """Nothing to place: evaluated, it runs whole (Lightning's loop tests validate and predict such models)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("mean", batch[0].mean())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[0].sum(1)
+
+
+def test_a_model_without_parameters_is_evaluated_as_under_plain_lightning() -> None:
+    def run(strategy: Any) -> tuple[list, list]:
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        return trainer.validate(NoParameters(), _loader(), verbose=False), trainer.predict(NoParameters(), _loader())
+
+    (metrics, predictions), (plain_metrics, plain_predictions) = run(GPipeStrategy(devices=["cpu", "cpu"])), run("auto")
+    assert metrics == plain_metrics
+    torch.testing.assert_close(torch.cat(predictions), torch.cat(plain_predictions), rtol=0, atol=0)
