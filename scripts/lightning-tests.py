@@ -11,10 +11,10 @@ Each path (under ``tests_pytorch``) runs once per ``--strategy`` with the swap: 
 (``strategy="auto"``) and Lightning would pick ``SingleDeviceStrategy``, our strategy is built instead
 (:func:`_install_swap`, a patch of the accelerator connector's ``_choose_strategy``), and once as the reference, the
 strategy ours stands in for, swapped in the same way (:data:`REFERENCE`): for ``l2l_offload`` and ``gpipe`` Lightning's
-own choice (the tests as Lightning ships them); for ``l2l_offload_ddp``, ``DDPStrategy`` on 2 CPU processes, both forked
-by Lightning's launcher (``start_method="fork"``: each ``fit`` runs in two fresh ranks, the test's own process gets the
-weights, ``callback_metrics`` and state back, as under ``strategy="ddp_fork"``; what a test reads of its callbacks'
-attributes set inside the ranks it does not see, under DDP as under ours: such tests fail in the reference).
+own choice (the tests as Lightning ships them); for ``l2l_offload_ddp``, ``DDPStrategy`` on 2 CPU processes. Both DDP
+strategies launch their ranks by :class:`_ForkRankLauncher`: rank 0 is the test's own process (its mocks, callbacks and
+assertions see rank 0, as in Lightning's own standalone DDP tests), rank 1 a fork of it for the length of the call
+(Lightning's launchers would run the pytest command again, or every rank in a child).
 Each test that passes in its reference and had the swap is then one of:
 
 - **equal**: it passes with our strategy too (Lightning's own assertions hold);
@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,54 @@ def _timed_out(*_: Any) -> None:
     raise TimeoutError(f"the test ran past {PER_TEST_SECONDS} s (a hang?)")
 
 
+class _ForkRankLauncher:
+    """Rank 0 in this process, the other ranks forked from it for one ``fit``/``validate``/... call (see the module doc).
+
+    A rank that fails makes rank 0's collectives time out (the strategies get a 60 s timeout) or raise; rank 0 failing
+    kills the others."""
+
+    is_interactive_compatible = False
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        os.environ.pop("MASTER_PORT", None)  # (the tests' fixtures restore the environment after each test)
+        self.strategy.cluster_environment.main_port  # a free port, chosen once, before the fork: every rank's
+        children = []
+        for rank in range(1, self.strategy.num_processes):
+            pid = os.fork()
+            if pid == 0:  # a rank: run the call, then leave without returning into pytest
+                code = 1
+                try:
+                    signal.alarm(0)
+                    os.environ["LOCAL_RANK"] = str(rank)
+                    self.strategy.set_world_ranks()
+                    function(*args, **kwargs)
+                    code = 0
+                finally:
+                    os._exit(code)
+            children.append(pid)
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            raise
+        finally:
+            codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if any(codes):
+            raise RuntimeError(f"rank(s) {[r + 1 for r, c in enumerate(codes) if c]} of the forked ranks failed (exit codes {codes})")
+        return result
+
+    def kill(self, signum: int) -> None:
+        pass
+
+
 def _install_swap(strategy: str, swaps: list[int]) -> None:
     """Where Lightning would pick ``SingleDeviceStrategy`` for a ``Trainer`` left to choose, build ``strategy``."""
     import torch
@@ -133,11 +182,12 @@ def _install_swap(strategy: str, swaps: list[int]) -> None:
             return GPipeStrategy()  # what strategy="gpipe" builds: the visible GPUs' stages, else the CPU
         # RANKS processes on this host: the CPU, or one GPU each; forked where the test's Trainer runs (see the doc)
         ranks = [device] * RANKS if device.type == "cpu" else [torch.device(device.type, i) for i in range(RANKS)]
-        if strategy == "ddp":
-            return DDPStrategy(parallel_devices=ranks, start_method="fork")
-        if strategy == "l2l_offload_ddp":
-            return L2LOffloadDDPStrategy(parallel_devices=ranks, start_method="fork")
-        raise ValueError(f"--strategy {strategy!r}: use one of {', '.join(REFERENCE)}")
+        if strategy not in ("ddp", "l2l_offload_ddp"):
+            raise ValueError(f"--strategy {strategy!r}: use one of {', '.join(REFERENCE)}")
+        kind = DDPStrategy if strategy == "ddp" else L2LOffloadDDPStrategy
+        made = kind(parallel_devices=ranks, timeout=timedelta(seconds=PER_TEST_SECONDS))
+        made._configure_launcher = lambda: setattr(made, "_launcher", _ForkRankLauncher(made))  # (an instance's own)
+        return made
 
     _AcceleratorConnector._choose_strategy = ours  # type: ignore[method-assign]
 
