@@ -59,6 +59,8 @@ def _depends(node: fx.Node, on: fx.Node) -> bool:
 def chain_break(net: nn.Module, blocks: Sequence[Block]) -> str | None:
     """Why ``net``'s forward cannot be shown to run ``blocks`` as a chain (see the module doc), or None when it does."""
     names = [b.name for b in blocks]
+    if type(net).forward.__module__.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
+        return "is not the model's own (its steps call the layers themselves: there is no call to micro-batch)"
     try:
         graph = _trace(net, set(names))
     except Exception as err:  # anything the symbolic trace cannot follow: nothing is proved

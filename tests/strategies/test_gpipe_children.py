@@ -138,3 +138,19 @@ def test_a_model_without_parameters_is_evaluated_as_under_plain_lightning() -> N
     (metrics, predictions), (plain_metrics, plain_predictions) = run(GPipeStrategy(devices=["cpu", "cpu"])), run("auto")
     assert metrics == plain_metrics
     torch.testing.assert_close(torch.cat(predictions), torch.cat(plain_predictions), rtol=0, atol=0)
+
+
+class NoForward(Attributes):
+    """The steps call the layers themselves; forward is LightningModule's."""
+
+    forward = pl.LightningModule.forward
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.l3(self.l2(self.act(self.l1(x)))), y)
+
+
+def test_a_model_without_forward_is_refused_naming_why() -> None:
+    with pytest.raises(ValueError, match=r"NoForward\.forward is not the model's own \(its steps call the layers "
+                                         r"themselves: there is no call to micro-batch\); pass blocks="):
+        _fit(NoForward(), GPipeStrategy(chunks=2))
