@@ -115,8 +115,11 @@ def _timed_out(*_: Any) -> None:
 class _ForkRankLauncher:
     """Rank 0 in this process, the other ranks forked from it for one ``fit``/``validate``/... call (see the module doc).
 
+    Each call gets a fresh process group (a forked rank lives for one call), as Lightning's fork and spawn launchers give;
+    a group the strategy made beside it goes with it (``l2l_offload_ddp``'s gloo group for host tensors: under those
+    launchers it is made in the ranks, never in the test's process, so a second call of the same Trainer makes it anew).
     A rank that fails makes rank 0's collectives time out (the strategies get a 60 s timeout) or raise; rank 0 failing
-    kills the others."""
+    kills the others, and a forked rank still running past the test's time limit is killed by the kernel."""
 
     is_interactive_compatible = False
 
@@ -134,7 +137,8 @@ class _ForkRankLauncher:
             if pid == 0:  # a rank: run the call, then leave without returning into pytest
                 code = 1
                 try:
-                    signal.alarm(0)
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed, even inside a blocking collective
+                    signal.alarm(PER_TEST_SECONDS)
                     os.environ["LOCAL_RANK"] = str(rank)
                     self.strategy.set_world_ranks()
                     function(*args, **kwargs)
@@ -152,6 +156,8 @@ class _ForkRankLauncher:
             codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if getattr(self.strategy, "_host_group", None) is not None:
+                self.strategy._host_group = None
         if any(codes):
             raise RuntimeError(f"rank(s) {[r + 1 for r, c in enumerate(codes) if c]} of the forked ranks failed (exit codes {codes})")
         return result
