@@ -232,7 +232,8 @@ def classify(reference: dict[str, Any], swapped: dict[str, Any] | None, strategy
     # KeyError there is a crash: a difference)
     # (raised inside the test's ``pytest.warns`` it comes chained, "DID NOT WARN" on top)
     raised_here = re.search(r"lightning_accel/[\w/]+\.py:\d+: (ValueError|TypeError|\w*UserError)$", text, re.MULTILINE) is not None
-    refusal = re.search(r"^E\s+((ValueError|TypeError|\w*UserError): .*)$", text, re.MULTILINE)
+    # the last such line: a refusal raised while handling another error comes after it (its cause) in the text
+    refusal = ([None] + list(re.finditer(r"^E\s+((ValueError|TypeError|\w*UserError): .*)$", text, re.MULTILINE)))[-1]
     if raised_here and refusal is not None:
         return "refused", refusal.group(1)
     for pattern, reason in INTERNALS:

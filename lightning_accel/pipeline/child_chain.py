@@ -24,6 +24,9 @@ from lightning_accel.models.block_policy import Block, find_blocks
 
 __all__ = ["chained_children", "chain_break"]
 
+# the forwards a model inherits without writing one: torch's (it raises) and Lightning's (it calls torch's)
+_NOT_OWN = ("_forward_unimplemented", "Module.forward", "LightningModule.forward")
+
 
 class _ChildTracer(fx.Tracer):
     """A tracer that keeps each of ``leaves`` as one call (and torch's own layers, as fx does)."""
@@ -59,7 +62,7 @@ def _depends(node: fx.Node, on: fx.Node) -> bool:
 def chain_break(net: nn.Module, blocks: Sequence[Block]) -> str | None:
     """Why ``net``'s forward cannot be shown to run ``blocks`` as a chain (see the module doc), or None when it does."""
     names = [b.name for b in blocks]
-    if type(net).forward.__module__.split(".")[0] in ("torch", "lightning", "pytorch_lightning"):
+    if type(net).forward.__qualname__ in _NOT_OWN:
         return "is not the model's own (its steps call the layers themselves: there is no call to micro-batch)"
     try:
         graph = _trace(net, set(names))

@@ -154,3 +154,13 @@ def test_a_model_without_forward_is_refused_naming_why() -> None:
     with pytest.raises(ValueError, match=r"NoForward\.forward is not the model's own \(its steps call the layers "
                                          r"themselves: there is no call to micro-batch\); pass blocks="):
         _fit(NoForward(), GPipeStrategy(chunks=2))
+
+
+def test_a_forward_defined_by_a_library_class_is_the_models_own() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel  # its forward lives in lightning's package
+
+    from lightning_accel.models.block_policy import find_blocks
+    from lightning_accel.pipeline.child_chain import chain_break
+
+    model = BoringModel()
+    assert chain_break(model, find_blocks(model, "auto", children=True)) is None
