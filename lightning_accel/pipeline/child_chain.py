@@ -6,7 +6,7 @@ blocks are the fallback of ``"auto"`` that L2L offload streams (:func:`~lightnin
 with ``children=True``: each direct child that has parameters), but a pipeline may cut there only where the forward runs
 them as a chain: each called once, as one module, in the order the model registers them, each on what the one before
 produced. That is proved from the forward's code, before any work, by tracing it symbolically (``torch.fx``) with the
-children as leaves, on a shallow copy (attributes the forward sets land on the copy). What the trace cannot prove (a
+children as leaves, on a shallow copy (attributes the forward sets, and its lists, dicts and sets, are the copy's). What the trace cannot prove (a
 forward that branches on a tensor, calls a child twice or out of order, reads a child's weights outside its call, or
 never calls one) is refused in one line naming ``blocks=``, the way to tell the pipeline where to cut.
 """
@@ -41,6 +41,9 @@ class _ChildTracer(fx.Tracer):
 
 def _trace(net: nn.Module, leaves: set[str]) -> fx.Graph:
     shallow = copy.copy(net)  # the forward's own attribute writes land here; modules and parameters are shared
+    for name, value in vars(net).items():  # and what it appends to its own lists, dicts and sets
+        if name not in ("_modules", "_parameters", "_buffers") and isinstance(value, (list, dict, set)):
+            vars(shallow)[name] = copy.copy(value)
     defaults = {name: p.default for name, p in inspect.signature(type(net).forward).parameters.items()
                 if p.default is not inspect.Parameter.empty}  # as self(x) calls it: the branches its defaults take
     return _ChildTracer(leaves).trace(shallow, concrete_args=defaults or None)

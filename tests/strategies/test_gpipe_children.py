@@ -164,3 +164,23 @@ def test_a_forward_defined_by_a_library_class_is_the_models_own() -> None:
 
     model = BoringModel()
     assert chain_break(model, find_blocks(model, "auto", children=True)) is None
+
+
+class Recording(Attributes):
+    """A forward that counts its calls and keeps what it saw: the chain's trace must not add to either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.shapes = 0, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.shapes.append(x.shape[0])
+        return super().forward(x)
+
+
+def test_the_trace_leaves_the_models_state_as_plain_lightning_does() -> None:
+    plain, piped = Recording(), Recording()
+    _fit(plain, "auto")
+    _fit(piped, GPipeStrategy(chunks=1, devices=["cpu", "cpu"]))
+    assert (piped.calls, piped.shapes) == (plain.calls, plain.shapes) == (6, [8] * 6)
