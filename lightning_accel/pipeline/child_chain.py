@@ -6,9 +6,10 @@ blocks are the fallback of ``"auto"`` that L2L offload streams (:func:`~lightnin
 with ``children=True``: each direct child that has parameters), but a pipeline may cut there only where the forward runs
 them as a chain: each called once, as one module, in the order the model registers them, each on what the one before
 produced. That is proved from the forward's code, before any work, by tracing it symbolically (``torch.fx``) with the
-children as leaves, on a shallow copy (attributes the forward sets, and its lists, dicts and sets, are the copy's). What the trace cannot prove (a
-forward that branches on a tensor, calls a child twice or out of order, reads a child's weights outside its call, or
-never calls one) is refused in one line naming ``blocks=``, the way to tell the pipeline where to cut.
+children as leaves, on a shallow copy (attributes the forward sets, and its lists, dicts and sets, are the copy's). What
+the trace cannot prove (a forward that branches on a tensor, calls a child twice or out of order, reads a child's
+weights outside its call, or never calls one; a model with no forward of its own) is refused in one line naming
+``blocks=``, the way to tell the pipeline where to cut.
 """
 
 from __future__ import annotations
