@@ -7,10 +7,15 @@ installed ``lightning``, e.g. ``git archive 2.6.5 tests/tests_pytorch | tar -x -
     nice -n 10 python scripts/lightning-tests.py /work/lightning-tests/tests trainer/optimization loops callbacks \\
         --strategy l2l_offload --strategy gpipe --out lightning-tests.json
 
-Each path (under ``tests_pytorch``) runs once as Lightning ships it (the reference) and once per ``--strategy`` with the
-swap: where the ``Trainer`` is left to choose (``strategy="auto"``) and Lightning would pick ``SingleDeviceStrategy``,
-our strategy is built instead (:func:`_install_swap`, a patch of the accelerator connector's ``_choose_strategy``).
-Each test that passes in the reference and had the swap is then one of:
+Each path (under ``tests_pytorch``) runs once per ``--strategy`` with the swap: where the ``Trainer`` is left to choose
+(``strategy="auto"``) and Lightning would pick ``SingleDeviceStrategy``, our strategy is built instead
+(:func:`_install_swap`, a patch of the accelerator connector's ``_choose_strategy``), and once as the reference, the
+strategy ours stands in for, swapped in the same way (:data:`REFERENCE`): for ``l2l_offload`` and ``gpipe`` Lightning's
+own choice (the tests as Lightning ships them); for ``l2l_offload_ddp``, ``DDPStrategy`` on 2 CPU processes. Both DDP
+strategies launch their ranks by :class:`_ForkRankLauncher`: rank 0 is the test's own process (its mocks, callbacks and
+assertions see rank 0, as in Lightning's own standalone DDP tests), rank 1 a fork of it for the length of the call
+(Lightning's launchers would run the pytest command again, or every rank in a child).
+Each test that passes in its reference and had the swap is then one of:
 
 - **equal**: it passes with our strategy too (Lightning's own assertions hold);
 - **refused**: it fails with one of our one-line refusals (a ValueError / TypeError raised in ``lightning_accel``), the
@@ -20,7 +25,10 @@ Each test that passes in the reference and had the swap is then one of:
 - **difference**: anything else, the first line of the error given.
 
 Tests where no swap happened (they choose their own strategy or build no Trainer), or that fail or skip in the
-reference, are counted apart. ``--table`` prints the markdown summary kept in docs/lightning-features.md.
+reference, are counted apart.
+
+    nice -n 10 python scripts/lightning-tests.py /work/lightning-tests/tests trainer/optimization \\
+        --strategy l2l_offload_ddp --out lightning-tests-ddp   # against DDP, 2 forked CPU processes per fit ``--table`` prints the markdown summary kept in docs/lightning-features.md.
 """
 
 from __future__ import annotations
@@ -34,10 +42,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 DEFAULT_PATHS = ["trainer/optimization", "loops", "callbacks"]
+# the run each strategy is compared with: Lightning's own choice (no swap), or DDP on 2 processes for the DDP strategy
+REFERENCE = {"l2l_offload": "reference", "gpipe": "reference", "l2l_offload_ddp": "ddp"}
+RANKS = 2  # processes of the ddp and l2l_offload_ddp swaps
 PER_TEST_SECONDS = 60  # a test that hangs under a strategy fails as a difference instead of stopping the run
 # tests that choose a multi-process strategy themselves, or spawn processes (the swap never happens there), are left
 # out: they only cost time (test_spike.py's integration test: 50 s each on 2 cores)
@@ -100,12 +112,67 @@ def _timed_out(*_: Any) -> None:
     raise TimeoutError(f"the test ran past {PER_TEST_SECONDS} s (a hang?)")
 
 
+class _ForkRankLauncher:
+    """Rank 0 in this process, the other ranks forked from it for one ``fit``/``validate``/... call (see the module doc).
+
+    Each call gets a fresh process group (a forked rank lives for one call), as Lightning's fork and spawn launchers give;
+    a group the strategy made beside it goes with it (``l2l_offload_ddp``'s gloo group for host tensors: under those
+    launchers it is made in the ranks, never in the test's process, so a second call of the same Trainer makes it anew).
+    A rank that fails makes rank 0's collectives time out (the strategies get a 60 s timeout) or raise; rank 0 failing
+    kills the others, and a forked rank still running past the test's time limit is killed by the kernel."""
+
+    is_interactive_compatible = False
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def launch(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        os.environ.pop("MASTER_PORT", None)  # (the tests' fixtures restore the environment after each test)
+        self.strategy.cluster_environment.main_port  # a free port, chosen once, before the fork: every rank's
+        children = []
+        for rank in range(1, self.strategy.num_processes):
+            pid = os.fork()
+            if pid == 0:  # a rank: run the call, then leave without returning into pytest
+                code = 1
+                try:
+                    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed, even inside a blocking collective
+                    signal.alarm(PER_TEST_SECONDS)
+                    os.environ["LOCAL_RANK"] = str(rank)
+                    self.strategy.set_world_ranks()
+                    function(*args, **kwargs)
+                    code = 0
+                finally:
+                    os._exit(code)
+            children.append(pid)
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            raise
+        finally:
+            codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if getattr(self.strategy, "_host_group", None) is not None:
+                self.strategy._host_group = None
+        if any(codes):
+            raise RuntimeError(f"rank(s) {[r + 1 for r, c in enumerate(codes) if c]} of the forked ranks failed (exit codes {codes})")
+        return result
+
+    def kill(self, signum: int) -> None:
+        pass
+
+
 def _install_swap(strategy: str, swaps: list[int]) -> None:
     """Where Lightning would pick ``SingleDeviceStrategy`` for a ``Trainer`` left to choose, build ``strategy``."""
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
-    from lightning_accel.strategies import GPipeStrategy, L2LOffloadStrategy
+    from lightning_accel.strategies import GPipeStrategy, L2LOffloadDDPStrategy, L2LOffloadStrategy
 
     choose = _AcceleratorConnector._choose_strategy
 
@@ -119,7 +186,14 @@ def _install_swap(strategy: str, swaps: list[int]) -> None:
             return L2LOffloadStrategy(device=device if device.type != "cpu" else None)
         if strategy == "gpipe":
             return GPipeStrategy()  # what strategy="gpipe" builds: the visible GPUs' stages, else the CPU
-        raise ValueError(f"--strategy {strategy!r}: use l2l_offload or gpipe")
+        # RANKS processes on this host: the CPU, or one GPU each; forked where the test's Trainer runs (see the doc)
+        ranks = [device] * RANKS if device.type == "cpu" else [torch.device(device.type, i) for i in range(RANKS)]
+        if strategy not in ("ddp", "l2l_offload_ddp"):
+            raise ValueError(f"--strategy {strategy!r}: use one of {', '.join(REFERENCE)}")
+        kind = DDPStrategy if strategy == "ddp" else L2LOffloadDDPStrategy
+        made = kind(parallel_devices=ranks, timeout=timedelta(seconds=PER_TEST_SECONDS))
+        made._configure_launcher = lambda: setattr(made, "_launcher", _ForkRankLauncher(made))  # (an instance's own)
+        return made
 
     _AcceleratorConnector._choose_strategy = ours  # type: ignore[method-assign]
 
@@ -143,7 +217,7 @@ def _load(path: Path) -> dict[str, dict[str, Any]]:
 def classify(reference: dict[str, Any], swapped: dict[str, Any] | None, strategy: str) -> tuple[str, str]:
     """(class, detail) of one test; see the module doc."""
     if reference["outcome"] != "passed":
-        return "not passing without the swap", reference["outcome"]
+        return "not passing in the reference", reference["outcome"]
     if swapped is None:
         return "not run", ""
     if not swapped["swapped"]:
@@ -158,7 +232,8 @@ def classify(reference: dict[str, Any], swapped: dict[str, Any] | None, strategy
     # KeyError there is a crash: a difference)
     # (raised inside the test's ``pytest.warns`` it comes chained, "DID NOT WARN" on top)
     raised_here = re.search(r"lightning_accel/[\w/]+\.py:\d+: (ValueError|TypeError|\w*UserError)$", text, re.MULTILINE) is not None
-    refusal = re.search(r"^E\s+((ValueError|TypeError|\w*UserError): .*)$", text, re.MULTILINE)
+    # the last such line: a refusal raised while handling another error comes after it (its cause) in the text
+    refusal = ([None] + list(re.finditer(r"^E\s+((ValueError|TypeError|\w*UserError): .*)$", text, re.MULTILINE)))[-1]
     if raised_here and refusal is not None:
         return "refused", refusal.group(1)
     for pattern, reason in INTERNALS:
@@ -168,10 +243,9 @@ def classify(reference: dict[str, Any], swapped: dict[str, Any] | None, strategy
 
 
 def compare(out: dict[str, Path], strategies: list[str]) -> dict[str, dict[str, tuple[str, str]]]:
-    reference = _load(out["reference"])
     table: dict[str, dict[str, tuple[str, str]]] = {}
     for strategy in strategies:
-        runs = _load(out[strategy])
+        reference, runs = _load(out[REFERENCE[strategy]]), _load(out[strategy])
         table[strategy] = {test: classify(ref, runs.get(test), strategy) for test, ref in reference.items()}
     return table
 
@@ -180,13 +254,15 @@ def markdown(table: dict[str, dict[str, tuple[str, str]]], paths: list[str], det
     import lightning
     import torch
 
-    classes = ["equal", "refused", "checks internals", "difference", "no swap", "not passing without the swap", "not run"]
+    classes = ["equal", "refused", "checks internals", "difference", "no swap", "not passing in the reference", "not run"]
+    against = {"reference": "Lightning's choice", "ddp": f"DDP, {RANKS} processes"}
     lines = [f"tests_pytorch/{{{','.join(paths)}}} of the copy given; lightning {lightning.__version__} and torch "
              f"{torch.__version__} installed:", "",
-             "| strategy | " + " | ".join(classes) + " |", "|---|" + "---|" * len(classes)]
+             "| strategy | reference | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
     for strategy, rows in table.items():
         counts = Counter(c for c, _ in rows.values())
-        lines.append(f"| `{strategy}` | " + " | ".join(str(counts.get(c, 0)) for c in classes) + " |")
+        lines.append(f"| `{strategy}` | {against[REFERENCE[strategy]]} | "
+                     + " | ".join(str(counts.get(c, 0)) for c in classes) + " |")
     if detail:
         for strategy, rows in table.items():
             for kind in ("refused", "checks internals", "difference"):
@@ -201,7 +277,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", type=Path, help="a local copy of Lightning's tests/ folder (it holds tests_pytorch)")
     parser.add_argument("paths", nargs="*", default=DEFAULT_PATHS, help=f"under tests_pytorch (default: {DEFAULT_PATHS})")
-    parser.add_argument("--strategy", action="append", choices=["l2l_offload", "gpipe"], help="default: l2l_offload")
+    parser.add_argument("--strategy", action="append", choices=list(REFERENCE), help="default: l2l_offload")
     parser.add_argument("-k", dest="keywords", default=DEFAULT_KEYWORDS, help=f"pytest's -k (default: {DEFAULT_KEYWORDS!r})")
     parser.add_argument("--out", type=Path, default=Path("lightning-tests"), help="a folder for the per-test JSON lines")
     parser.add_argument("--compare-only", action="store_true", help="classify the results already in --out")
@@ -216,7 +292,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args._run is not None:  # (the child process: one pytest run)
         return _run_pytest(tests, args.paths, args.keywords, None if args._run == "reference" else args._run, out / f"{args._run}.jsonl")
-    files = {mode: out / f"{mode}.jsonl" for mode in ["reference", *strategies]}
+    references = list(dict.fromkeys(REFERENCE[s] for s in strategies))
+    files = {mode: out / f"{mode}.jsonl" for mode in [*references, *strategies]}
     if not args.compare_only:
         for mode in files:
             started = time.perf_counter()

@@ -28,8 +28,9 @@ Blocks are named as the model registers them (``layer.mlp_1`` for an ``nn.Sequen
 container of blocks at all (Lightning's own test models, many users' models: a few layers as attributes), to *each
 direct child that has parameters*, in registration order; a model whose only child with parameters is a wrapper
 (``self.net = Net()``) is looked into, down to the first module with several such children. The parameters held
-directly by the modules above them stay resident. A pipeline cuts only at blocks of its own stack, so ``gpipe`` and
-``gpipe_distributed`` still refuse such a model with the candidates they found.
+directly by the modules above them stay resident. ``gpipe`` cuts its stages there too, where the forward is shown to run
+them as a chain (:mod:`lightning_accel.pipeline.child_chain`; refused in one line otherwise); ``gpipe_distributed`` still
+refuses such a model with the candidates it found.
 
 ``find_blocks(..., stacks="all")`` (what L2L offload and QLoRA ask for) adds, under
 ``"auto"``, every other repeated stack of the model: a same-class container of two or more

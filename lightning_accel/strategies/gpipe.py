@@ -16,7 +16,9 @@ never be honoured).
 
 Placement is ``model_to_device``: the blocks (``blocks`` policy, as for L2L offload: every
 repeated stack, so an encoder-decoder's encoder blocks, then its decoder's) are split into
-stages (``balance``) and placed on ``devices`` by :class:`lightning_accel.pipeline.LocalPipeline`,
+stages (``balance``) and placed on ``devices`` by :class:`lightning_accel.pipeline.LocalPipeline`
+(a model with no block container under ``"auto"``: its children with parameters, where its forward is shown to run them
+as a chain, :mod:`lightning_accel.pipeline.child_chain`; refused in one line where it is not),
 which wraps no module, so checkpoints keep the user's parameter names. The model's own forward
 runs on every micro-batch, so what it computes once and hands to later blocks (the encoder's
 output, T5's position bias, attention masks) reaches each block, moved to its stage's device. ``balance="by_time"`` needs a sample, and the one that
@@ -51,6 +53,7 @@ from lightning_accel.models.block_policy import Block, BlockPolicy, find_blocks
 from lightning_accel.models.router_loss import router_loss_notice
 from lightning_accel.models.side_effects import KVCacheSwitch
 from lightning_accel.pipeline.batch_layers import check_batch_layers
+from lightning_accel.pipeline.child_chain import chained_children
 from lightning_accel.pipeline.local import LocalPipeline, checkpoint_stop
 from lightning_accel.patching import Patch, patch
 from lightning_accel.pipeline.microbatch import call_batch_size, check_chunks, scatter_call
@@ -158,6 +161,16 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         net = getattr(module, "net", None)
         return net if isinstance(net, nn.Module) else module
 
+    def _find_blocks(self, net: nn.Module) -> list[Block]:
+        """The blocks to cut stages at: the policy's, or, under ``"auto"`` for a model with no block container, its
+        children with parameters where its forward runs them as a chain (:mod:`lightning_accel.pipeline.child_chain`)."""
+        try:
+            return find_blocks(net, self.blocks, stacks="all")
+        except ValueError as no_container:
+            if not (isinstance(self.blocks, str) and self.blocks == "auto"):
+                raise
+            return chained_children(net, type(self).__name__, str(no_container))
+
     def _place(self, net: nn.Module, blocks: list[Block], balance: list[int], why: str) -> None:
         self.pipeline = LocalPipeline(
             net, blocks, balance, self.devices, self.options.checkpoint_stop, self.deferred_batch_norm is not False,
@@ -176,7 +189,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
     def _place_by_time(self, forward: Any, args: tuple, kwargs: dict) -> None:
         """Time every block on the network's first micro-batch (``forward(*args, **kwargs)``), split by those times, place."""
         net = self._net()
-        blocks = find_blocks(net, self.blocks, stacks="all")
+        blocks = self._find_blocks(net)
         times = profile_block_times(net, [b.module for b in blocks], lambda: forward(*args, **kwargs))
         balance = balance_by_cost(times, min(len(self.devices), len(blocks)))
         self._place(net, blocks, balance, "balance='by_time': " + ", ".join(f"{t * 1e3:.2f}" for t in times)
@@ -218,7 +231,9 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
         self.pipeline = None
         self.model.to(self.root_device)
         net = self._net()
-        blocks = find_blocks(net, self.blocks, stacks="all")  # no blocks: say so now, not at the first batch
+        if next(net.parameters(), None) is None:  # nothing to place (a model evaluated, or stepping data only): it runs whole
+            return
+        blocks = self._find_blocks(net)  # no blocks: say so now, not at the first batch
         self._disable_kv_cache()
         stages = min(len(self.devices), len(blocks))
         if not isinstance(self.balance, str):
@@ -293,7 +308,7 @@ class GPipeStrategy(ReadsPipelineOptions, SingleDeviceStrategy):
             self._training = False
         if self.pipeline is not None:
             self.pipeline.finish_batch()
-        if not self._called:
+        if not self._called and self._forward is not None:
             self._say_once(
                 "uncalled",
                 f"GPipeStrategy: training_step did not call {type(self._net()).__name__}.forward, so nothing was split "
