@@ -129,14 +129,19 @@ def _as_user_error(where: str, check: Any, *args: Any) -> Any:
 
 def _check_blocks(strategy: Any, model: Any) -> list[Any]:
     """The blocks the strategy's policy finds (every repeated stack, as each strategy asks for them; L2L streams each
-    child with parameters of a model without blocks)."""
+    child with parameters of a model without blocks, and gpipe cuts such a model at those children where its forward
+    runs them as a chain)."""
     from lightning_accel.models.block_policy import find_blocks
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
     policy = strategy.blocks
     shown = [str(p) for p in policy] if isinstance(policy, Iterable) and not isinstance(policy, str) else policy
     where = f"strategy.blocks={shown}" if isinstance(shown, (str, list)) else "strategy.blocks"
+    from lightning_accel.strategies.gpipe import GPipeStrategy
+
     try:
+        if isinstance(strategy, GPipeStrategy):  # its own search: a model without blocks is cut at its chained layers
+            return strategy._find_blocks(model)
         return find_blocks(model, policy, stacks="all", children=isinstance(strategy, L2LOffloadHooks))
     except (ValueError, ImportError, AttributeError, TypeError) as err:
         raise UserError(f"{where}: {_line(err)}; pass the repeated block's class, e.g. strategy.blocks=[GPTBlock], or "

@@ -43,7 +43,10 @@ def state_bytes_by_parameter(optimizer: Optimizer) -> dict[int, int]:
 def gather_state(state_dict: dict[str, Any], send: Collection[int], group: dist.ProcessGroup | None, dst: int = 0) -> dict[str, Any]:
     """On rank ``dst`` of ``group``: ``state_dict`` with the state of every rank's ``send`` indices
     added (the shards it steps, moved to the CPU), keys in index order; on the other ranks their
-    own ``state_dict`` unchanged. Every rank of ``group`` calls it."""
+    own ``state_dict`` unchanged. Every rank of ``group`` calls it. A state dict without per-parameter state (Lightning's
+    stand-in optimizer when ``configure_optimizers`` returns None: ``{}`` on every rank) has nothing to gather."""
+    if "state" not in state_dict:
+        return state_dict
     mine = {i: {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in s.items()} for i, s in state_dict["state"].items() if i in send}
     rank = dist.get_rank(group)
     shards: list[Any] | None = [None] * dist.get_world_size(group) if rank == dst else None
@@ -58,5 +61,7 @@ def gather_state(state_dict: dict[str, Any], send: Collection[int], group: dist.
 
 def keep_state(state_dict: dict[str, Any], keep: Collection[int]) -> dict[str, Any]:
     """``state_dict`` with the state of the ``keep`` indices only (param groups unchanged)."""
+    if "state" not in state_dict:  # no per-parameter state (Lightning's stand-in optimizer)
+        return state_dict
     return {**state_dict, "state": {i: s for i, s in state_dict["state"].items() if i in keep}}
 

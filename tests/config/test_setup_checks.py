@@ -126,3 +126,16 @@ def test_the_delayed_update_refuses_manual_optimization_and_fp16_scaling_before_
         check_offload_precision(strategy, [], "16-mixed")  # Lightning's flag, paired with the offload plugin of it
     check_offload_precision(strategy, [OffloadPrecision("bf16-mixed")], None)
     check_offload_precision(L2LOffloadStrategy(), [OffloadPrecision("16-mixed")], None)  # no delayed update: fp16 is fine
+
+
+def test_gpipe_preflight_takes_a_model_without_blocks_where_the_strategy_does() -> None:
+    """Preflight asks gpipe's own block search: a model of chained layers (no block container) passes, as it trains
+    (tests/strategies/test_gpipe_children.py); one whose forward reorders them is refused in the strategy's one line."""
+    from tests.strategies.test_gpipe_children import Attributes, Reordered
+
+    with torch.device("meta"):
+        chained, reordered = Attributes(), Reordered()
+    check_strategy_setup(GPipeStrategy(), chained, _cfg(), [])
+    with pytest.raises(UserError) as refused:
+        check_strategy_setup(GPipeStrategy(), reordered, _cfg(), [])
+    assert "\n" not in str(refused.value) and "blocks=" in str(refused.value), refused.value

@@ -130,6 +130,15 @@ def test_optimizer_state_shards_merge_under_plain_indices(group_of_one: dist.Pro
     assert list(merged["state"]) == [1]
 
 
+def test_an_optimizer_without_per_parameter_state_saves_and_loads_as_it_is(group_of_one: dist.ProcessGroup) -> None:
+    """Lightning's stand-in when ``configure_optimizers`` returns None has ``state_dict() == {}`` on every rank: DDP
+    checkpoints it, and so must the partitioned strategy (Lightning's test_none_optimizer found a KeyError here)."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    empty = _MockOptimizer().state_dict()
+    assert gather_state(empty, {0}, group_of_one) == empty and keep_state(empty, {0}) == empty
+
+
 def test_a_unit_reported_late_goes_last_in_the_order_given(group_of_one: dist.ProcessGroup) -> None:
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
     grads = {p: torch.ones(2) for p in params}
