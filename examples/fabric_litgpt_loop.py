@@ -3,6 +3,8 @@
     python examples/fabric_litgpt_loop.py --strategy l2l_offload      # blocks streamed from host memory
     python examples/fabric_litgpt_loop.py --strategy gpipe --chunks 2 # micro-batched with recomputation
     python examples/fabric_litgpt_loop.py --strategy auto             # Fabric's own, for comparison
+    python examples/fabric_litgpt_loop.py --strategy l2l_offload_ddp --devices 2  # data parallel, host optimizer partitioned
+    python examples/fabric_litgpt_loop.py --strategy ddp --devices 2              # Fabric's DDP, for comparison
 
 Runs on the CPU in seconds (a tiny litgpt ``GPT``, random tokens); on a GPU pass ``--accelerator cuda``. The loop is
 litgpt's ``finetune/full.py`` loop: accumulation under ``fabric.no_backward_sync``, ``chunked_cross_entropy``,
@@ -26,7 +28,8 @@ from lightning_accel.fabric import GPipeStrategy
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="l2l_offload", choices=["l2l_offload", "gpipe", "auto"])
+    parser.add_argument("--strategy", default="l2l_offload", choices=["l2l_offload", "l2l_offload_ddp", "gpipe", "auto", "ddp"])
+    parser.add_argument("--devices", type=int, default=1, help="processes (l2l_offload_ddp, ddp); each rank its own batches")
     parser.add_argument("--chunks", type=int, default=2, help="gpipe: micro-batches per batch")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--precision", default="32-true", help="'32-true' or 'bf16-mixed' (l2l_offload keeps fp32 masters)")
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parser.parse_args(argv)
 
     strategy: Any = GPipeStrategy(chunks=args.chunks) if args.strategy == "gpipe" else args.strategy
-    fabric = L.Fabric(accelerator=args.accelerator, devices=1, strategy=strategy, precision=args.precision)
+    fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
     fabric.seed_everything(0)
 
@@ -46,8 +49,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
 
-    tokens = torch.randint(0, config.vocab_size, (args.steps * args.accumulation, 4, config.block_size + 1),
-                           generator=torch.Generator().manual_seed(0))
+    batches = args.steps * args.accumulation
+    tokens = torch.randint(0, config.vocab_size, (batches * fabric.world_size, 4, config.block_size + 1),
+                           generator=torch.Generator().manual_seed(0))[fabric.global_rank::fabric.world_size]
     losses = []
     for iter_num, batch in enumerate(tokens, start=1):
         input_ids, targets = fabric.to_device(batch[:, :-1]), fabric.to_device(batch[:, 1:])
