@@ -49,10 +49,10 @@ from torch import Tensor
 
 from lightning_accel.bench import format_table, machine_line
 from lightning_accel.benchmarks.offload_workload import token_data
-from lightning_accel.estimate.tier import tier_plan
+from lightning_accel.estimate.tier import module_tier
 from lightning_accel.models import GPT, LanguageModelTask
 from lightning_accel.offload.disk_io import CHUNK, THREADS, measure_bandwidth
-from lightning_accel.offload.tier_plan import MIN_CHUNK, parse_bytes, parse_chunk, plan_tier
+from lightning_accel.offload.tier_plan import MIN_CHUNK, TierPlan, parse_bytes, parse_chunk
 from lightning_accel.strategies.l2l_offload import L2LOffloadStrategy
 
 IO_TARGET = 1.25  # tier step / max(in-RAM step, I/O floor)
@@ -185,20 +185,27 @@ def busy_seconds(spans: list[list[float]], start: float, end: float) -> float:
     return total
 
 
-def _model(args: argparse.Namespace, seq: int) -> LanguageModelTask:
+def _model(args: argparse.Namespace) -> LanguageModelTask:
+    """The bench's GPT, one for every configuration (its positions sized to the longest sequence: the same weights)."""
     torch.manual_seed(0)
+    seq = max(args.io_shape[1], args.compute_shape[1])
     return LanguageModelTask(GPT("gpt2", n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=seq))
+
+
+def _strategy(args: argparse.Namespace, nvme_path: str | None, budget: int | None = None, chunk: int | None = None) -> L2LOffloadStrategy:
+    """The strategy a fit runs with (in RAM: ``nvme_path`` None), and whose plan sizes the budgets (:func:`budgets`)."""
+    return L2LOffloadStrategy(overlap_step=args.overlap_step == "on", nvme_path=nvme_path,
+                              host_budget=budget if nvme_path is not None else None,
+                              nvme_chunk=chunk if nvme_path is not None else None)
 
 
 def _fit(args: argparse.Namespace, config: Config, nvme_path: str | None) -> Fit:
     """``config`` trained for the warm-up and the timed steps, in RAM (``nvme_path`` None) or with the tier."""
-    strategy = L2LOffloadStrategy(overlap_step=args.overlap_step == "on", nvme_path=nvme_path,
-                                  host_budget=config.budget if nvme_path is not None else None,
-                                  nvme_chunk=config.chunk if nvme_path is not None else None)
+    strategy = _strategy(args, nvme_path, config.budget, config.chunk)
     probe = _Probe(args.warmup)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
-    trainer.fit(_model(args, config.seq), token_data(config.batch, config.seq, args.warmup + args.steps))
+    trainer.fit(_model(args), token_data(config.batch, config.seq, args.warmup + args.steps))
     stats = strategy.offload_stats
 
     def median(key: str) -> float:
@@ -214,22 +221,25 @@ def _fit(args: argparse.Namespace, config: Config, nvme_path: str | None) -> Fit
 def budgets(args: argparse.Namespace, nvme_path: str, chunk: int | None = None) -> tuple[int, int, int, list[str]]:
     """The least ``host_budget`` the tier's plan accepts for the bench's model with step buffers of ``chunk`` (None: a
     whole block), every block's optimizer state and fp32 masters on disk; the least with the masters in RAM (the state
-    alone on disk); the chunk; both plan lines: the strategy's own plan (:func:`~lightning_accel.estimate.tier.tier_plan`).
-    The fits pass the chunk as ``nvme_chunk``: with a budget the plan's own would be a share of it instead."""
-    task = _model(args, 8)
-    optimizer = task.configure_optimizers()
-    assert isinstance(optimizer, torch.optim.Optimizer)
-    # fp32 CPU: the masters are the weights; the strategy's gradient buffers as it runs (steps during the backward or not)
-    least = tier_plan(task, [optimizer], nvme_path=nvme_path, overlap_step=args.overlap_step == "on", nvme_chunk=chunk)
+    alone on disk); the chunk; both plan lines. Each is the plan the fit's own strategy makes at set-up for the fit's
+    own model (:func:`~lightning_accel.estimate.tier.module_tier`), under the budget the fit is given. The fits pass
+    the chunk as ``nvme_chunk``: with a budget the plan's own would be a share of it instead."""
+    task = _model(args)
+
+    def plan(budget: int | None, size: int | None) -> TierPlan:
+        found = module_tier(_strategy(args, nvme_path, budget, size), task, torch.float32, cuda=False)
+        assert found is not None
+        return found
+
+    least = plan(None, chunk)  # no budget: everything the tier can move on disk
     if chunk is None:  # a whole block in each step buffer (the plan's choice without a budget), said as the chunk
         return budgets(args, nvme_path, max(MIN_CHUNK, least.step_buffer))
-    units = list(least.units)
-    n = len(units)
+    n = len(least.units)
     state_only = dataclasses.replace(least, masters_on_disk=(False,) * n).host_bytes
-    kept = plan_tier(units, state_only, nvme=True, fixed=least.fixed, grads_in_flight=least.grads_in_flight,
-                     weight_buffers=least.weight_buffers, chunk=least.chunk, resident_kept=least.resident_kept)
+    spilled, kept = plan(least.host_bytes, chunk), plan(state_only, chunk)  # the fits' plans, under their budgets
+    assert spilled == dataclasses.replace(least, budget=least.host_bytes), (spilled.describe(), least.describe())
     assert not any(kept.masters_on_disk) and all(kept.state_on_disk), kept.describe()
-    return least.host_bytes, state_only, chunk, [f"everything on disk: {least.describe()}", f"masters in RAM: {kept.describe()}"]
+    return least.host_bytes, state_only, chunk, [f"everything on disk: {spilled.describe()}", f"masters in RAM: {kept.describe()}"]
 
 
 def _mib(nbytes: int) -> str:
@@ -337,7 +347,7 @@ def nvme_table(args: argparse.Namespace) -> str:
             shutil.rmtree(root, ignore_errors=True)
     verdicts, times, nbytes = rows_of(fits, read_bw, write_bw)
     after = os.getloadavg()
-    params = sum(p.numel() for p in _model(args, 8).parameters())
+    params = sum(p.numel() for p in _model(args).parameters())
     return "\n".join([
         f"NVMe tier: GPT {args.layers} x width {args.width} ({params / 1e6:.1f}M params), CPU device, fp32, AdamW, overlap_step "
         f"{args.overlap_step}, {args.rounds} interleaved rounds of {args.warmup} + {args.steps} steps; nvme_path on the disk of "

@@ -240,67 +240,25 @@ def check_offload_precision(strategy: Any, plugins: Sequence[Any], flag: Any) ->
 
 def check_tier(strategy: Any, module: Any, cfg: DictConfig) -> None:
     """With ``host_budget`` or ``nvme_path``: the NVMe tier's plan, made as the strategy makes it at set-up (the same
-    functions, :func:`lightning_accel.estimate.tier.strategy_tier`) on a copy of the meta network whose parameters stand
+    functions, :func:`lightning_accel.estimate.tier.module_tier`) on a copy of the meta network whose parameters stand
     for the fp32 masters (fake tensors: nothing allocated), so a budget that cannot be met is refused here in the
-    strategy's own line, before ``l2l_offload_ddp``'s ranks start."""
-    import copy
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from lightning_accel.estimate.fake import fake_parameters
-    from lightning_accel.estimate.params import nf4_weights
-    from lightning_accel.estimate.recipe import _precision
-    from lightning_accel.estimate.tier import TierRefused, strategy_tier
+    strategy's own line (its advice included), before ``l2l_offload_ddp``'s ranks start."""
+    from lightning_accel.estimate.recipe import _precision, stated_device_memory
+    from lightning_accel.estimate.tier import TierRefused, module_tier
 
     if getattr(strategy, "nvme_path", None) is None and getattr(strategy, "host_budget", None) is None:
         return
-    module = copy.deepcopy(module)  # the caller's meta module stays as it is (the resume checks read it)
-    net = module.net if isinstance(getattr(module, "net", None), torch.nn.Module) else module
-    stored = nf4_weights(net, getattr(getattr(module, "frozen_base", None), "adapter", None))
-    mode = FakeTensorMode()
-    fake_parameters(net, mode, lambda _n, p: torch.float32 if p.requires_grad else p.dtype)
     low, _ = _precision(cfg)
     cuda = str((cfg.get("trainer") or {}).get("accelerator")) in ("gpu", "cuda")
     key = "strategy.host_budget" if getattr(strategy, "host_budget", None) is not None else "strategy.nvme_path"
-    def plan(of: Any) -> None:
-        strategy_tier(of, module, net, low, cuda=cuda, stored=stored, trainer=cfg.get("trainer") or {}, world=_world_size(cfg) or 1)
-
     try:
-        plan(strategy)
+        module_tier(strategy, module, low, cuda=cuda, trainer=cfg.get("trainer") or {}, world=_world_size(cfg) or 1,
+                    device_memory=stated_device_memory(cfg))
     except TierRefused as err:  # the strategy's own line, which names the key and the value
         line = _line(err)
-        if getattr(strategy, "nvme_path", None) is None and "; set strategy.nvme_path=DIR" in line:
-            line = _with_disk_floor(line, strategy, plan)
         raise UserError(line if key in line else f"{key}={(cfg.get('strategy') or {}).get(key.split('.', 1)[1])}: {line}") from None
     except ValueError as err:
         raise UserError(f"{key}: {_line(err)}") from None
-
-
-def _with_disk_floor(line: str, strategy: Any, plan: Any) -> str:
-    """A budget refused without ``nvme_path`` says "set strategy.nvme_path=DIR to put ... on disk": advice that leads
-    nowhere when the budget is below what stays on the host even with the disk (the tier's I/O buffers join it). The
-    plan is made again with a scratch directory; when that too is refused, the advice names the budget it needs."""
-    import copy
-    import re
-    import tempfile
-
-    from lightning_accel.estimate.tier import TierRefused
-
-    with_disk = copy.copy(strategy)
-    with_disk.nvme_path = tempfile.gettempdir()  # only planned: nothing is written
-    try:
-        plan(with_disk)
-    except TierRefused as err:
-        floor = re.search(r"at least ([\d.,]+ ?[kMGT]?i?B)", str(err))
-        if floor is not None:
-            head, _, rest = line.partition("; set strategy.nvme_path=DIR")
-            least = re.search(r"raise host_budget to at least ([\d.,]+ ?[kMGT]?i?B)", rest)
-            return (f"{head}; raise host_budget to at least {least.group(1) if least else 'that'}, or set strategy.nvme_path=DIR "
-                    f"and host_budget to at least {floor.group(1)} (what stays on the host with the disk: its I/O buffers too)")
-    except ValueError:
-        pass
-    return line
 
 
 def check_load_by_block(module: Any, strategy: Any) -> None:
@@ -310,10 +268,10 @@ def check_load_by_block(module: Any, strategy: Any) -> None:
     ``LanguageModelTask.setup`` (the Python API) ask it."""
     from torch import nn
 
-    from lightning_accel.offload.materialize import _CHECKPOINTS  # the models load_by_block marked
+    from lightning_accel.offload.materialize import loads_by_block
     from lightning_accel.strategies.l2l_offload_hooks import L2LOffloadHooks
 
-    if isinstance(strategy, L2LOffloadHooks) or not any(m in _CHECKPOINTS for m in module.modules()):
+    if isinstance(strategy, L2LOffloadHooks) or not loads_by_block(module):
         return
     if isinstance(module, nn.Module):
         # the fit ends here, and Lightning's teardown moves the module to the CPU, which a meta module cannot do: torch's

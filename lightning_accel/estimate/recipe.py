@@ -215,8 +215,11 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     optimizer = measure_optimizer(module, net, mode, foreach=not plan.on_cpu and not masters, scratch=not masters)
     inv = inventory(net, blocks, stored, optimizer.state)
     # the NVMe tier's plan, from the fp32 masters as the strategy's host store holds them (refused as it would be)
+    device = (device_memory, "--device-memory") if device_memory is not None else stated_device(cfg)
+    if device is None and str(cfg.trainer.accelerator) in ("gpu", "cuda"):
+        device = local_gpu()
     tier = strategy_tier(strategy, module, net, low, cuda=not plan.on_cpu, stored=stored, trainer=cfg.get("trainer") or {},
-                         world=plan.world) if plan.strategy in (L2L, L2L_DDP) else None
+                         world=plan.world, device_memory=device[0] if device else None) if plan.strategy in (L2L, L2L_DDP) else None
     if tier is not None and plan.strategy == L2L_DDP:
         notes.append("the NVMe tier: each rank its own files under nvme_path; the plan and the disk column are one rank's"
                      + (" (the one stepping the most; partitioned, a rank's files hold its own blocks' optimizer state)"
@@ -240,9 +243,6 @@ def estimate_recipe(recipe: str, overrides: list[str], device_memory: int | None
     if plan.on_cpu:
         notes.append("these are tensor bytes; by default glibc keeps much of what a CPU step frees, and a run's peak RSS was "
                      "1.2x-2.5x them on the CPU recipes; MALLOC_MMAP_THRESHOLD_=32768 gives it back (docs/estimate.md)")
-    device = (device_memory, "--device-memory") if device_memory is not None else stated_device(cfg)
-    if device is None and str(cfg.trainer.accelerator) in ("gpu", "cuda"):
-        device = local_gpu()
     return Estimate(
         recipe=str(recipe), strategy=plan.strategy, ranks=ranks,
         device_memory=device[0] if device and not plan.on_cpu else None,

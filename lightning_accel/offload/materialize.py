@@ -93,6 +93,12 @@ def load_by_block(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
     return model
 
 
+def loads_by_block(module: nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules was marked by :func:`load_by_block` (on meta, to be filled from its
+    directory by an L2L strategy)."""
+    return any(m in _CHECKPOINTS for m in module.modules())
+
+
 def _is_hf_model(module: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__) and hasattr(module, "_init_weights")
 

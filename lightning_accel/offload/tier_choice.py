@@ -46,6 +46,12 @@ class TierOptions:
     nvme: bool = False
     chunk: int | None = None  # strategy.nvme_chunk (None: the plan's)
     activations: bool = False  # offload_activations: the blocks' inputs wait on the host (the device side's, said on the line)
+    # the device's memory where the strategy knows it (a CUDA device's total; None: unknown, or the device is the host)
+    device_memory: int | None = None
+    # what the resident unit kept on the device holds there (parameters, gradients, optimizer state), and what the blocks
+    # in flight on it hold (prefetch_blocks + 1 blocks' weights as they cross): what the device-side choice compares
+    resident_device: int = 0
+    blocks_device: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,35 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
                 blocks_in_flight: int = BLOCKS_IN_FLIGHT, streamed: bool = False, staged: int = 0) -> tuple[TierPlan, TierChoice]:
     """The plan and what it chose (see the module doc); ``streamed``: the resident unit streams already (its only place);
     ``staged``: the largest parameter crossing the bus through the pinned rings (:attr:`~.tier_plan.TierPlan.staged`).
-    Raises :class:`~.tier_plan.BudgetRefused` naming the figures and the fix."""
+    Raises :class:`~.tier_plan.BudgetRefused` naming the figures and the fix; without a disk, where the disk alone would
+    not meet the budget either, the fix names the budget the disk needs (the plan made again with ``nvme``: the one the
+    user would get by following the advice)."""
+    def choose(of: TierOptions, disk_floor: int | None = None) -> tuple[TierPlan, TierChoice]:
+        return _choose(of, sizes, budget, fixed=fixed, weight_buffers=weight_buffers, blocks_in_flight=blocks_in_flight,
+                       streamed=streamed, staged=staged, disk_floor=disk_floor)
+
+    try:
+        return choose(options)
+    except BudgetRefused:
+        if options.nvme or budget is None:
+            raise
+        floor = _least_with_disk(lambda: choose(dataclasses.replace(options, nvme=True)))
+        if floor is None:
+            raise
+    return choose(options, disk_floor=floor)  # refused again, the advice naming the budget the disk needs
+
+
+def _least_with_disk(choose: Callable[[], tuple[TierPlan, TierChoice]]) -> int | None:
+    """The least host bytes the plan keeps with a disk, where that too is refused (None: the disk meets the budget)."""
+    try:
+        choose()
+    except BudgetRefused as refused:
+        return refused.least
+    return None
+
+
+def _choose(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed: int, weight_buffers: int, blocks_in_flight: int,
+            streamed: bool, staged: int, disk_floor: int | None = None) -> tuple[TierPlan, TierChoice]:
     overlap_open = options.overlap is None and options.cannot_overlap is None
     if options.overlap is not None:
         overlaps = [bool(options.overlap) and options.cannot_overlap is None]
@@ -75,8 +109,16 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         overlaps = list(dict.fromkeys([options.overlap_default, True]))
     # (on an accelerator streaming it adds host bytes; without a disk it moves none)
     can_stream = options.cpu and options.nvme and options.resident_alike
+    device_needs = _device_needs_streaming(options) and not streamed
+    if device_needs and options.resident is False:
+        raise BudgetRefused(
+            f"offload_resident=False keeps the resident unit on the device ({human(options.resident_device)} with its gradients and "
+            f"optimizer state, beside {human(options.blocks_device)} of blocks in flight), over the device's "
+            f"{human(options.device_memory or 0)}; leave offload_resident unset (the plan streams it) or set it to True", 0)
     if streamed:
         residents = [True]
+    elif device_needs:
+        residents = [True]  # the device's need decides: streamed, whatever the host's plan would prefer
     else:
         residents = [bool(options.resident)] if options.resident is not None or not can_stream else [False, True]
 
@@ -84,7 +126,7 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
         units, kept = sizes(choice.stream_resident)
         found = plan_tier(units, budget, options.nvme, fixed=fixed, grads_in_flight=blocks_in_flight if choice.in_backward else None,
                           held=1 if choice.stream_resident else 0, weight_buffers=weight_buffers, chunk=options.chunk,
-                          resident_kept=0 if choice.stream_resident else kept, staged=staged)
+                          resident_kept=0 if choice.stream_resident else kept, staged=staged, disk_floor=disk_floor)
         return dataclasses.replace(found, chosen=_said(options, choice), device_side=_device_side(options, choice))
 
     refusals: list[BudgetRefused] = []
@@ -114,14 +156,27 @@ def choose_tier(options: TierOptions, sizes: Sizes, budget: int | None, *, fixed
     raise BudgetRefused(
         f"strategy.host_budget={human(budget or 0)} cannot be met as configured: " + "; ".join(why for why, _ in blocked)
         + f" (the least it keeps: {human(least.least)}); left to the plan it keeps {human(freed.host_bytes)}: "
-        + ", ".join(fix for _, fix in blocked) + f", or raise host_budget to at least {human(least.least)}", least.least)
+        + ", ".join(fix for _, fix in blocked) + f", or raise host_budget to at least {human(least.least, up=True)}", least.least)
+
+
+def _device_needs_streaming(options: TierOptions) -> bool:
+    """Whether the resident unit kept on the device, beside the blocks in flight, would not fit the device's memory (known:
+    ``device_memory``), so that the plan streams it where ``offload_resident`` is unset. Activations are not counted (the
+    batch is not known at set-up): a unit this rule keeps may still not fit with them."""
+    if options.device_memory is None or not options.resident_device:
+        return False
+    return options.resident_device + options.blocks_device > options.device_memory
 
 
 def _device_side(options: TierOptions, choice: TierChoice) -> tuple[str, ...]:
     """What keeps the device's memory, said on the plan line where the strategy was given it: the resident unit streamed
-    (not kept on the device with its gradients and fp32 optimizer state), activations offloaded to the host."""
+    (not kept on the device with its gradients and fp32 optimizer state), activations offloaded to the host; or chosen by
+    the plan, the device's memory known."""
     said = []
-    if choice.stream_resident and options.resident is not None and not options.cpu:
+    if choice.stream_resident and options.resident is None and _device_needs_streaming(options):
+        said.append(f"the plan streamed the resident unit ({human(options.resident_device)} with its gradients and optimizer state, "
+                    f"beside {human(options.blocks_device)} of blocks in flight, over the device's {human(options.device_memory or 0)})")
+    elif choice.stream_resident and options.resident is not None and not options.cpu:
         said.append("the resident unit streamed (offload_resident: not on the device with its optimizer state)")
     if options.activations:
         said.append("the blocks' inputs on the host (offload_activations)")
@@ -133,6 +188,6 @@ def _said(options: TierOptions, choice: TierChoice) -> tuple[str, ...]:
     said = []
     if options.overlap is None and choice.in_backward and not options.overlap_default:
         said.append(f"the blocks step during the backward ({BLOCKS_IN_FLIGHT} blocks' gradients at once)")
-    if options.resident is None and choice.stream_resident:
+    if options.resident is None and choice.stream_resident and not _device_needs_streaming(options):
         said.append("the resident unit streamed through the tier")
     return tuple(said)

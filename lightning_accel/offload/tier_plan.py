@@ -34,6 +34,7 @@ the I/O buffers: a few chunks, whatever the depth (``staging_bytes``, counted ag
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
@@ -61,11 +62,13 @@ def parse_bytes(value: int | float | str, key: str = "strategy.host_budget") -> 
     return nbytes
 
 
-def human(nbytes: int) -> str:
-    """Bytes as the plan line and the errors print them (decimal units, as disks and budgets are quoted)."""
+def human(nbytes: int, up: bool = False) -> str:
+    """Bytes as the plan line and the errors print them (decimal units, as disks and budgets are quoted); ``up``: rounded
+    up, for a figure the advice says to set "at least" (the printed value, given back, must be enough)."""
     for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if nbytes >= size:
-            return f"{nbytes / size:.2f} {unit}"
+            value = math.ceil(nbytes * 100 / size) / 100 if up else nbytes / size
+            return f"{value:.2f} {unit}"
     return f"{nbytes} B"
 
 
@@ -277,13 +280,16 @@ class BudgetRefused(ValueError):
 
 def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int = SLOTS, fixed: int = 0,
               grads_in_flight: int | None = None, held: int = 0, weight_buffers: int = 0, chunk: int | None = None,
-              resident_kept: int = 0, staged: int = 0) -> TierPlan:
+              resident_kept: int = 0, staged: int = 0, disk_floor: int | None = None) -> TierPlan:
     """The plan for ``units`` under ``budget`` bytes of host memory (None: no limit), spilling to disk only when
     ``nvme`` (a ``nvme_path`` was given). With ``nvme`` and no budget, everything that can go to disk does.
     ``weight_buffers``: the buffers the compute's reads of a block on disk need (units with ``compute_reads``).
     ``chunk``: the user's ``strategy.nvme_chunk`` (None: :func:`default_chunk`, made smaller, down to
     :data:`MIN_CHUNK`, where that is what keeps the budget). ``resident_kept``: host bytes of a resident unit kept on a
     CPU device. ``staged``: the largest parameter crossing the bus on a GPU (:attr:`TierPlan.staged`; 0: a CPU device).
+    ``disk_floor``: without ``nvme``, the least host bytes the plan would keep with a disk, where that too is over the
+    budget (:func:`~.tier_choice.choose_tier` finds it): the refusal's advice then names the budget the disk needs,
+    not the disk alone.
 
     Raises :class:`BudgetRefused` (a ValueError) naming the figures and the fix when the budget cannot be met."""
     n = len(units)
@@ -302,10 +308,14 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
     need = current.host_bytes
     if not nvme:
         spillable = sum(u.state + u.masters + u.disk_weights for u in units)
-        raise BudgetRefused(
-            f"strategy.host_budget={human(budget or 0)} is less than the {human(need)} the offload keeps on the host "
-            f"({_breakdown(current)}); set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state, fp32 "
-            f"masters and weights on disk, or raise host_budget to at least {human(need)}", need)
+        if disk_floor is not None and budget is not None and disk_floor > budget:  # the disk alone would not do
+            advice = (f"raise host_budget to at least {human(need, up=True)}, or set strategy.nvme_path=DIR and host_budget to at least "
+                      f"{human(disk_floor, up=True)} (what stays on the host with the disk: its I/O buffers too)")
+        else:
+            advice = (f"set strategy.nvme_path=DIR to put up to {human(spillable)} of optimizer state, fp32 masters and weights "
+                      f"on disk, or raise host_budget to at least {human(need, up=True)}")
+        raise BudgetRefused(f"strategy.host_budget={human(budget or 0)} is less than the {human(need)} the offload keeps on the "
+                            f"host ({_breakdown(current)}); {advice}", need)
 
     def spill() -> TierPlan | None:
         nonlocal current
@@ -338,12 +348,12 @@ def plan_tier(units: list[UnitBytes], budget: int | None, nvme: bool, slots: int
             f"strategy.host_budget={human(budget)} is less than the {human(current.host_bytes)} that stays on the host with "
             f"every unit's optimizer state, fp32 masters and weights on disk and strategy.nvme_chunk={human(chunk)} "
             f"({current.slots} step buffers of {human(current.step_buffer)}); set nvme_chunk to at most {human(most)} (or "
-            f"leave it unset: the plan chooses), or raise host_budget to at least {human(current.host_bytes)}", smallest.host_bytes)
+            f"leave it unset: the plan chooses), or raise host_budget to at least {human(current.host_bytes, up=True)}", smallest.host_bytes)
     least = smallest if chunk is None else current  # (the user's chunk is theirs: its figures)
     raise BudgetRefused(
         f"strategy.host_budget={human(budget)} is less than the {human(least.host_bytes)} that stays on the host with "
         f"every unit's optimizer state, fp32 masters and weights on disk ({_breakdown(least, on_disk=True)}, I/O buffers "
-        f"{human(least.buffer_bytes)}); raise host_budget to at least {human(least.host_bytes)}", least.host_bytes)
+        f"{human(least.buffer_bytes)}); raise host_budget to at least {human(least.host_bytes, up=True)}", least.host_bytes)
 
 
 def _largest_chunk(plan: TierPlan, budget: int) -> int:

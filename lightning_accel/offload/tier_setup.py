@@ -8,6 +8,7 @@ Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -26,8 +27,45 @@ from lightning_accel.offload.tier_plan import TierPlan, UnitBytes, plan_tier
 from lightning_accel.offload.tier_weights import in_a_file
 from lightning_accel.stored import is_plain, stored_nbytes
 
-__all__ = ["BLOCKS_IN_FLIGHT", "TierChoice", "TierOptions", "check_tier_optimizers", "compute_reads", "make_tier", "plan_tier_for",
-           "tier_inputs", "unit_bytes"]
+__all__ = ["BLOCKS_IN_FLIGHT", "DATA_PARALLEL_STEP", "TierChoice", "TierOptions", "check_tier_optimizers", "compute_reads", "make_tier",
+           "overlap_blocker", "plan_tier_for", "tier_inputs", "tier_options", "unit_bytes"]
+
+# why l2l_offload_ddp's blocks cannot step during the backward (nothing the user can change)
+DATA_PARALLEL_STEP = ("l2l_offload_ddp steps a block once its gradients are averaged over the ranks, after the backward", None)
+
+
+def overlap_blocker(optimizer: Optimizer | None, *, accumulate: int = 1, clip: float | None = None, fp16_scaling: bool = False,
+                    reads_gradients: bool = False, data_parallel: bool = False) -> tuple[str, str | None] | None:
+    """Why the blocks cannot step during the backward in this fit, and the fix (None: nothing stops it): what needs every
+    gradient before any block steps. The strategy asks it at set-up from its Trainer; ``estimate`` from the recipe."""
+    if data_parallel:
+        return DATA_PARALLEL_STEP
+    if accumulate != 1:
+        return (f"accumulate_grad_batches={accumulate} sums every block's gradients over the micro-batches before any block "
+                "steps", "set accumulate_grad_batches=1")
+    if clip:
+        return f"gradient_clip_val={clip} needs every gradient before any block steps", "drop gradient_clip_val"
+    if fp16_scaling:
+        return "fp16 loss scaling checks every gradient before any block steps", "use precision='bf16-mixed'"
+    if reads_gradients:
+        return ("on_after_backward / on_before_optimizer_step read every gradient before any block steps",
+                "drop those overrides")
+    if optimizer is not None and not isinstance(optimizer, PER_PARAMETER):
+        return f"{type(optimizer).__name__} is not a per-parameter optimizer", f"use one of {', '.join(c.__name__ for c in PER_PARAMETER)}"
+    return None
+
+
+def tier_options(*, overlap_step: bool | None, offload_resident: bool | None, may_stream_resident: bool, cpu: bool,
+                 compute_dtype: torch.dtype, nvme_path: str | None, nvme_chunk: int | None, offload_activations: bool,
+                 cannot_overlap: tuple[str, str | None] | None, device_memory: int | None = None) -> TierOptions:
+    """The plan's options from the strategy's settings and this fit's facts, for the strategy at set-up and ``estimate``
+    alike (one construction, so both make the same plan). ``may_stream_resident``: the plan may stream the resident unit
+    where ``offload_resident`` is unset (not under data parallel: the units' owners are given out before the plan), and
+    (``device_memory``: the device's, where known) streams it where it would not fit the device (:mod:`.tier_choice`)."""
+    return TierOptions(overlap=overlap_step, overlap_default=not cpu, cannot_overlap=cannot_overlap,
+                       resident=offload_resident if may_stream_resident else bool(offload_resident), cpu=cpu,
+                       resident_alike=compute_dtype == torch.float32, nvme=nvme_path is not None, chunk=nvme_chunk,
+                       activations=offload_activations, device_memory=device_memory if may_stream_resident else None)
 
 
 def _master_dtype(param: nn.Parameter, store: HostStore) -> torch.dtype:
@@ -152,6 +190,11 @@ def plan_tier_for(plan: OffloadPlan, store: HostStore, optimizer: Optimizer | No
             sized = [adjust(size, unit) for size, unit in zip(sized, tier_units)]
         return sized, kept_bytes(plan.resident, keys) if options.cpu and not stream else 0
 
+    if options.device_memory is not None:  # what the resident unit kept would hold on the device (streamed: why it is)
+        blocks, _ = sizes(False)
+        crossing = max((u.weights + u.compute_masters for u in blocks), default=0)
+        options = dataclasses.replace(options, resident_device=kept_bytes(plan.resident, keys),
+                                      blocks_device=(prefetch_blocks + 1) * crossing)
     tier_plan, choice = choose_tier(options, sizes, budget, staged=staged, streamed=streams,
                                     weight_buffers=prefetch_blocks + WEIGHT_BUFFERS_BEYOND_PREFETCH)
     return tier_plan, choice, keys

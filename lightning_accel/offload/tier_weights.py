@@ -29,14 +29,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_accel.offload.disk_io import DirectFile, DiskIO, align_up, aligned_buffer
 
 
 def in_a_file(tensor: Tensor) -> bool:
     """Whether the tier can keep ``tensor`` as a region of a file: a plain dense tensor (a quantized subclass such as
-    torchao's NF4 holds its bytes in tensors of its own, and stays in memory)."""
-    return type(tensor) is Tensor and tensor.layout == torch.strided and tensor.is_contiguous()
+    torchao's NF4 holds its bytes in tensors of its own, and stays in memory). A fake tensor (``estimate``'s stand-in,
+    nothing allocated) is the plain tensor it stands for."""
+    return type(tensor) in (Tensor, FakeTensor) and tensor.layout == torch.strided and tensor.is_contiguous()
 
 
 @dataclass

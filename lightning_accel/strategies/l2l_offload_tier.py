@@ -18,10 +18,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_accel.offload.host_optimizer import PER_PARAMETER
 from lightning_accel.offload.tier_plan import TierPlan
-from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, TierChoice, TierOptions, check_tier_optimizers, compute_reads,
-                                                make_tier, plan_tier_for)
+from lightning_accel.offload.tier_setup import (BLOCKS_IN_FLIGHT, TierChoice, check_tier_optimizers, compute_reads, make_tier,
+                                                overlap_blocker, plan_tier_for, tier_options)
 
 if TYPE_CHECKING:
     from lightning_accel.offload import L2LExecutor
@@ -76,11 +75,11 @@ class L2LTierSetup(Strategy):
 
     def _plan_tier(self, executor: L2LExecutor, optimizer: Optimizer, rebuild: bool) -> tuple[TierPlan, TierChoice]:
         """The tier's plan for ``executor`` and what it chose (:mod:`lightning_accel.offload.tier_choice`)."""
-        cpu = self.root_device.type == "cpu"
-        options = TierOptions(overlap=self.overlap_step, overlap_default=not cpu, cannot_overlap=self._overlap_blocker(optimizer),
-                              resident=self.offload_resident if rebuild and self._may_stream_resident() else bool(self.offload_resident),
-                              cpu=cpu, resident_alike=executor.store.compute_dtype == torch.float32,
-                              nvme=self.nvme_path is not None, chunk=self.nvme_chunk, activations=self.offload_activations)
+        options = tier_options(overlap_step=self.overlap_step, offload_resident=self.offload_resident,
+                               may_stream_resident=rebuild and self._may_stream_resident(), cpu=self.root_device.type == "cpu",
+                               compute_dtype=executor.store.compute_dtype, nvme_path=self.nvme_path, nvme_chunk=self.nvme_chunk,
+                               offload_activations=self.offload_activations, cannot_overlap=self._overlap_blocker(optimizer),
+                               device_memory=self._device_memory())
         blocks = len(executor.plan.blocks)
 
         def reads_of(streamed: bool) -> list[int]:
@@ -91,6 +90,13 @@ class L2LTierSetup(Strategy):
                                              stepped=self._tier_stepped())
         return tier_plan, choice
 
+    def _device_memory(self) -> int | None:
+        """The device's memory, where the plan can know it (a CUDA device's total; None on the CPU device, whose memory the
+        host budget bounds): the plan streams the resident unit where it would not fit (``offload_resident`` unset)."""
+        if self.root_device.type != "cuda":
+            return None
+        return torch.cuda.get_device_properties(self.root_device).total_memory
+
     def _may_stream_resident(self) -> bool:
         """Whether the tier's plan may stream the resident unit where ``offload_resident`` is unset."""
         return True
@@ -98,19 +104,10 @@ class L2LTierSetup(Strategy):
     def _overlap_blocker(self, optimizer: Optimizer) -> tuple[str, str | None] | None:
         """Why the blocks cannot step during the backward in this fit, and the fix (None: nothing stops it)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.accumulate_grad_batches != 1:
-            return (f"accumulate_grad_batches={trainer.accumulate_grad_batches} sums every block's gradients over the micro-batches "
-                    "before any block steps", "set accumulate_grad_batches=1")
-        if trainer is not None and trainer.gradient_clip_val:
-            return f"gradient_clip_val={trainer.gradient_clip_val} needs every gradient before any block steps", "drop gradient_clip_val"
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            return "fp16 loss scaling checks every gradient before any block steps", "use precision='bf16-mixed'"
-        if self._reads_gradients("on_after_backward", "on_before_optimizer_step"):
-            return ("on_after_backward / on_before_optimizer_step read every gradient before any block steps",
-                    "drop those overrides")
-        if not isinstance(optimizer, PER_PARAMETER):
-            return f"{type(optimizer).__name__} is not a per-parameter optimizer", f"use one of {', '.join(c.__name__ for c in PER_PARAMETER)}"
-        return None
+        return overlap_blocker(optimizer, accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
+                               clip=trainer.gradient_clip_val if trainer is not None else None,
+                               fp16_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+                               reads_gradients=self._reads_gradients("on_after_backward", "on_before_optimizer_step"))
 
     def _overlap_wanted(self) -> bool:
         """Whether the blocks should step during the backward: ``overlap_step`` as given; unset, the tier plan's choice,

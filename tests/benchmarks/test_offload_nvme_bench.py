@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 from typing import Any
 
@@ -53,7 +52,7 @@ def test_nvme_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
     assert [len(r) for r in verdicts] == [11] * 5 and [len(r) for r in times] == [9] * 10 and [len(r) for r in nbytes] == [9] * 10
     # what crosses the disk per step is the strategy's plan: every block's state and masters (read by the step, and the
     # masters by the forward and the recomputation: fp32 blocks on the CPU compute on them), or the state alone
-    task = offload_nvme._model(argparse.Namespace(layers=8, width=128, heads=2), 8)
+    task = offload_nvme._model(offload_nvme.parser().parse_args(_TINY[1:]))
     optimizer = task.configure_optimizers()
     assert isinstance(optimizer, torch.optim.Optimizer)
     least = tier_plan(task, [optimizer], nvme_path="unused", overlap_step=True)  # overlap_step on (the default)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -58,22 +59,29 @@ def test_the_tier_s_bytes_are_the_strategy_s(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("nvme", [True, False], ids=["too small even with a disk", "over budget without a disk"])
-def test_a_budget_the_strategy_refuses_is_refused_with_its_message(tmp_path: Path, nvme: bool) -> None:
+def test_a_budget_the_strategy_refuses_is_refused_with_its_message(tmp_path: Path, nvme: bool,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     overrides = [*SMALL, "strategy.host_budget=2MB", *([f"strategy.nvme_path={tmp_path}"] if nvme else [])]
     # the recipe's preflight runs the strategy's plan (issue 58: refused before any rank starts), so estimate stops there
     # with the same line, as a UserError; estimate's own plan refuses it as TierRefused where no preflight runs
     with pytest.raises((TierRefused, UserError)) as refused:
         estimate_recipe(RECIPE, overrides)
     with pytest.raises(ValueError) as strategy:
-        _fit(overrides)
-    # the same refusal; without a disk preflight's advice also names the budget the disk needs (config/setup_checks.py's
-    # _with_disk_floor: "set nvme_path" alone leads nowhere at 2 MB), which the strategy's own line does not say yet
+        _fit(overrides)  # the Python API: L2LOffloadStrategy(host_budget=..., nvme_path=...) in a Trainer
     said, own = str(refused.value), str(strategy.value)
-    assert said == own if nvme else said.split("; ")[0] == own.split("; ")[0]
+    assert said == own  # one plan, one line, advice included, at either door
     assert said.startswith("L2LOffloadStrategy: strategy.host_budget=2.00 MB is less than the ")
     assert "raise host_budget to at least" in said
-    assert nvme or "set strategy.nvme_path=DIR and host_budget to at least" in said
-    assert os.listdir(tmp_path) == []  # refused before any file
+    # without a disk, "set nvme_path" alone would lead nowhere at 2 MB (the tier's I/O buffers join what stays): the
+    # plan's advice names the budget the disk needs, and that budget with the disk is met
+    floor = re.search(r"or set strategy.nvme_path=DIR and host_budget to at least ([\d.]+ [kMG]B) \(what stays", said)
+    assert (floor is None) == nvme, said
+    assert main(["estimate", RECIPE, *overrides]) == 2  # the CLI's preflight says the same line
+    assert capsys.readouterr().err.strip().endswith(own)
+    if floor is not None:
+        fixed = [*SMALL, f"strategy.host_budget='{floor.group(1).replace(' ', '')}'", f"strategy.nvme_path={tmp_path}"]
+        assert estimate_recipe(RECIPE, fixed).tier is not None
+    assert os.listdir(tmp_path) == []  # refused (or only planned) before any file
 
 
 def test_cli_prints_the_tiers_and_refuses_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -102,3 +102,16 @@ def test_the_largest_recipes_fit_a_24_gb_gpu_and_their_host(recipe: str, depth: 
     beyond = sum(rank.host.values()) - estimate.tier.host_bytes - rank.host["parked block inputs"]  # (the loader's batches)
     assert estimate.tier.budget + parked + beyond <= host, (estimate.tier.budget, parked, beyond)
     assert "for the device: the resident unit streamed" in estimate.tier.describe()
+
+
+def test_the_70b_recipe_left_to_the_plan_streams_its_resident_unit_for_its_24_gb_device() -> None:
+    from lightning_accel.estimate import estimate_recipe
+
+    # offload_resident unset: the plan knows the recipe's device (24 GB, from its purpose) and that the resident unit kept
+    # there (33.6 GB with its gradients and fp32 AdamW state) would not fit it, so it streams it and says why; the device
+    # then fits, as with the recipe's own offload_resident=true
+    estimate = estimate_recipe("llama-3.1-70b_full-nvme_1gpu", ["model.net.config.num_hidden_layers=4", "strategy.offload_resident=null"])
+    (rank,) = estimate.ranks
+    assert estimate.tier is not None and estimate.tier.held == 1 and rank.device_peak_bytes <= 24e9, rank.device
+    assert "for the device: the plan streamed the resident unit (33.62 GB with its gradients and optimizer state" in estimate.tier.describe()
+    assert "over the device's 24.00 GB)" in estimate.tier.describe()

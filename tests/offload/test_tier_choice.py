@@ -92,3 +92,44 @@ def test_a_chunk_that_is_not_one_is_refused(value: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         parse_chunk(value)
     assert parse_chunk("64MiB") == 64 << 20 and parse_chunk(None) is None
+
+
+def test_without_a_disk_the_advice_names_the_budget_the_disk_needs_where_the_disk_alone_would_not_do() -> None:
+    # 100 MB: the disk alone meets it (its state spilled), so the advice is the disk; 20 MB: even with everything on disk
+    # and the resident unit streamed more stays, and the advice says how much, which then keeps the budget
+    with pytest.raises(BudgetRefused, match=r"; set strategy.nvme_path=DIR to put up to .* or raise host_budget to at least "
+                                            r"144.00 MB$"):
+        choose_tier(_options(), sizes, 100 * MB, weight_buffers=3)
+    with pytest.raises(BudgetRefused, match=r"; raise host_budget to at least 144.00 MB, or set strategy.nvme_path=DIR and "
+                                            r"host_budget to at least ([\d.]+) MB \(what stays on the host with the disk: its "
+                                            r"I/O buffers too\)$") as refused:
+        choose_tier(_options(), sizes, 20 * MB, weight_buffers=3)
+    floor = refused.value.args[0].split("host_budget to at least ")[-1].split(" ")[0]
+    with_disk, choice = choose_tier(_options(nvme=True), sizes, int(float(floor) * MB), weight_buffers=3)
+    assert choice.stream_resident and with_disk.host_bytes <= float(floor) * MB
+    with pytest.raises(BudgetRefused, match=r"^strategy.host_budget=20.00 MB is less than the .* that stays on the host with "
+                                            rf"every unit's .*raise host_budget to at least {floor} MB$"):
+        choose_tier(_options(nvme=True), sizes, 20 * MB, weight_buffers=3)  # with the disk: the same floor
+
+
+def test_a_resident_unit_that_would_not_fit_the_device_is_streamed_and_the_line_says_why() -> None:
+    # a GPU (cpu=False) whose memory the strategy knows: the resident unit kept there holds 32 MB with its gradients and
+    # AdamW state, the blocks in flight 8 MB; on a 64 MB device it stays, on a 32 MB one the plan streams it (the host's
+    # plan alone would not: on a GPU streaming adds host bytes), and says why on the plan line
+    gpu = dict(cpu=False, overlap_default=True, nvme=True, resident_device=KEPT, blocks_device=8 * MB)
+    kept, choice = choose_tier(_options(**gpu, device_memory=64 * MB), sizes, None, weight_buffers=3)
+    assert not choice.stream_resident and not kept.device_side
+    streamed, choice = choose_tier(_options(**gpu, device_memory=32 * MB), sizes, None, weight_buffers=3)
+    assert choice.stream_resident and streamed.held == 1 and not streamed.chosen
+    assert streamed.device_side == ("the plan streamed the resident unit (32.00 MB with its gradients and optimizer state, "
+                                    "beside 8.00 MB of blocks in flight, over the device's 32.00 MB)",)
+    assert "; for the device: the plan streamed the resident unit (32.00 MB" in streamed.describe()
+    # the user's offload_resident=False is theirs: refused, naming it and the fix
+    with pytest.raises(BudgetRefused, match=r"^offload_resident=False keeps the resident unit on the device \(32.00 MB with its "
+                                            r"gradients and optimizer state, beside 8.00 MB of blocks in flight\), over the "
+                                            r"device's 32.00 MB; leave offload_resident unset \(the plan streams it\) or set it "
+                                            r"to True$"):
+        choose_tier(_options(**gpu, device_memory=32 * MB, resident=False), sizes, None, weight_buffers=3)
+    # the device's size unknown (no CUDA device): nothing changes
+    unknown, choice = choose_tier(_options(**gpu), sizes, None, weight_buffers=3)
+    assert not choice.stream_resident

@@ -229,8 +229,12 @@ def test_a_full_disk_is_refused_before_the_first_step_in_one_line(tmp_path: Path
 
 
 def test_a_budget_without_a_path_is_refused_with_the_figures(tmp_path: Path) -> None:
+    # 1 MB is less than what stays with the disk too (its I/O buffers): the advice names the budget the disk needs, as the
+    # CLI's preflight says it (the same plan: tests/estimate/test_tier.py)
     with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: strategy.host_budget=1.00 MB is less than the .* the offload keeps "
-                                         r"on the host \(optimizer state .*\); set strategy.nvme_path=DIR"):
+                                         r"on the host \(optimizer state .*\); raise host_budget to at least .*, or set "
+                                         r"strategy.nvme_path=DIR and host_budget to at least [\d.]+ MB \(what stays on the host "
+                                         r"with the disk: its I/O buffers too\)$"):
         _fit(L2LOffloadStrategy(host_budget="1MB"))
 
 
@@ -317,3 +321,22 @@ def test_parameters_that_change_during_fit_are_laid_out_again(tmp_path: Path, ca
         assert torch.equal(value.to(expected[name].dtype), expected[name]), name
     assert "the trained parameters changed; NVMe tier: host" in caplog.text
     assert not list(tmp_path.iterdir())
+
+
+def test_a_resident_unit_the_device_cannot_hold_is_streamed_by_the_plan_and_trains_as_the_run_in_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # the device's memory as the strategy reads it on CUDA (its total), here a CPU device told it has 4 MB: the resident
+    # unit (a 4096-token embedding tied to the head, 8.5 MB with its gradients and AdamW state) would not fit, so the plan
+    # streams it, says why on its line, and the run is the one in memory with the unit kept
+    from lightning_accel.strategies.l2l_offload_tier import L2LTierSetup
+
+    task = functools.partial(Task, ADAMW, False, 3, 4096)
+    in_memory = _fit(L2LOffloadStrategy(), task=task)
+    monkeypatch.setattr(L2LTierSetup, "_device_memory", lambda self: 4_000_000)
+    with caplog.at_level("INFO"):
+        tiered = _fit(L2LOffloadStrategy(nvme_path=str(tmp_path)), task=task)
+    _assert_same(in_memory, tiered)
+    assert tiered[1].strategy._tier_plan.held == 1 and "resident unit of 526,592 parameters (streamed)" in caplog.text
+    assert "for the device: the plan streamed the resident unit (8." in caplog.text and "over the device's 4.00 MB)" in caplog.text
+    with pytest.raises(ValueError, match=r"^L2LOffloadStrategy: offload_resident=False keeps the resident unit on the device"):
+        _fit(L2LOffloadStrategy(nvme_path=str(tmp_path), offload_resident=False), task=task)
