@@ -102,6 +102,7 @@ from lightning_accel.models.block_policy import BlockPolicy
 from lightning_accel.offload.grad_sync import HostGradientSync, PendingMean, launch_mean
 from lightning_accel.offload.optimizer_state import gather_state, keep_state, param_indices, state_bytes
 from lightning_accel.offload.partition import HostPartition, UnitOwners
+from lightning_accel.offload.tier_setup import DATA_PARALLEL_STEP
 from lightning_accel.offload.weight_sync import broadcast_units
 from lightning_accel.stored import plain_parts
 from lightning_accel.strategies.ddp_without_wrapper import DEFAULT_TIMEOUT, DDPWithoutWrapper
@@ -385,7 +386,7 @@ class L2LOffloadDDPStrategy(L2LOffloadHooks, DDPWithoutWrapper):
 
     @override
     def _overlap_blocker(self, optimizer: Optimizer) -> tuple[str, str | None] | None:
-        return "l2l_offload_ddp steps a block once its gradients are averaged over the ranks, after the backward", None
+        return DATA_PARALLEL_STEP
 
     @override
     def _may_stream_resident(self) -> bool:
