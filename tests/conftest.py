@@ -11,9 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.support.warm_python import python as warm_python
+
+# One intra-op thread for the tests and every process they start (unless OMP_NUM_THREADS is set): the models here are
+# tiny, so a kernel gains nothing from a second thread, while on CI's two shared cores every process's second thread
+# spin-waits at each kernel's barrier (side-by-side runs: 4 processes, 8 threads). A CLI run of gpt-tiny_cpu, 8 steps,
+# at load 10 on this 2-core machine: 35.5 s of CPU with 2 threads, 18.2 s with 1. Tests of how threads are chosen set
+# their own count (tests/offload/test_host_threads.py, test_l2l_host_step.py's budget test).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +85,7 @@ def cli_env_with(cache_dir: Path, outputs: Path) -> dict[str, str]:
         LIGHTNING_ACCEL_CACHE=str(cache_dir),
         LIGHTNING_ACCEL_OUTPUTS=str(outputs),
         PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
     )
     env.pop("HYDRA_FULL_ERROR", None)
     env.pop("LIGHTNING_ACCEL_RECIPE", None)  # set only in DDP ranks re-launched by Lightning

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_accel.cpu_budget import CpuBudget, cgroup_quota, cpu_budget, local_ranks
+from tests.support.warm_python import python as warm_python
 
 
 def no_cgroup(tmp_path: Path) -> dict:
@@ -125,11 +125,14 @@ def test_real_affinity_and_environment_are_read(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux sched_setaffinity")
-def test_taskset_one_core_in_a_real_process():
-    # Issue 14: under `taskset -c 0` the budget must be 1 on any machine.
-    code = "import os; os.sched_setaffinity(0, {0}); from lightning_accel.cpu_budget import cpu_budget; print(cpu_budget().cores)"
+def test_taskset_one_core_in_a_real_process(tmp_path):
+    # Issue 14: under `taskset -c 0` the budget must be 1 on any machine. A warm process (tests/support/warm_python.py:
+    # no ~7 s import of Lightning; its affinity is the launcher's, then the script's own)
+    script = tmp_path / "one_core.py"
+    script.write_text("import os; os.sched_setaffinity(0, {0}); from lightning_accel.cpu_budget import cpu_budget; "
+                      "print(cpu_budget().cores)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([warm_python(), str(script)], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "1"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import pytest
@@ -303,7 +303,17 @@ def test_delayed_update_steps_the_masters_on_the_fused_kernel(kernel_calls: dict
     assert _max_diff(auto, explicit) == 0.0
 
 
-def test_host_step_threads_follow_the_rank_budget(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """More intra-op threads than a budget of one core, so that lowering them shows (the tests run on one: tests/conftest.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_host_step_threads_follow_the_rank_budget(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                  two_threads: None) -> None:
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
     before = torch.get_num_threads()
     seen: list[tuple[str, int]] = []

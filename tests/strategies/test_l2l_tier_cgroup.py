@@ -37,7 +37,7 @@ def _start(tmp_path: Path, cgroup: Path | None) -> subprocess.Popen[str]:
     args = [sys.executable, worker.__file__, str(LAYERS), str(STEPS)]
     if cgroup is not None:  # the tier run, in the cgroup
         args = in_cgroup(cgroup, [*args, str(tmp_path / "nvme"), BUDGET])
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the two runs side by side, one core each
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path))
 
 
