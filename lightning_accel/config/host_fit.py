@@ -4,7 +4,7 @@ Why: ``model.net.vocab_size=1000000000000`` (a typo's extra zeros) builds fine o
 check, and fails after set-up in the allocator's words (``DefaultCPUAllocator: can't allocate memory: you tried to
 allocate 512000000000000 bytes``), naming no key. Preflight already holds the network on meta, so its parameter bytes
 are known for free; where they exceed what the machine has (memory and swap, or the cgroup's limit where one is lower),
-no strategy that keeps the parameters in host memory can run it. The NVMe tier (``strategy.nvme_path``) streams
+a run that keeps the parameters in host memory (on the CPU device, or under L2L offload's host masters) cannot start. The NVMe tier (``strategy.nvme_path``) streams
 parameters from disk and plans its own budget (``offload/tier_plan.py``), so it is left to that plan.
 
 The refusal names the key whose value sized the largest tensor (found in ``model``'s config by the value it holds) and
@@ -69,10 +69,22 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB" if n < 1e12 else f"{n / 1e12:,.1f} TB"
 
 
+def _held_on_host(cfg: DictConfig, strategy: Any) -> bool:
+    """Whether the run keeps every parameter in host memory: on the CPU device, or under L2L offload (fp32 masters on
+    the host). On a GPU another strategy may hold only a part on each device and never the whole on the host (a
+    pipeline stage materialized from meta), so the whole network against host memory proves nothing there."""
+    import torch
+
+    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    return on_cpu or "L2LOffload" in str(strategy.get("_target_", ""))
+
+
 def check_network_fits_host(module: Any, cfg: DictConfig) -> None:
-    """Refuse ``module`` (built on meta) when its parameters alone exceed :func:`host_memory_bytes`, unless the
-    strategy streams them from disk (``strategy.nvme_path``)."""
-    if not isinstance(module, nn.Module) or (cfg.get("strategy") or {}).get("nvme_path") is not None:
+    """Refuse ``module`` (built on meta) when its parameters alone exceed :func:`host_memory_bytes` where the run keeps
+    them all in host memory (the CPU device; L2L offload), unless the strategy streams them from disk (``nvme_path``)."""
+    strategy = cfg.get("strategy") or {}
+    if not isinstance(module, nn.Module) or strategy.get("nvme_path") is not None or not _held_on_host(cfg, strategy):
         return
     machine = host_memory_bytes()
     params = list(module.parameters())

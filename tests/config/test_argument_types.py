@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from omegaconf import OmegaConf
 
@@ -153,3 +154,16 @@ def test_a_network_larger_than_the_machine_is_refused_naming_the_key_that_sized_
 def test_host_memory_is_read_from_this_machine() -> None:
     found = host_fit.host_memory_bytes()
     assert found is not None and found[0] > 2**30, found
+
+
+def test_the_network_against_host_memory_only_where_the_run_keeps_it_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU a strategy other than L2L may never hold the whole network on the host (a pipeline stage built from
+    meta): not refused there; under L2L (fp32 masters on the host) it is, on any device."""
+    monkeypatch.setattr(host_fit, "host_memory_bytes", lambda: (10**9, "this machine's memory and swap"))
+    with torch.device("meta"):
+        big = torch.nn.Embedding(4_000_000, 128)
+    gpu = OmegaConf.create({"trainer": {"accelerator": "gpu"}, "strategy": {"_target_": "lightning.pytorch.strategies.DDPStrategy"}})
+    host_fit.check_network_fits_host(big, gpu)
+    l2l = OmegaConf.create({"trainer": {"accelerator": "gpu"}, "strategy": {"_target_": "lightning_accel.strategies.L2LOffloadStrategy"}})
+    with pytest.raises(UserError, match=r"^model: the network's parameters alone are 2\.0 GB \(largest: weight, 4000000 x 128\)"):
+        host_fit.check_network_fits_host(big, l2l)
