@@ -13,13 +13,13 @@ two fixes. No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lightning_accel.config.data_fit import _flat  # a config's settings as (dotted key, value): data_fit's, one copy
 from lightning_accel.config.errors import UserError
 
 __all__ = ["check_network_fits_host", "host_memory_bytes"]
@@ -41,14 +41,6 @@ def host_memory_bytes() -> tuple[int, str] | None:
     except (OSError, ValueError):
         pass
     return total, what
-
-
-def _flat(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            yield from _flat(value, f"{prefix}.{key}")
-    else:
-        yield prefix, node
 
 
 def _sizing_key(cfg: DictConfig, shape: tuple[int, ...]) -> str | None:
